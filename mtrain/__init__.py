@@ -1,0 +1,3 @@
+"""mtrain: Mesh-TensorFlow rebuilt on JAX/Flax."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,240 @@
+"""The Mesh-TensorFlow layout language on top of `jax.sharding`.
+
+A *mesh shape* names the processor dimensions: ``"batch:16;model:32"``.
+*Layout rules* map tensor-dimension names to mesh-dimension names:
+``"batch:batch;d_ff:model;heads:model"``. A tensor dimension without a rule is replicated.
+
+`Layout` turns a tuple of logical dimension names (``("d_model", "d_ff")``) into a
+`PartitionSpec` over mesh dimensions (``P(None, "model")``), checking Mesh-TF's legality rules:
+one mesh dimension splits at most one dimension of a tensor, and a split dimension must be
+divisible by the size of its mesh dimension. Every violation is a `LayoutError` that says what
+to change.
+
+Models call `constrain(x, names)` on their activations; it does nothing unless a layout is
+active (`Layout.activate`), so model code knows dimension names but never meshes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshShape = list[tuple[str, int]]
+LayoutRules = list[tuple[str, str]]
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class LayoutError(ValueError):
+    """A mesh shape, layout rule or tensor layout that cannot work, with what to do about it."""
+
+
+def _pairs(text: str, what: str, example: str) -> list[tuple[str, str]]:
+    """Splits ``"a:b;c:d"`` into pairs; `;` `,` `.` and whitespace all separate pairs (Mesh-TF)."""
+    if not isinstance(text, str):
+        raise LayoutError(f"{what} must be a string like {example!r}, got {text!r}")
+    pairs = []
+    for item in re.sub(r"[,.;]", " ", text).split():
+        parts = item.split(":")
+        if len(parts) != 2 or not all(_NAME.match(p) or p.isdigit() for p in parts):
+            raise LayoutError(
+                f"malformed {what} {text!r}: {item!r} is not a 'name:value' pair "
+                f"(write it like {example!r})"
+            )
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _check_unique(names: Sequence[str], what: str, text: Any) -> None:
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise LayoutError(f"{what} {text!r} names {name!r} twice")
+        seen.add(name)
+
+
+def parse_mesh_shape(mesh_shape: str | Sequence[tuple[str, int]]) -> MeshShape:
+    """``"batch:16;model:32"`` -> ``[("batch", 16), ("model", 32)]``; ``""`` is one device."""
+    if not isinstance(mesh_shape, str):
+        pairs = [(str(n), s) for n, s in mesh_shape]
+    else:
+        pairs = _pairs(mesh_shape, "mesh shape", "batch:4;model:2")
+    result = []
+    for name, raw in pairs:
+        if not _NAME.match(name):
+            raise LayoutError(f"mesh shape {mesh_shape!r}: {name!r} is not a dimension name")
+        size = int(raw) if isinstance(raw, int) or str(raw).isdigit() else 0
+        if size < 1:
+            raise LayoutError(
+                f"mesh shape {mesh_shape!r}: the size of mesh dimension {name!r} must be a "
+                f"positive integer, got {raw!r}"
+            )
+        result.append((name, size))
+    _check_unique([n for n, _ in result], "mesh shape", mesh_shape)
+    return result
+
+
+def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]]) -> LayoutRules:
+    """``"batch:batch;d_ff:model"`` -> ``[("batch", "batch"), ("d_ff", "model")]``."""
+    if not isinstance(layout_rules, str):
+        pairs = [(str(t), str(m)) for t, m in layout_rules]
+    else:
+        pairs = _pairs(layout_rules, "layout rules", "batch:batch;d_ff:model")
+    for tensor_dim, mesh_dim in pairs:
+        for name in (tensor_dim, mesh_dim):
+            if not _NAME.match(name):
+                raise LayoutError(f"layout rules {layout_rules!r}: {name!r} is not a dimension name")
+    _check_unique([t for t, _ in pairs], "layout rules", layout_rules)
+    return pairs
+
+
+def _format_mesh(mesh_shape: MeshShape) -> str:
+    return ";".join(f"{n}:{s}" for n, s in mesh_shape) or "(one device)"
+
+
+class Layout:
+    """A mesh shape plus layout rules: logical dimension names -> `PartitionSpec`s and a `Mesh`."""
+
+    def __init__(self, mesh_shape: str | Sequence = "", layout_rules: str | Sequence = ""):
+        self.mesh_shape = parse_mesh_shape(mesh_shape)
+        self.layout_rules = parse_layout_rules(layout_rules)
+        self.mesh_dims = dict(self.mesh_shape)
+        for tensor_dim, mesh_dim in self.layout_rules:
+            if mesh_dim not in self.mesh_dims:
+                raise LayoutError(
+                    f"layout rule '{tensor_dim}:{mesh_dim}' names mesh dimension {mesh_dim!r}, "
+                    f"but the mesh {_format_mesh(self.mesh_shape)!r} has no such dimension "
+                    f"(it has {sorted(self.mesh_dims) or 'none'})"
+                )
+        self.rules = dict(self.layout_rules)
+
+    @property
+    def size(self) -> int:
+        """The number of devices the mesh needs."""
+        return math.prod(self.mesh_dims.values())
+
+    def __repr__(self) -> str:
+        rules = ";".join(f"{t}:{m}" for t, m in self.layout_rules)
+        return f"Layout(mesh_shape={_format_mesh(self.mesh_shape)!r}, layout_rules={rules!r})"
+
+    def mesh_dim_for(self, tensor_dim: str | None) -> str | None:
+        """The mesh dimension that splits `tensor_dim`, or None if it is replicated."""
+        return None if tensor_dim is None else self.rules.get(tensor_dim)
+
+    def partition_spec(
+        self,
+        names: Sequence[str | None],
+        shape: Sequence[int] | None = None,
+        tensor: str = "tensor",
+    ) -> PartitionSpec:
+        """Logical dimension names (and optionally the shape) of `tensor` -> a `PartitionSpec`.
+
+        Raises `LayoutError` if two of its dimensions would be split over the same mesh
+        dimension, or if a split dimension is not divisible by its mesh dimension.
+        """
+        names = tuple(names)
+        if shape is not None and len(shape) != len(names):
+            raise LayoutError(
+                f"{tensor}: {len(names)} dimension names {names} for a tensor of rank {len(shape)}"
+            )
+        spec, used = [], {}
+        for i, name in enumerate(names):
+            mesh_dim = self.mesh_dim_for(name)
+            if mesh_dim is not None:
+                if mesh_dim in used:
+                    raise LayoutError(
+                        f"{tensor} {names}: dimensions {used[mesh_dim]!r} and {name!r} are both "
+                        f"split over mesh dimension {mesh_dim!r}; a mesh dimension may split at "
+                        f"most one dimension of a tensor — change the layout rules"
+                    )
+                used[mesh_dim] = name
+                if shape is not None and shape[i] % self.mesh_dims[mesh_dim]:
+                    raise LayoutError(
+                        f"{tensor} {names}: dimension {name!r} of size {shape[i]} is not divisible "
+                        f"by mesh dimension {mesh_dim!r} of size {self.mesh_dims[mesh_dim]} — "
+                        f"change the size, the mesh shape, or the layout rule '{name}:{mesh_dim}'"
+                    )
+            spec.append(mesh_dim)
+        return PartitionSpec(*spec)
+
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        """The `jax.sharding.Mesh` over `devices` (default: all devices of all processes).
+
+        Devices are ordered by `jax.make_mesh` (mesh_utils), which respects TPU topologies and
+        keeps the devices of one host together along the trailing mesh dimensions.
+        """
+        devices = list(jax.devices() if devices is None else devices)
+        if self.size != len(devices):
+            raise LayoutError(
+                f"mesh shape {_format_mesh(self.mesh_shape)!r} needs {self.size} devices, but "
+                f"{len(devices)} are available — change run.mesh_shape (or, on CPU, "
+                f"--cpu_devices)"
+            )
+        if not self.mesh_shape:  # the empty mesh: one device, everything replicated
+            return Mesh(np.array(devices).reshape(()), ())
+        names = tuple(n for n, _ in self.mesh_shape)
+        sizes = tuple(s for _, s in self.mesh_shape)
+        return jax.make_mesh(
+            sizes,
+            names,
+            axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+            devices=devices,
+        )
+
+    def sharding(
+        self, mesh: Mesh, names: Sequence[str | None], shape: Sequence[int] | None = None,
+        tensor: str = "tensor",
+    ) -> NamedSharding:
+        return NamedSharding(mesh, self.partition_spec(names, shape, tensor))
+
+    @contextlib.contextmanager
+    def activate(self, mesh: Mesh):
+        """Makes `constrain` place activations on `mesh` by this layout (use while tracing)."""
+        token = _ACTIVE.set((self, mesh))
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar(
+    "mtrain_active_layout", default=None
+)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrains activation `x`, whose dimensions are called `names`, to the active layout."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    layout, mesh = active
+    spec = layout.partition_spec(names, x.shape, tensor="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def tree_shardings(layout: Layout, mesh: Mesh, logical_specs: Any, abstract: Any) -> Any:
+    """Maps a tree of logical `PartitionSpec`s (names per dimension) to `NamedSharding`s.
+
+    `abstract` is the matching tree of shapes (e.g. from `jax.eval_shape`); each tensor is named
+    by its path in error messages.
+    """
+
+    def one(path, spec, leaf):
+        names = tuple(spec) if spec is not None else (None,) * len(leaf.shape)
+        if len(names) < len(leaf.shape):
+            names += (None,) * (len(leaf.shape) - len(names))
+        return layout.sharding(mesh, names, leaf.shape, tensor=jax.tree_util.keystr(path))
+
+    is_spec = lambda x: isinstance(x, PartitionSpec) or x is None  # noqa: E731
+    flat_specs, treedef = jax.tree_util.tree_flatten(logical_specs, is_leaf=is_spec)
+    flat_abstract = treedef.flatten_up_to(abstract)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(logical_specs, is_leaf=is_spec)[0]]
+    return treedef.unflatten([one(p, s, a) for p, s, a in zip(paths, flat_specs, flat_abstract)])
