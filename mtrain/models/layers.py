@@ -1,0 +1,140 @@
+"""Transformer building blocks with named dimensions (Flax linen).
+
+Every parameter is created with its logical dimension names (``("d_model", "d_ff")``) via
+`nn.with_logical_partitioning`, and every large activation passes through `constrain` with its
+names (``("batch", "length", "d_model")``). The names are the whole contract with the layout:
+this file never sees a mesh.
+
+Initialisers follow Mesh-TF/T5: weights are drawn so that activations keep unit scale, which is
+why attention logits are not divided by sqrt(d_kv) (the query initialiser absorbs it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtrain.layout import constrain
+
+Dtype = Any
+NEG_INF = -1e9
+
+
+def normal(stddev: float):
+    return nn.initializers.normal(stddev=stddev)
+
+
+def param(module: nn.Module, name: str, init, shape: tuple[int, ...], names: tuple[str, ...]):
+    """A float32 parameter that carries its logical dimension names."""
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (no bias, no mean subtraction)."""
+
+    epsilon: float = 1e-6
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("d_model",))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (y * scale).astype(self.dtype)
+
+
+class DenseReluDense(nn.Module):
+    """d_model -> d_ff (ReLU, dropout) -> d_model, as Mesh-TF's `dense_relu_dense`."""
+
+    d_ff: int
+    dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        d_model = x.shape[-1]
+        wi = param(self, "wi", normal(d_model**-0.5), (d_model, self.d_ff), ("d_model", "d_ff"))
+        wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"))
+        h = jnp.einsum("bld,df->blf", x, wi.astype(self.dtype))
+        h = constrain(jax.nn.relu(h), ("batch", "length", "d_ff"))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        y = jnp.einsum("blf,fd->bld", h, wo.astype(self.dtype))
+        return constrain(y, ("batch", "length", "d_model"))
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention; `mask` is boolean [batch, 1|heads, length, memory_length].
+
+    Keys and values live on the ``memory_length`` dimension (Mesh-TF's name), so that query
+    and key positions never collide in the layout even when ``length`` is split.
+    """
+
+    num_heads: int
+    d_kv: int
+    dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, memory, mask, deterministic: bool):
+        d_model = x.shape[-1]
+        h, k = self.num_heads, self.d_kv
+        qkv_names = ("d_model", "heads", "d_kv")
+        wq = param(self, "q", normal((d_model * k) ** -0.5), (d_model, h, k), qkv_names)
+        wk = param(self, "k", normal(d_model**-0.5), (d_model, h, k), qkv_names)
+        wv = param(self, "v", normal(d_model**-0.5), (d_model, h, k), qkv_names)
+        wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model), ("heads", "d_kv", "d_model"))
+        dt = self.dtype
+        q = constrain(jnp.einsum("bld,dhk->blhk", x, wq.astype(dt)), ("batch", "length", "heads", "d_kv"))
+        kv_names = ("batch", "memory_length", "heads", "d_kv")
+        key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk.astype(dt)), kv_names)
+        value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv.astype(dt)), kv_names)
+        # Logits and softmax in float32 whatever the activation dtype.
+        logits = jnp.einsum("blhk,bmhk->bhlm", q, key, preferred_element_type=jnp.float32)
+        logits = jnp.where(mask, logits, NEG_INF)
+        logits = constrain(logits, ("batch", "heads", "length", "memory_length"))
+        weights = jax.nn.softmax(logits, axis=-1).astype(dt)
+        weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
+        out = jnp.einsum("bhlm,bmhk->blhk", weights, value)
+        out = constrain(out, ("batch", "length", "heads", "d_kv"))
+        y = jnp.einsum("blhk,hkd->bld", out, wo.astype(dt))
+        return constrain(y, ("batch", "length", "d_model"))
+
+
+class Embed(nn.Module):
+    """Token embedding [vocab, d_model]; `attend` gives logits against the same table."""
+
+    vocab_size: int
+    d_model: int
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.embedding = param(
+            self, "embedding", normal(1.0), (self.vocab_size, self.d_model), ("vocab", "d_model")
+        )
+
+    def __call__(self, ids):
+        x = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        return constrain(x, ("batch", "length", "d_model"))
+
+    def attend(self, x):
+        """Logits of a shared softmax, scaled by d_model^-0.5 as in Mesh-TF."""
+        logits = jnp.einsum("bld,vd->blv", x, self.embedding.astype(self.dtype))
+        return constrain(logits * self.d_model**-0.5, ("batch", "length", "vocab"))
+
+
+def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[batch, 1, length, length]: position i sees j <= i of its own packed segment."""
+    length = segment_ids.shape[-1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None]
+
+
+def shift_right(targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Autoregressive decoder inputs: targets shifted right, 0 at the start of every segment."""
+    shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
+    prev_segment = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(segment_ids == prev_segment, shifted, 0)

@@ -1,0 +1,219 @@
+"""Sharded training state and the jitted train and eval steps.
+
+`Trainer` asks the layout for the sharding of every parameter (from the logical names the
+model gave it), of every optimizer-state leaf (from the parameter it belongs to) and of every
+batch feature (``("batch", "length")``). The state is created already sharded by a jitted
+init, so the full model never exists on one device, and the train step is jitted with those
+shardings and donates the old state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mtrain import losses
+from mtrain.layout import Layout, tree_shardings
+
+Batch = dict[str, Any]
+BATCH_NAMES = ("batch", "length")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    z_loss: float = 1e-4
+    label_smoothing: float = 0.0
+
+
+def _opt_state_names(opt_state, params, param_names):
+    """Logical names for every optimizer-state leaf, taken from the parameter it belongs to.
+
+    optax states hold trees shaped like the parameters (Adafactor: row/column second-moment
+    factors and full second moments). A leaf with the parameter's shape gets its names; a
+    factored statistic (one dimension reduced away) gets the names of the dimensions it kept;
+    anything else (step counters) is replicated.
+    """
+    params_def = jax.tree_util.tree_structure(params)
+
+    def match(leaf, p, names):
+        if leaf.shape == p.shape:
+            return PartitionSpec(*names)
+        if len(leaf.shape) == len(p.shape) - 1:
+            kept = {
+                tuple(n for j, n in enumerate(names) if j != i)
+                for i in range(len(p.shape))
+                if tuple(d for j, d in enumerate(p.shape) if j != i) == tuple(leaf.shape)
+            }
+            if len(kept) == 1:
+                return PartitionSpec(*kept.pop())
+        return PartitionSpec()
+
+    def walk(node):
+        if jax.tree_util.tree_structure(node) == params_def:
+            return jax.tree_util.tree_map(match, node, params, param_names)
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+        if not children:
+            return node  # an empty container (optax's EmptyState)
+        if len(children) == 1 and children[0] is node:
+            return PartitionSpec()  # a leaf that does not belong to a parameter
+        return treedef.unflatten([walk(c) for c in children])
+
+    return walk(opt_state)
+
+
+class Trainer:
+    """Builds the sharded state and the jitted steps for one model, optimizer and layout."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: optax.GradientTransformation,
+        layout: Layout,
+        mesh: Mesh,
+        batch_size: int,
+        sequence_length: int,
+        seed: int = 0,
+        loss_config: LossConfig = LossConfig(),
+    ):
+        self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
+        self.loss_config = loss_config
+        self.batch_shape = (batch_size, sequence_length)
+        init_key, self.dropout_key = jax.random.split(jax.random.key(seed))
+        self.init_key = init_key
+
+        boxed = jax.eval_shape(self._init_variables, init_key)
+        param_names = nn.get_partition_spec(boxed)["params"]
+        abstract_params = nn.unbox(boxed)["params"]
+        param_shardings = tree_shardings(layout, mesh, param_names, abstract_params)
+        abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        opt_names = _opt_state_names(abstract_opt, abstract_params, param_names)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=param_shardings,
+            opt_state=tree_shardings(layout, mesh, opt_names, abstract_opt),
+        )
+        self.abstract_state = TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
+        )
+        self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
+        self._init_state = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        self._train_step = jax.jit(
+            self._train_step_fn,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self._eval_step = jax.jit(
+            self._eval_step_fn,
+            in_shardings=(self.state_shardings.params, self.batch_sharding),
+            out_shardings=replicated,
+        )
+
+    # ---- pure functions (traced under the layout) ----
+
+    def _dummy_batch(self):
+        ids = jnp.zeros(self.batch_shape, jnp.int32)
+        return {"targets": ids, "targets_segment_ids": ids, "targets_positions": ids}
+
+    def _apply(self, params, batch, deterministic, rngs=None):
+        return self.model.apply(
+            {"params": params},
+            batch["targets"],
+            batch["targets_segment_ids"],
+            batch["targets_positions"],
+            deterministic=deterministic,
+            rngs=rngs,
+        )
+
+    def _init_variables(self, key):
+        with self.layout.activate(self.mesh):
+            b = self._dummy_batch()
+            return self.model.init(
+                key, b["targets"], b["targets_segment_ids"], b["targets_positions"]
+            )
+
+    def _init_fn(self):
+        params = nn.unbox(self._init_variables(self.init_key))["params"]
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params)
+        )
+
+    def _losses(self, params, batch, deterministic, rngs=None):
+        """(loss, xent, weights, logits) per token; see `losses.cross_entropy`."""
+        logits = self._apply(params, batch, deterministic, rngs)
+        weights = batch["targets_segment_ids"] > 0
+        loss, xent = losses.cross_entropy(
+            logits,
+            batch["targets"],
+            weights,
+            z_loss=self.loss_config.z_loss,
+            label_smoothing=self.loss_config.label_smoothing,
+        )
+        return loss, xent, weights, logits
+
+    def _train_step_fn(self, state: TrainState, batch: Batch):
+        with self.layout.activate(self.mesh):
+            rngs = {"dropout": jax.random.fold_in(self.dropout_key, state.step)}
+
+            def loss_fn(params):
+                loss, xent, weights, _ = self._losses(params, batch, False, rngs)
+                num_tokens = jnp.maximum(weights.sum(), 1).astype(jnp.float32)
+                return loss.sum() / num_tokens, (xent.sum() / num_tokens, weights.sum())
+
+            (loss, (xent, num_tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params
+            )
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss,
+            "cross_entropy": xent,
+            "num_tokens": num_tokens,
+            "grad_norm": optax.tree.norm(grads),
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def _eval_step_fn(self, params, batch: Batch):
+        with self.layout.activate(self.mesh):
+            _, xent, weights, logits = self._losses(params, batch, True)
+            correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) & weights
+        return {
+            "xent_sum": xent.sum(),
+            "correct": correct.sum().astype(jnp.float32),
+            "num_tokens": weights.sum().astype(jnp.float32),
+        }
+
+    # ---- the public API ----
+
+    def init_state(self) -> TrainState:
+        """A freshly initialised state, created directly in its shards."""
+        return self._init_state()
+
+    def place_batch(self, batch: dict[str, np.ndarray]) -> Batch:
+        """This process's rows of a global batch -> global arrays sharded along ``batch``."""
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in batch.items()
+        }
+
+    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        return self._train_step(state, batch)
+
+    def eval_step(self, params, batch: Batch) -> dict:
+        return self._eval_step(params, batch)

@@ -1,0 +1,67 @@
+"""Cross-entropy, label smoothing, z-loss; Adafactor's Mesh-TF defaults and the schedule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtrain import losses, optimizer
+
+
+def test_cross_entropy_matches_log_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 3, 7)).astype(np.float32)
+    targets = rng.integers(0, 7, (2, 3))
+    weights = np.array([[1, 1, 0], [1, 0, 0]])
+    loss, xent = losses.cross_entropy(logits, targets, weights)
+    expected = -np.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(xent, expected * weights, rtol=1e-6)
+    np.testing.assert_allclose(loss, xent)
+
+
+def test_z_loss_adds_squared_log_partition():
+    logits = jnp.array([[[1.0, 2.0, 3.0]]])
+    _, xent = losses.cross_entropy(logits, jnp.array([[2]]), jnp.ones((1, 1)))
+    loss, _ = losses.cross_entropy(logits, jnp.array([[2]]), jnp.ones((1, 1)), z_loss=0.1)
+    log_z = jax.nn.logsumexp(logits)
+    np.testing.assert_allclose(loss - xent, 0.1 * log_z**2, rtol=1e-6)
+
+
+def test_label_smoothing_minimum_is_zero():
+    vocab, eps = 5, 0.1
+    # The smoothed target distribution itself is the optimum: loss 0 there, > 0 elsewhere.
+    probs = np.full(vocab, eps / (vocab - 1))
+    probs[3] = 1 - eps
+    best, _ = losses.cross_entropy(np.log(probs)[None, None], np.array([[3]]), np.ones((1, 1)),
+                                   label_smoothing=eps)
+    worse, _ = losses.cross_entropy(np.zeros((1, 1, vocab)), np.array([[3]]), np.ones((1, 1)),
+                                    label_smoothing=eps)
+    assert abs(float(best[0, 0])) < 1e-5 and float(worse[0, 0]) > 0.1
+
+
+def test_schedule_is_linear_warmup_rsqrt_decay_linear_decay():
+    sched = optimizer.learning_rate_schedule(warmup_steps=100, train_steps=1000, linear_decay_steps=200)
+    lr = lambda s: float(sched(s - 1))  # noqa: E731 (the schedule counts updates from 0)
+    np.testing.assert_allclose(lr(50), 0.5 / 10, rtol=1e-6)  # warming up: (50/100) / sqrt(100)
+    np.testing.assert_allclose(lr(100), 1 / 10, rtol=1e-6)
+    np.testing.assert_allclose(lr(400), 1 / 20, rtol=1e-6)  # rsqrt decay
+    np.testing.assert_allclose(lr(900), 1 / 30 * 0.5, rtol=1e-6)  # halfway through linear decay
+    assert lr(1000) == 0.0
+
+
+def test_adafactor_factors_large_matrices_only():
+    params = {"big": jnp.ones((128, 256)), "small": jnp.ones((64, 256)), "vec": jnp.ones((256,))}
+    state = optimizer.adafactor(0.01).init(params)[0]
+    assert state.v_row["big"].shape == (128,) and state.v_col["big"].shape == (256,)
+    assert state.v["small"].shape == (64, 256) and state.v["vec"].shape == (256,)
+
+
+def test_adafactor_update_is_relative_and_clipped():
+    # Parameter-scale updates: the step is proportional to the parameter's RMS (>= 1e-3), and
+    # update clipping at RMS 1.0 bounds the first step to lr * RMS(param).
+    tx = optimizer.adafactor(0.1)
+    for scale in (1.0, 10.0):
+        params = {"w": jnp.full((128, 128), scale)}
+        grads = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(128, 128)) * 1e3, jnp.float32)}
+        updates, _ = tx.update(grads, tx.init(params), params)
+        rms = float(jnp.sqrt(jnp.mean(updates["w"] ** 2)))
+        np.testing.assert_allclose(rms, 0.1 * scale, rtol=1e-3)

@@ -1,0 +1,106 @@
+"""Sharded state and train step: layouts change placement, never results."""
+
+import jax
+import numpy as np
+import pytest
+
+from mtrain import optimizer
+from mtrain.layout import Layout, LayoutError
+from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.trainer import Trainer
+
+SPLIT_MODEL = "d_ff:model;heads:model;vocab:model"
+LAYOUTS = [
+    ("", ""),
+    ("batch:8", "batch:batch"),
+    ("model:8", SPLIT_MODEL),
+    ("batch:4;model:2", "batch:batch;" + SPLIT_MODEL),
+    ("batch:2;model:4", "batch:batch;" + SPLIT_MODEL),
+]
+CONFIG = TransformerConfig(
+    vocab_size=256, d_model=32, d_ff=64, num_heads=8, d_kv=4, num_layers=2,
+    dropout_rate=0.1, max_length=16,
+)
+B, L = 8, 16
+
+
+def packed_batches(n, seed=0):
+    """Random token batches with 2-3 packed segments per row and some padding."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        seg = np.zeros((B, L), np.int32)
+        pos = np.zeros((B, L), np.int32)
+        for r in range(B):
+            cuts = sorted(rng.choice(np.arange(2, L - 2), size=2, replace=False))
+            bounds = [0, *cuts, L - rng.integers(0, 3)]
+            for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                seg[r, a:b], pos[r, a:b] = s + 1, np.arange(b - a)
+        tokens = rng.integers(1, CONFIG.vocab_size, (B, L)).astype(np.int32) * (seg > 0)
+        out.append({"targets": tokens, "targets_segment_ids": seg, "targets_positions": pos})
+    return out
+
+
+def make_trainer(mesh_shape, rules, config=CONFIG, batch_size=B):
+    layout = Layout(mesh_shape, rules)
+    mesh = layout.make_mesh(jax.devices()[: layout.size])
+    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
+    return Trainer(DecoderLM(config), opt, layout, mesh, batch_size, L, seed=3)
+
+
+def train(mesh_shape, rules, steps=3):
+    trainer = make_trainer(mesh_shape, rules)
+    state = trainer.init_state()
+    losses = []
+    for batch in packed_batches(steps):
+        state, metrics = trainer.train_step(state, trainer.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
+
+
+def test_layouts_never_change_results():
+    ref_losses, ref_params = train(*LAYOUTS[0])
+    assert ref_losses[-1] < ref_losses[0]
+    for mesh_shape, rules in LAYOUTS[1:]:
+        losses, params = train(mesh_shape, rules)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=mesh_shape)
+        jax.tree_util.tree_map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=mesh_shape),
+            params, ref_params,
+        )
+
+
+def test_each_device_holds_only_its_shard():
+    config = TransformerConfig(vocab_size=256, d_model=128, d_ff=256, num_heads=8, d_kv=16,
+                               num_layers=1, max_length=16)
+    trainer = make_trainer("model:8", SPLIT_MODEL, config)
+    state = trainer.init_state()
+    wi = state.params["layer_0"]["mlp"]["wi"]
+    assert wi.shape == (128, 256)
+    assert {s.data.shape for s in wi.addressable_shards} == {(128, 32)}
+    assert len(wi.addressable_shards) == 8
+    q = state.params["layer_0"]["self_attention"]["q"]
+    assert {s.data.shape for s in q.addressable_shards} == {(128, 1, 16)}
+    softmax = state.params["softmax"]
+    assert {s.data.shape for s in softmax.addressable_shards} == {(128, 32)}
+    # Adafactor's factored statistics for wi: the d_ff-long one is split 8 ways as well.
+    factored = state.opt_state[0]
+    for stat in (factored.v_row, factored.v_col):
+        leaf = stat["layer_0"]["mlp"]["wi"]
+        expected = (32,) if leaf.shape == (256,) else leaf.shape
+        assert {s.data.shape for s in leaf.addressable_shards} == {expected}
+
+
+def test_batch_not_divisible_by_mesh_is_a_layout_error():
+    with pytest.raises(LayoutError, match="'batch' of size 6 is not divisible by mesh dimension 'batch' of size 4"):
+        make_trainer("batch:4;model:2", "batch:batch", batch_size=6)
+
+
+def test_eval_step_counts_tokens():
+    trainer = make_trainer("batch:4;model:2", "batch:batch;" + SPLIT_MODEL)
+    state = trainer.init_state()
+    batch = packed_batches(1)[0]
+    sums = trainer.eval_step(state.params, trainer.place_batch(batch))
+    assert float(sums["num_tokens"]) == (batch["targets_segment_ids"] > 0).sum()
+    mean = float(sums["xent_sum"]) / float(sums["num_tokens"])
+    assert abs(mean - np.log(CONFIG.vocab_size)) < 1.0  # an untrained model is near uniform
