@@ -27,13 +27,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mtrain.errors import UserError
+
 MeshShape = list[tuple[str, int]]
 LayoutRules = list[tuple[str, str]]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A mesh shape, layout rule or tensor layout that cannot work, with what to do about it."""
 
 

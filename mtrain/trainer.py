@@ -14,6 +14,7 @@ from typing import Any
 
 import flax
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +35,11 @@ class TrainState:
     opt_state: Any
 
 
+@gin.configurable("loss")
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
+    """``loss.z_loss`` (Mesh-TF's default 1e-4) and ``loss.label_smoothing`` in gin."""
+
     z_loss: float = 1e-4
     label_smoothing: float = 0.0
 
@@ -88,10 +92,10 @@ class Trainer:
         batch_size: int,
         sequence_length: int,
         seed: int = 0,
-        loss_config: LossConfig = LossConfig(),
+        loss_config: LossConfig | None = None,
     ):
         self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
-        self.loss_config = loss_config
+        self.loss_config = loss_config or LossConfig()
         self.batch_shape = (batch_size, sequence_length)
         init_key, self.dropout_key = jax.random.split(jax.random.key(seed))
         self.init_key = init_key

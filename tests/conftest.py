@@ -12,7 +12,16 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices; was jax imported before conftest?"
+
+import tempfile  # noqa: E402
+
+# Tests compile the same small programs many times (every CLI run of one config): a
+# persistent compilation cache for the session compiles each once.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="mtrain-jax-cache-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -11,15 +11,20 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import gin
 import jax.numpy as jnp
 
 from mtrain.layout import constrain
 from mtrain.models import layers
 
 
+@gin.configurable("transformer", denylist=["vocab_size"])
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Model hyper-parameters (Mesh-TF names)."""
+    """Model hyper-parameters (Mesh-TF names); gin binds them as ``transformer.d_model = 512``.
+
+    The vocabulary size comes from the task's vocabulary, not from gin.
+    """
 
     vocab_size: int = 8192
     d_model: int = 256

@@ -1,0 +1,264 @@
+"""Training throughput of mtrain against a plain `jax.jit` + optax version of the same model.
+
+What it measures: tokens per second of one full training step (forward, backward, Adafactor
+update) of the reference decoder-only LM (vocab 8192, d_model 256, d_ff 1024, 4 heads x d_kv 64,
+2 layers, batch 16 x length 128) in two implementations:
+
+* **mtrain**: `Trainer(DecoderLM(...), optimizer.adafactor(...), layout, mesh, ...)`, i.e. the
+  Flax model with its logical names and sharding constraints, the one-hot cross-entropy with
+  z-loss 1e-4 and the step's metrics (loss, cross-entropy, token count, gradient norm), under
+  the layout given by --mesh_shape/--layout_rules.
+* **plain**: the same maths written below as pure functions over a dict of arrays (no Flax, no
+  mtrain model code), `optax.adafactor` with the same settings, `jax.jit(..., donate_argnums=0)`,
+  always on one device. It picks the target logit with a gather (`take_along_axis`) and returns
+  only the loss: what one would write by hand, so the ratio is what the framework costs.
+
+Both start from the same parameters (mtrain's initial parameters are copied into the plain
+dict), and the first two training losses are checked to agree before anything is timed, so the
+comparison is of like with like. Each step is compiled first (compile time reported), then the
+two are timed in alternating rounds (the order flips every round) with `block_until_ready` on
+the loss after every step; the medians over all steps are reported, which keeps the comparison
+fair on a shared, noisy machine. FLOPs per token are the usual 6 * (matmul parameters) plus
+attention (12 * layers * length * heads * d_kv, full not causal), i.e. model FLOPs, not hardware.
+
+    python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1]
+    python benchmarks/throughput.py --cpu_devices 8 --mesh_shape batch:8 --layout_rules batch:batch
+
+The last line is ``ratio mtrain/plain: X.XX`` (> 1 means mtrain is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round per implementation")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, alternating the implementations")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout rate (loss check skipped if > 0)")
+    p.add_argument("--mesh_shape", default="", help='mtrain mesh, e.g. "batch:2;model:4" ("" = one device)')
+    p.add_argument("--layout_rules", default="", help='e.g. "batch:batch;d_ff:model;heads:model"')
+    p.add_argument("--cpu_devices", type=int, default=0, help="simulate N CPU devices (XLA_FLAGS)")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--warmup_steps", type=int, default=10_000, help="learning-rate warmup")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.cpu_devices:  # must happen before jax is imported
+        flag = f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+NEG_INF = -1e9
+Z_LOSS = 1e-4
+
+# ---------------------------------------------------------------- the plain implementation
+
+
+def rms_norm(x, scale, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale
+
+
+def dropout(x, rate, key):
+    if rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def plain_logits(params, batch, rate, key):
+    """The decoder-only LM: packed targets [b, l] -> next-token logits [b, l, vocab]."""
+    targets, seg, pos = batch["targets"], batch["targets_segment_ids"], batch["targets_positions"]
+    keys = iter(jax.random.split(key, 64) if rate else [None] * 64)
+    # Shift right; every packed segment starts again from token 0.
+    prev_seg = jnp.pad(seg, ((0, 0), (1, 0)))[:, :-1]
+    inputs = jnp.where(seg == prev_seg, jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1], 0)
+    x = jnp.take(params["token_embedding"]["embedding"], inputs, axis=0)
+    x = x + jnp.take(params["position_embedding"], pos, axis=0)
+    x = dropout(x, rate, next(keys))
+    length = targets.shape[1]
+    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+    mask = (causal[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]  # [b, 1, l, m]
+    layer_names = sorted(k for k in params if k.startswith("layer_"))
+    for name in layer_names:
+        p = params[name]
+        a = p["self_attention"]
+        y = rms_norm(x, p["attention_norm"]["scale"])
+        q = jnp.einsum("bld,dhk->blhk", y, a["q"])  # no 1/sqrt(d_kv): folded into q's init
+        k = jnp.einsum("bmd,dhk->bmhk", y, a["k"])
+        v = jnp.einsum("bmd,dhk->bmhk", y, a["v"])
+        logits = jnp.where(mask, jnp.einsum("blhk,bmhk->bhlm", q, k), NEG_INF)
+        w = dropout(jax.nn.softmax(logits, axis=-1), rate, next(keys))
+        y = jnp.einsum("blhk,hkd->bld", jnp.einsum("bhlm,bmhk->blhk", w, v), a["o"])
+        x = x + dropout(y, rate, next(keys))
+        m = p["mlp"]
+        y = rms_norm(x, p["mlp_norm"]["scale"])
+        h = dropout(jax.nn.relu(jnp.einsum("bld,df->blf", y, m["wi"])), rate, next(keys))
+        x = x + dropout(jnp.einsum("blf,fd->bld", h, m["wo"]), rate, next(keys))
+    x = dropout(rms_norm(x, params["final_norm"]["scale"]), rate, next(keys))
+    return jnp.einsum("bld,dv->blv", x, params["softmax"])
+
+
+def plain_loss(params, batch, rate, key):
+    """Mean over real tokens of cross-entropy + z_loss * log(Z)^2, in float32."""
+    logits = plain_logits(params, batch, rate, key).astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    weights = (batch["targets_segment_ids"] > 0).astype(jnp.float32)
+    loss = (log_z - target_logit + Z_LOSS * jnp.square(log_z)) * weights
+    return loss.sum() / jnp.maximum(weights.sum(), 1.0)
+
+
+def plain_optimizer(warmup_steps):
+    """optax Adafactor with Mesh-TF's settings and linear warmup * rsqrt decay."""
+
+    def schedule(count):
+        s = count.astype(jnp.float32) + 1.0
+        return jnp.minimum(1.0, s / warmup_steps) * jnp.sqrt(1.0 / jnp.maximum(s, warmup_steps))
+
+    return optax.adafactor(
+        learning_rate=schedule, min_dim_size_to_factor=128, decay_rate=0.8,
+        multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
+        factored=True, eps=1e-30,
+    )
+
+
+def make_plain_step(opt, rate, seed):
+    key = jax.random.key(seed)
+
+    def step(state, batch):
+        params, opt_state, count = state
+        loss, grads = jax.value_and_grad(plain_loss)(params, batch, rate, jax.random.fold_in(key, count))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, count + 1), loss
+
+    return jax.jit(step, donate_argnums=0)
+
+
+# ---------------------------------------------------------------- benchmark harness
+
+
+def packed_batch(batch_size, length, vocab, seed=0):
+    """Random tokens, 2-3 packed segments per row (positions restart), a little padding."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((batch_size, length), np.int32)
+    pos = np.zeros((batch_size, length), np.int32)
+    for r in range(batch_size):
+        cuts = sorted(rng.choice(np.arange(8, length - 8), size=2, replace=False))
+        bounds = [0, *cuts, length - int(rng.integers(0, 4))]
+        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            seg[r, a:b], pos[r, a:b] = s + 1, np.arange(b - a)
+    tokens = rng.integers(1, vocab, (batch_size, length)).astype(np.int32) * (seg > 0)
+    return {"targets": tokens, "targets_segment_ids": seg, "targets_positions": pos}
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main(args):
+    from mtrain import optimizer
+    from mtrain.layout import Layout
+    from mtrain.models.transformer import DecoderLM, TransformerConfig
+    from mtrain.trainer import Trainer
+
+    config = TransformerConfig(
+        vocab_size=8192, d_model=256, d_ff=1024, num_heads=4, d_kv=64, num_layers=2,
+        dropout_rate=args.dropout, max_length=max(512, args.length),
+    )
+    b, l = args.batch_size, args.length
+    tokens_per_step = b * l
+    layout = Layout(args.mesh_shape, args.layout_rules)
+    mesh = layout.make_mesh(jax.devices()[: layout.size])
+    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
+    trainer = Trainer(DecoderLM(config), opt, layout, mesh, b, l, seed=0)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices); "
+          f"mesh {layout!r}")
+    print(f"model: vocab {config.vocab_size} d_model {config.d_model} d_ff {config.d_ff} "
+          f"heads {config.num_heads}x{config.d_kv} layers {config.num_layers} dropout "
+          f"{config.dropout_rate}; batch {b} x length {l} = {tokens_per_step} tokens/step")
+
+    np_batch = packed_batch(b, l, config.vocab_size)
+    m_state = trainer.init_state()
+    m_batch = trainer.place_batch(np_batch)
+    # Same initial parameters for the plain version: fresh copies on one device, as a plain dict.
+    device = jax.devices()[0]
+    p_params = jax.tree.map(lambda x: jax.device_put(np.asarray(x), device), m_state.params)
+    p_opt = plain_optimizer(args.warmup_steps)
+    p_state = (p_params, p_opt.init(p_params), jnp.zeros((), jnp.int32))
+    p_batch = {k: jax.device_put(v, device) for k, v in np_batch.items()}
+    plain_step = make_plain_step(p_opt, config.dropout_rate, seed=1)
+
+    leaves = jax.tree_util.tree_leaves_with_path(p_params)
+    n_params = sum(x.size for _, x in leaves)
+    lookup = sum(x.size for p, x in leaves if "embedding" in jax.tree_util.keystr(p))
+    norms = sum(x.size for p, x in leaves if "norm" in jax.tree_util.keystr(p))
+    matmul_params = n_params - lookup - norms
+    attn_flops = 12 * config.num_layers * l * config.num_heads * config.d_kv
+    flops_per_token = 6 * matmul_params + attn_flops
+    print(f"parameters: {n_params:,} ({matmul_params:,} in matmuls); model FLOPs/token ~ "
+          f"6*{matmul_params:,} + {attn_flops:,} attention = {flops_per_token / 1e6:.1f} MFLOP")
+
+    # Compile (the first call: trace + compile + one step), then the second step; check losses.
+    (m_state, m_metrics), m_compile = timed(
+        lambda: jax.block_until_ready(trainer.train_step(m_state, m_batch)))
+    (p_state, p_loss), p_compile = timed(lambda: jax.block_until_ready(plain_step(p_state, p_batch)))
+    print(f"compile + first step: mtrain {m_compile:.2f} s, plain {p_compile:.2f} s")
+    m_losses, p_losses = [float(m_metrics["loss"])], [float(p_loss)]
+    m_state, m_metrics = trainer.train_step(m_state, m_batch)
+    p_state, p_loss = plain_step(p_state, p_batch)
+    m_losses.append(float(m_metrics["loss"]))
+    p_losses.append(float(p_loss))
+    diff = max(abs(a - c) for a, c in zip(m_losses, p_losses))
+    verdict = "OK" if diff < 1e-4 else ("skipped (dropout masks differ)" if args.dropout else "MISMATCH")
+    print(f"loss check: mtrain {m_losses[0]:.6f}, {m_losses[1]:.6f} | plain {p_losses[0]:.6f}, "
+          f"{p_losses[1]:.6f} | max |diff| {diff:.2e} -> {verdict}")
+
+    # Timed rounds, alternating which implementation goes first. Wall time is what tokens/s is
+    # computed from; the process's CPU time per step is printed too, as it is less sensitive to
+    # other jobs on a shared machine.
+    def mtrain_step(state):
+        state, metrics = trainer.train_step(state, m_batch)
+        return state, metrics["loss"]
+
+    states = {"mtrain": m_state, "plain": p_state}
+    steps = {"mtrain": mtrain_step, "plain": lambda state: plain_step(state, p_batch)}
+    wall = {"mtrain": [], "plain": []}
+    cpu = {"mtrain": [], "plain": []}
+    for r in range(args.rounds):
+        for name in ("mtrain", "plain") if r % 2 == 0 else ("plain", "mtrain"):
+            for _ in range(args.steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                states[name], loss = steps[name](states[name])
+                loss.block_until_ready()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        m, p = (statistics.median(wall[k][-args.steps:]) for k in ("mtrain", "plain"))
+        print(f"round {r + 1}/{args.rounds}: median step mtrain {m * 1e3:.0f} ms, plain "
+              f"{p * 1e3:.0f} ms (this round's ratio {p / m:.2f})")
+
+    tps = {}
+    for name in ("mtrain", "plain"):
+        step = statistics.median(wall[name])
+        tps[name] = tokens_per_step / step
+        print(f"{name:>6}: median step {step * 1e3:.0f} ms (min {min(wall[name]) * 1e3:.0f}, "
+              f"CPU {statistics.median(cpu[name]) * 1e3:.0f} ms), {tps[name]:,.0f} tokens/s, "
+              f"{tps[name] * flops_per_token / 1e9:.1f} GFLOP/s")
+    print(f"ratio mtrain/plain: {tps['mtrain'] / tps['plain']:.2f}")
+
+
+if __name__ == "__main__":
+    main(ARGS)

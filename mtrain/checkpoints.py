@@ -1,0 +1,107 @@
+"""Checkpoints with orbax: the train state, the input position, and a little metadata.
+
+A checkpoint is one orbax step directory ``<model_dir>/checkpoints/<step>/`` with three items:
+
+- ``state``: the `TrainState` as logical (global) arrays. Restoring takes the target
+  shardings of the current run, so a checkpoint saved with one mesh and layout restores onto
+  another.
+- ``data``: the input iterator's position, one file per process.
+- ``meta``: JSON (step, model config) used to refuse restoring a different model shape.
+
+Saving is asynchronous: `save` returns once the arrays are copied off the devices, and the
+write to disk overlaps the following train steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
+
+from mtrain.errors import UserError
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be restored into this run."""
+
+
+class DataIteratorHandler(ocp.CheckpointHandler):
+    """Saves and restores an input iterator (``save(directory)``/``restore(directory)``)."""
+
+    def save(self, directory: epath.Path, args: DataIteratorSave):
+        args.iterator.save(str(directory))  # the iterator names its file after its process
+
+    def restore(self, directory: epath.Path, args: DataIteratorRestore):
+        args.iterator.restore(str(directory))
+        return args.iterator
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
+@dataclasses.dataclass
+class DataIteratorSave(ocp.args.CheckpointArgs):
+    iterator: Any
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class DataIteratorRestore(ocp.args.CheckpointArgs):
+    iterator: Any
+
+
+class Checkpoints:
+    """Keeps the last `keep` checkpoints of a model dir."""
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+        self.directory = epath.Path(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "data", "meta")
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, iterator, meta: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=DataIteratorSave(iterator),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract_state, iterator, meta: dict):
+        """Restores `step` into the shardings of `abstract_state` and moves `iterator`."""
+        saved_meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        _check_meta(saved_meta["meta"], meta, self.directory / str(step))
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if iterator is not None:
+            items["data"] = DataIteratorRestore(iterator)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return restored["state"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _check_meta(saved: dict, current: dict, where) -> None:
+    saved_model, model = saved.get("model", {}), current.get("model", {})
+    diffs = [
+        f"{k}={saved_model.get(k)!r} there, {model.get(k)!r} here"
+        for k in sorted(set(saved_model) | set(model))
+        if saved_model.get(k) != model.get(k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {where} holds a model of a different shape ({'; '.join(diffs)}); "
+            f"use a new --model_dir or the same model settings"
+        )

@@ -1,0 +1,1 @@
+"""Input pipeline: text sources (sources.py), packing (packing.py), batches (pipeline.py)."""

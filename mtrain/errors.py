@@ -1,0 +1,9 @@
+"""Errors a user can cause. The command line turns them into one line and exit code 2."""
+
+
+class UserError(Exception):
+    """Bad input: a config, mesh, layout, dataset, vocabulary or checkpoint that cannot work."""
+
+
+class ConfigError(UserError, ValueError):
+    """A gin file or binding that cannot be used."""

@@ -1,0 +1,62 @@
+"""Where metrics go: the console, ``<model_dir>/metrics.jsonl`` and TensorBoard event files.
+
+Every record is a step and a flat dict of named metrics (``train/loss``, ``eval/perplexity``,
+...). Only process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import jax
+
+log = logging.getLogger("mtrain")
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Tidy one-line logs on stdout (process 0 only; other processes log warnings)."""
+    level = logging.INFO if jax.process_index() == 0 else logging.WARNING
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if verbose else level)
+    log.propagate = False
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl and TensorBoard, and logs them in one line each."""
+
+    def __init__(self, model_dir: str):
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(model_dir, "metrics.jsonl")
+        self._tb = None
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(model_dir, flush_secs=10)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
+        for name, value in metrics.items():
+            if math.isfinite(value):
+                self._tb.add_scalar(name, value, step)
+        log.info("step %d  %s", step, "  ".join(f"{k} {_format(v)}" for k, v in metrics.items()))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

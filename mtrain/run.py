@@ -1,0 +1,304 @@
+"""A whole run from a gin config: build the experiment, then train or evaluate.
+
+`run` is the gin configurable that Mesh-TF users know (``run.mesh_shape``,
+``run.layout_rules``, ``run.train_steps``, ...). Everything a run needs is built and checked
+by `build` before anything is written to the model dir, so a bad config never touches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import gin
+import jax
+import numpy as np
+
+from mtrain import optimizer as optimizer_lib
+from mtrain import tasks as tasks_lib
+from mtrain.checkpoints import Checkpoints, CheckpointError
+from mtrain.data.pipeline import lm_batches
+from mtrain.errors import ConfigError
+from mtrain.layout import Layout
+from mtrain.metrics import MetricsWriter, log
+from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.trainer import LossConfig, Trainer
+from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# Model settings that change parameter shapes: a checkpoint must agree on all of them.
+SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layers", "max_length",
+                "shared_embedding_and_softmax")
+
+def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
+    """Parses gin files (searched in the working dir, then configs/) and bindings."""
+    gin.clear_config()
+    gin.add_config_file_search_path(os.getcwd())
+    gin.add_config_file_search_path(CONFIGS_DIR)
+    root = logging.getLogger()
+    level, root.level = root.level, logging.CRITICAL  # gin logs every search-path miss
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params, finalize_config=False)
+    except (ValueError, OSError, SyntaxError, KeyError, TypeError) as e:
+        message = " ".join(str(e).split())
+        raise ConfigError(f"bad gin config: {message}") from None
+    finally:
+        root.level = level
+
+
+@gin.configurable
+def vocabulary(task: tasks_lib.Task, data_dir: str, size: int = 8192, path: str | None = None
+               ) -> Vocabulary:
+    """The task's sentencepiece vocabulary: `path` if given, else trained once and cached."""
+    if path:
+        return load_vocabulary(path)
+    cached = os.path.join(data_dir, task.name, f"spm_{size}.model")
+    return get_or_train_vocabulary(
+        cached, lambda: task.make_source(data_dir).texts("train"), size,
+        texts_name=f"the {task.name} training split",
+    )
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything `train` and `evaluate` need, built from the gin config by `build`."""
+
+    model_dir: str
+    task: tasks_lib.Task
+    source: object
+    vocab: Vocabulary
+    model_config: TransformerConfig
+    layout: Layout
+    trainer: Trainer
+    batch_size: int
+    sequence_length: int
+    train_steps: int
+    seed: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    eval_split: str
+    schedule: object
+
+    def train_batches(self):
+        return lm_batches(
+            self.source, self.vocab, "train", self.sequence_length, self.batch_size, self.seed,
+            train=True, process_index=jax.process_index(), process_count=jax.process_count(),
+        )
+
+    def eval_batches(self):
+        return lm_batches(
+            self.source, self.vocab, self.eval_split, self.sequence_length, self.batch_size,
+            self.seed, train=False, process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+    def checkpoint_meta(self) -> dict:
+        config = dataclasses.asdict(self.model_config)
+        return {"model": {k: config[k] for k in SHAPE_FIELDS}, "task": self.task.name}
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"run.{name} must be a positive integer, got {value!r}")
+
+
+@gin.configurable
+def run(
+    model_dir: str,
+    mode: str = "train",
+    *,
+    task: str = "bible_lm",
+    data_dir: str | None = None,
+    mesh_shape: str = "",
+    layout_rules: str = "batch:batch;d_ff:model;heads:model;vocab:model",
+    batch_size: int = 32,
+    sequence_length: int = 128,
+    train_steps: int = 1000,
+    seed: int = 0,
+    log_every: int = 50,
+    eval_every: int = 0,
+    checkpoint_every: int = 500,
+    keep_checkpoints: int = 3,
+    eval_split: str = "validation",
+):
+    """Trains (``mode='train'``) or evaluates the latest checkpoint (``mode='eval'``).
+
+    `eval_every` = 0 evaluates only at the end of training. `data_dir` (default
+    $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and cached vocabularies.
+    """
+    for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
+                        ("train_steps", train_steps), ("log_every", log_every),
+                        ("checkpoint_every", checkpoint_every),
+                        ("keep_checkpoints", keep_checkpoints)]:
+        _positive(name, value)
+    if mode not in ("train", "eval"):
+        raise ConfigError(f"unknown mode {mode!r}; use train or eval")
+    data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
+    task_obj = tasks_lib.get_task(task)
+    layout = Layout(mesh_shape, layout_rules)
+    mesh = layout.make_mesh()
+    source = task_obj.make_source(data_dir)
+    source.check_split(eval_split)
+    vocab = vocabulary(task_obj, data_dir)
+    # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
+    # dimension up to 128; the extra ids never occur in the data.
+    model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab.vocab_size / 128))
+    if model_config.max_length < sequence_length:
+        raise ConfigError(
+            f"run.sequence_length={sequence_length} is longer than "
+            f"transformer.max_length={model_config.max_length}"
+        )
+    schedule = optimizer_lib.learning_rate_schedule(train_steps=train_steps)
+    opt = optimizer_lib.adafactor(schedule)
+    trainer = Trainer(DecoderLM(model_config), opt, layout, mesh, batch_size, sequence_length,
+                      seed=seed, loss_config=LossConfig())
+    exp = Experiment(
+        model_dir=model_dir, task=task_obj, source=source, vocab=vocab, model_config=model_config,
+        layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
+        train_steps=train_steps, seed=seed, log_every=log_every, eval_every=eval_every,
+        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+        eval_split=eval_split, schedule=schedule,
+    )
+    log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
+             layout, jax.device_count())
+    return train(exp) if mode == "train" else evaluate_checkpoint(exp)
+
+
+def _describe(c: TransformerConfig) -> str:
+    return (f"{c.num_layers} layers d_model {c.d_model} d_ff {c.d_ff} heads {c.num_heads}x{c.d_kv} "
+            f"vocab {c.vocab_size}")
+
+
+def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator):
+    step = checkpoints.latest_step()
+    if step is None:
+        return exp.trainer.init_state(), 0
+    log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
+    state = checkpoints.restore(step, _abstract_state(exp), iterator, exp.checkpoint_meta())
+    return state, step
+
+
+def _abstract_state(exp: Experiment):
+    t = exp.trainer
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        t.abstract_state, t.state_shardings,
+    )
+
+
+def train(exp: Experiment) -> dict:
+    """The training loop: log, evaluate and checkpoint on schedule; returns the last eval."""
+    os.makedirs(exp.model_dir, exist_ok=True)
+    checkpoints = Checkpoints(os.path.join(exp.model_dir, "checkpoints"), exp.keep_checkpoints)
+    batches = exp.train_batches()
+    state, start = _restore_or_init(exp, checkpoints, batches)
+    if jax.process_index() == 0:
+        with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
+            f.write(gin.operative_config_str())
+    writer = MetricsWriter(exp.model_dir)
+    trainer, pending, results = exp.trainer, [], {}
+    tick, tokens_since = time.time(), 0
+    for step in range(start + 1, exp.train_steps + 1):
+        state, metrics = trainer.train_step(state, trainer.place_batch(next(batches)))
+        pending.append(metrics)
+        if step % exp.log_every == 0 or step == exp.train_steps:
+            fetched = jax.device_get(pending)
+            tokens_since = sum(float(m["num_tokens"]) for m in fetched)
+            elapsed = time.time() - tick
+            writer.write(step, {
+                "train/loss": np.mean([m["loss"] for m in fetched]),
+                "train/cross_entropy": np.mean([m["cross_entropy"] for m in fetched]),
+                "train/grad_norm": np.mean([m["grad_norm"] for m in fetched]),
+                # The schedule counts updates from 0: step s was produced by update s - 1.
+                "train/learning_rate": float(exp.schedule(step - 1)),
+                "train/tokens_per_second": tokens_since / max(elapsed, 1e-9),
+            })
+            pending, tick = [], time.time()
+        if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
+            results = evaluate(exp, state.params, step, writer)
+            tick = time.time()
+        if step % exp.checkpoint_every == 0 or step == exp.train_steps:
+            checkpoints.save(step, state, batches, exp.checkpoint_meta())
+    if start < exp.train_steps or not results:
+        results = evaluate(exp, state.params, exp.train_steps, writer)
+    checkpoints.wait()
+    checkpoints.close()
+    writer.close()
+    log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
+    return results
+
+
+def evaluate(exp: Experiment, params, step: int, writer: MetricsWriter) -> dict:
+    """Token-level loss, perplexity and accuracy over the whole held-out split."""
+    totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0}
+    for batch in exp.eval_batches():
+        sums = jax.device_get(exp.trainer.eval_step(params, exp.trainer.place_batch(batch)))
+        totals = {k: totals[k] + float(sums[k]) for k in totals}
+    n = max(totals["num_tokens"], 1.0)
+    loss = totals["xent_sum"] / n
+    results = {
+        "eval/loss": loss,
+        "eval/perplexity": math.exp(min(loss, 50.0)),
+        "eval/accuracy": totals["correct"] / n,
+        "eval/num_tokens": totals["num_tokens"],
+        "eval/unigram_perplexity": unigram_perplexity(exp),
+    }
+    writer.write(step, results)
+    return results
+
+
+_UNIGRAM_CACHE: dict = {}
+
+
+def unigram_perplexity(exp: Experiment, max_texts: int = 200_000) -> float:
+    """Perplexity of the held-out tokens under the training split's (add-one) unigram model.
+
+    The baseline a language model has to beat; computed once per run from at most
+    `max_texts` training texts.
+    """
+    key = (exp.task.name, exp.eval_split, exp.vocab.vocab_size)
+    if key not in _UNIGRAM_CACHE:
+        counts = np.ones(exp.vocab.vocab_size)
+        for i, text in enumerate(exp.source.texts("train")):
+            if i >= max_texts:
+                break
+            ids = (exp.vocab.encode(text) + [exp.vocab.eos_id])[: exp.sequence_length]
+            np.add.at(counts, ids, 1)
+        log_p = np.log(counts / counts.sum())
+        total, n = 0.0, 0
+        for text in exp.source.texts(exp.eval_split):
+            ids = (exp.vocab.encode(text) + [exp.vocab.eos_id])[: exp.sequence_length]
+            total -= log_p[ids].sum()
+            n += len(ids)
+        _UNIGRAM_CACHE[key] = math.exp(total / max(n, 1))
+    return _UNIGRAM_CACHE[key]
+
+
+def evaluate_checkpoint(exp: Experiment) -> dict:
+    """``--mode=eval``: evaluates the latest checkpoint in the model dir."""
+    directory = os.path.join(exp.model_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"no checkpoints in {exp.model_dir}; train first (--mode=train)")
+    checkpoints = Checkpoints(directory, exp.keep_checkpoints)
+    step = checkpoints.latest_step()
+    if step is None:
+        raise CheckpointError(f"no checkpoints in {directory}; train first (--mode=train)")
+    state = checkpoints.restore(step, _abstract_state(exp), None, exp.checkpoint_meta())
+    writer = MetricsWriter(exp.model_dir)
+    results = evaluate(exp, state.params, step, writer)
+    writer.close()
+    checkpoints.close()
+    return results
+
+
+def model_dir_is_bound() -> bool:
+    try:
+        gin.query_parameter("run.model_dir")
+        return True
+    except ValueError:
+        return False

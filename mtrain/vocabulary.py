@@ -1,0 +1,191 @@
+"""SentencePiece vocabularies with the T5 conventions: pad 0, EOS 1, UNK 2, no BOS.
+
+    vocab = get_or_train_vocabulary("runs/vocab/bible_en_2000.model",
+                                    lambda: source.texts("train"), 2000)
+    ids = vocab.encode("In the beginning")      # no EOS appended
+    text = vocab.decode(ids + [vocab.eos_id])   # stops at the first EOS
+
+Inside tf.data, `encode_tf` tokenises a batch of strings with one SentencePiece call.
+"""
+
+import io
+import itertools
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import sentencepiece as spm
+import tensorflow as tf
+
+PAD_ID = 0
+EOS_ID = 1
+UNK_ID = 2
+
+# SentencePiece trains with this many threads whatever the machine, so that the same texts
+# give the same model everywhere.
+_TRAINER_THREADS = 4
+
+
+class VocabularyError(ValueError):
+    """A vocabulary file is missing, unreadable, or does not match the configuration."""
+
+
+class Vocabulary:
+    """A loaded SentencePiece model."""
+
+    def __init__(self, model_proto: bytes, path: str | None = None):
+        self.path = path
+        self._proto = model_proto
+        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        if (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id()) != (PAD_ID, EOS_ID, -1):
+            raise VocabularyError(
+                f"sentencepiece model {path or '(in memory)'} has pad/eos/bos ids "
+                f"{self._sp.pad_id()}/{self._sp.eos_id()}/{self._sp.bos_id()}; "
+                f"mtrain needs {PAD_ID}/{EOS_ID}/none"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    @property
+    def model_proto(self) -> bytes:
+        """The serialized SentencePiece model (the contents of the .model file)."""
+        return self._proto
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without EOS."""
+        return self._sp.encode(text, out_type=int)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` up to the first EOS; padding ids are skipped."""
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i != PAD_ID:
+                kept.append(i)
+        return self._sp.decode(kept)
+
+    def encode_tf(self, strings: tf.Tensor, add_eos: bool = False) -> tf.RaggedTensor:
+        """Tokenises a 1-D tf.string tensor into an int32 RaggedTensor [n, (tokens)].
+
+        Works in eager mode and inside tf.data: one `tf.numpy_function` call, hence one
+        SentencePiece call, for the whole batch. The function is pure (a fixed model), so
+        results are deterministic.
+        """
+        values, row_splits = tf.numpy_function(
+            lambda s: self._encode_batch(s, add_eos), [strings], [tf.int32, tf.int64],
+            stateful=False)
+        values.set_shape([None])
+        row_splits.set_shape([None])
+        return tf.RaggedTensor.from_row_splits(values, row_splits, validate=False)
+
+    def _encode_batch(self, strings: np.ndarray, add_eos: bool) -> tuple[np.ndarray, np.ndarray]:
+        """numpy side of `encode_tf`: bytes array -> (flat ids, row splits)."""
+        texts = [s.decode("utf-8") for s in strings.reshape(-1)]
+        ids = self._sp.encode(texts, out_type=int, add_eos=add_eos, num_threads=1)
+        lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+        row_splits = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(lengths, out=row_splits[1:])
+        values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
+        return values, row_splits
+
+
+def load_vocabulary(path: str | os.PathLike) -> Vocabulary:
+    """Loads a SentencePiece .model file; raises VocabularyError if it is missing or invalid."""
+    path = str(path)
+    try:
+        proto = Path(path).read_bytes()
+    except OSError as e:
+        raise VocabularyError(f"cannot read sentencepiece vocabulary {path}: {e.strerror}") from None
+    try:
+        return Vocabulary(proto, path)
+    except VocabularyError:
+        raise
+    except Exception:  # sentencepiece raises RuntimeError (or others) on a bad proto
+        raise VocabularyError(f"{path} is not a sentencepiece model") from None
+
+
+def train_vocabulary(
+    texts: Iterable[str],
+    vocab_size: int,
+    path: str | os.PathLike,
+    *,
+    max_sentences: int = 1_000_000,
+    seed: int = 0,
+) -> Vocabulary:
+    """Trains a unigram SentencePiece model on the first `max_sentences` texts, writes `path`.
+
+    Deterministic: the texts are taken in order (no sampling), the trainer's seed and thread
+    count are fixed. The file is written to a temporary name in the same directory and then
+    renamed, so a crash never leaves a truncated model behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sentences = (t for t in itertools.islice(texts, max_sentences) if t)
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences,
+        model_writer=model,
+        model_type="unigram",
+        vocab_size=vocab_size,
+        character_coverage=1.0,
+        pad_id=PAD_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        bos_id=-1,
+        input_sentence_size=0,  # use every sentence given, in order: no random sampling
+        shuffle_input_sentence=False,
+        num_threads=_TRAINER_THREADS,
+        minloglevel=2,
+    )
+    proto = model.getvalue()
+    vocab = Vocabulary(proto, str(path))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(proto)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return vocab
+
+
+def get_or_train_vocabulary(
+    path: str | os.PathLike,
+    texts_fn: Callable[[], Iterable[str]],
+    vocab_size: int,
+    *,
+    texts_name: str = "the training texts",
+    **train_kwargs,
+) -> Vocabulary:
+    """Loads the vocabulary at `path`, or trains it on `texts_fn()` and saves it there first.
+
+    `texts_name` describes the texts in the one line printed before training. A cached
+    model of a different size is an error (delete it, or change vocab_size).
+    """
+    if os.path.exists(path):
+        vocab = load_vocabulary(path)
+        if vocab.vocab_size != vocab_size:
+            raise VocabularyError(
+                f"sentencepiece vocabulary {path} has {vocab.vocab_size} pieces but "
+                f"{vocab_size} were asked for; delete it to retrain, or change vocab_size"
+            )
+        return vocab
+    print(f"training a {vocab_size}-piece sentencepiece vocabulary on {texts_name} -> {path}",
+          flush=True)
+    return train_vocabulary(texts_fn(), vocab_size, path, **train_kwargs)

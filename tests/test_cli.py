@@ -1,0 +1,125 @@
+"""`python -m mtrain` end to end: train, eval, overrides, errors, resume, metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mtrain.__main__ import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [
+    "transformer.d_model=32", "transformer.d_ff=64", "transformer.num_heads=2",
+    "transformer.d_kv=16", "transformer.num_layers=1", "transformer.max_length=32",
+    "vocabulary.size=256", "run.batch_size=8", "run.sequence_length=32",
+    "run.eval_split='test'", "learning_rate_schedule.warmup_steps=5",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    os.environ["MTRAIN_DATA_DIR"] = str(path)
+    yield path
+    del os.environ["MTRAIN_DATA_DIR"]
+
+
+def cli(model_dir, *params, files=("tasks/bible_lm.gin", "layouts/dp4_mp2.gin"), mode=None):
+    argv = [f"--gin_file={f}" for f in files] + [f"--gin_param={p}" for p in [*TINY, *params]]
+    argv += [f"--model_dir={model_dir}"] + ([f"--mode={mode}"] if mode else [])
+    return main(argv)
+
+
+def records(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(model_dir):
+    return {r["step"]: r["train/loss"] for r in records(model_dir) if "train/loss" in r}
+
+
+def test_train_then_eval(data_dir, tmp_path):
+    model_dir = tmp_path / "run"
+    assert cli(model_dir, "run.train_steps=12", "run.log_every=4", "run.checkpoint_every=6") == 0
+    recs = records(model_dir)
+    assert [r["step"] for r in recs if "train/loss" in r] == [4, 8, 12]
+    final = [r for r in recs if "eval/loss" in r]
+    assert len(final) == 1 and final[0]["step"] == 12
+    assert final[0]["eval/perplexity"] > 1 and final[0]["eval/num_tokens"] > 1000
+    config = (model_dir / "config.gin").read_text()
+    assert "run.mesh_shape = 'batch:4;model:2'" in config and "transformer.d_model = 32" in config
+    assert sorted(os.listdir(model_dir / "checkpoints"))[:2] == ["12", "6"]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(model_dir))
+
+    # --mode=eval restores the latest checkpoint and reproduces the final evaluation.
+    assert cli(model_dir, "run.train_steps=12", mode="eval") == 0
+    again = [r for r in records(model_dir) if "eval/loss" in r][-1]
+    assert again["step"] == 12
+    assert again["eval/loss"] == pytest.approx(final[0]["eval/loss"], rel=1e-6)
+
+
+def test_gin_param_overrides_file(data_dir, tmp_path):
+    config = tmp_path / "mine.gin"
+    config.write_text("include 'tasks/bible_lm.gin'\nrun.train_steps = 50\nrun.log_every = 1\n")
+    model_dir = tmp_path / "run"
+    assert cli(model_dir, "run.train_steps=2", "run.mesh_shape='batch:8'",
+               "run.layout_rules='batch:batch'", files=(str(config),)) == 0
+    assert sorted(train_losses(model_dir)) == [1, 2]
+
+
+def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
+    common = ["run.log_every=1", "run.checkpoint_every=3", "transformer.dropout_rate=0.1"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert cli(straight, "run.train_steps=6", *common) == 0
+    assert cli(stopped, "run.train_steps=3", *common) == 0
+    assert cli(stopped, "run.train_steps=6", *common) == 0
+    a, b = train_losses(straight), train_losses(stopped)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert b[step] == pytest.approx(a[step], rel=1e-6), step
+
+
+def test_layouts_give_the_same_first_step_loss(data_dir, tmp_path):
+    losses = []
+    for name, params in [("dp4mp2", []), ("dp8", ["run.mesh_shape='batch:8'"]),
+                         ("single", ["run.mesh_shape=''"])]:
+        assert cli(tmp_path / name, "run.train_steps=1", "run.log_every=1", *params,
+                   files=("quickstart.gin",)) == 0
+        losses.append(train_losses(tmp_path / name)[1])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+
+
+def run_cli(*args, cwd=REPO):
+    env = dict(os.environ, XLA_FLAGS="", TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-m", "mtrain", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def test_typo_in_binding_is_one_clear_error(tmp_path):
+    model_dir = tmp_path / "run"
+    proc = run_cli("--gin_file=quickstart.gin", "--gin_param=run.trian_steps=5",
+                   f"--model_dir={model_dir}")
+    assert proc.returncode == 2
+    assert "trian_steps" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("mtrain: error:") and len(proc.stderr.strip().splitlines()) == 1
+    assert not model_dir.exists()
+
+
+def test_missing_gin_file_and_too_many_devices(tmp_path):
+    proc = run_cli("--gin_file=no_such.gin", f"--model_dir={tmp_path / 'a'}")
+    assert proc.returncode == 2 and "no_such.gin" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("--gin_file=quickstart.gin", f"--model_dir={tmp_path / 'b'}")  # 1 CPU device
+    assert proc.returncode == 2
+    assert "needs 8 devices, but 1 are available" in proc.stderr and "--cpu_devices" in proc.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_help_explains_every_flag():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for flag in ["--gin_file", "--gin_param", "--model_dir", "--mode", "--cpu_devices"]:
+        assert flag in proc.stdout

@@ -1,0 +1,222 @@
+"""Input pipeline: Bible splits, packing, host sharding, resumable iterators, eval passes."""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mtrain.data import packing, sources
+from mtrain.data.pipeline import lm_batches
+from mtrain.data.sources import BibleLM, BibleTranslation
+from mtrain.vocabulary import EOS_ID, UNK_ID, train_vocabulary
+
+LENGTH = 32  # small shapes keep the tests fast
+BATCH = 4
+WINDOW = 16
+EN = BibleLM("en")  # one source, so its split tensors are made once
+
+
+@pytest.fixture(scope="session")
+def vocab(tmp_path_factory):
+    texts = itertools.islice(EN.texts("train"), 3000)
+    return train_vocabulary(texts, 500, tmp_path_factory.mktemp("vocab") / "en_500.model")
+
+
+# --- sources -----------------------------------------------------------------------------
+
+def test_bible_splits_are_disjoint_sets_of_books():
+    assert not VALIDATION_BOOKS.keys() & TEST_BOOKS.keys()
+    books = {split: {v.book for v in sources.bible_split_verses(split)} for split in sources.SPLITS}
+    assert books["validation"] == VALIDATION_BOOKS.keys()
+    assert books["test"] == TEST_BOOKS.keys()
+    assert books["train"] == set(range(1, 67)) - VALIDATION_BOOKS.keys() - TEST_BOOKS.keys()
+    sizes = {split: len(sources.bible_split_verses(split)) for split in sources.SPLITS}
+    assert sum(sizes.values()) == len(sources.bible_verses()) == 31_102
+    assert 0.02 < sizes["validation"] / 31_102 < 0.04 and 0.02 < sizes["test"] / 31_102 < 0.04
+
+
+VALIDATION_BOOKS, TEST_BOOKS = sources.VALIDATION_BOOKS, sources.TEST_BOOKS
+GENESIS_1_1 = ("In the beginning God created the heaven and the earth.",
+               "Au commencement, Dieu créa les cieux et la terre.")
+
+
+def test_known_verse_is_in_train():
+    assert sources.bible_verses()[0] == (1, 1, 1, *GENESIS_1_1)
+    assert BibleLM("en").columns("train")["text"][0] == GENESIS_1_1[0]
+    assert BibleLM("fr").columns("train")["text"][0] == GENESIS_1_1[1]
+    first = next(iter(BibleTranslation("en", "fr").dataset("train")))
+    assert (first["inputs"].numpy().decode(), first["targets"].numpy().decode()) == GENESIS_1_1
+    assert GENESIS_1_1[0] not in set(BibleLM("en").texts("validation"))
+
+
+def test_unknown_split_or_language_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown split 'valid'.*train, validation, test"):
+        BibleLM().dataset("valid")
+    with pytest.raises(ValueError, match="languages"):
+        BibleLM("de")
+
+
+def test_shards_partition_a_split_and_shuffling_is_per_epoch():
+    source = EN
+    split = source.columns("test")["text"]
+    shards = [[x.decode() for x in source.dataset("test", shard=(i, 3)).as_numpy_iterator()
+               for x in [x["text"]]] for i in range(3)]
+    assert sorted(itertools.chain(*shards)) == sorted(split)
+    assert shards[1] == list(split[1::3])
+
+    n = len(shards[1])
+    stream = source.shuffled_dataset("test", seed=7, shard=(1, 3)).take(2 * n)
+    texts = [x["text"].decode() for x in stream.as_numpy_iterator()]
+    epoch1, epoch2 = texts[:n], texts[n:]
+    assert sorted(epoch1) == sorted(epoch2) == sorted(shards[1])
+    assert epoch1 != epoch2 and epoch1 != shards[1]
+    again = source.shuffled_dataset("test", seed=7, shard=(1, 3)).take(n)
+    assert [x["text"].decode() for x in again.as_numpy_iterator()] == epoch1
+
+
+# --- packing -----------------------------------------------------------------------------
+
+def random_examples(rng, count, max_length):
+    """Token sequences of random lengths (some longer than the packing length), EOS last."""
+    return [np.append(rng.integers(2, 100, size=rng.integers(0, max_length)), EOS_ID)
+            .astype(np.int32) for _ in range(count)]
+
+
+def unpack(row, key):
+    """The sequences of a packed row, split by segment id, checking positions and padding."""
+    tokens, segments, positions = (row[key], row[f"{key}_segment_ids"], row[f"{key}_positions"])
+    assert (tokens[segments == 0] == 0).all() and (positions[segments == 0] == 0).all()
+    used = segments > 0
+    assert used[:used.sum()].all()  # padding only at the end
+    sequences = []
+    for segment in range(1, segments.max(initial=0) + 1):
+        where = np.flatnonzero(segments == segment)
+        assert len(where) and (np.diff(where) == 1).all()  # contiguous, in segment order
+        assert (positions[where] == np.arange(len(where))).all()
+        sequences.append(tokens[where].tolist())
+    return sequences
+
+
+def pack(examples, keys, length, window):
+    signature = {k: tf.TensorSpec([None], tf.int32) for k in keys}
+    dataset = tf.data.Dataset.from_generator(lambda: iter(examples), output_signature=signature)
+    return list(packing.trim_and_pack(dataset, keys, length, window).as_numpy_iterator())
+
+
+def test_packing_one_key_keeps_examples_whole_and_in_order():
+    rng = np.random.default_rng(0)
+    examples = [{"targets": x} for x in random_examples(rng, 100, 30)]
+    rows = pack(examples, ("targets",), 16, window=9)
+    for row in rows:
+        assert set(row) == {"targets", "targets_segment_ids", "targets_positions"}
+        assert all(v.shape == (16,) and v.dtype == np.int32 for v in row.values())
+    unpacked = [seq for row in rows for seq in unpack(row, "targets")]
+    assert unpacked == [x["targets"][:16].tolist() for x in examples]  # trimmed to 16
+    assert any(len(x["targets"]) > 16 for x in examples)
+    assert max(row["targets_segment_ids"].max() for row in rows) > 1  # rows hold several
+
+
+def test_packing_worked_example():
+    examples = [{"targets": np.array(x, np.int32)} for x in ([7, 8, 1], [5, 1], [9, 9, 9, 1])]
+    rows = pack(examples, ("targets",), 8, window=3)
+    assert [r["targets"].tolist() for r in rows] == [[7, 8, 1, 5, 1, 0, 0, 0],
+                                                     [9, 9, 9, 1, 0, 0, 0, 0]]
+    assert [r["targets_segment_ids"].tolist() for r in rows] == [[1, 1, 1, 2, 2, 0, 0, 0],
+                                                                 [1, 1, 1, 1, 0, 0, 0, 0]]
+    assert [r["targets_positions"].tolist() for r in rows] == [[0, 1, 2, 0, 1, 0, 0, 0],
+                                                               [0, 1, 2, 3, 0, 0, 0, 0]]
+
+
+def test_packing_two_keys_keeps_segments_aligned():
+    rng = np.random.default_rng(1)
+    examples = [{"inputs": a, "targets": b}
+                for a, b in zip(random_examples(rng, 80, 20), random_examples(rng, 80, 12))]
+    rows = pack(examples, ("inputs", "targets"), 12, window=10)
+    pairs = []
+    for row in rows:
+        inputs, targets = unpack(row, "inputs"), unpack(row, "targets")
+        assert len(inputs) == len(targets)  # example i is segment i in both keys
+        pairs += zip(inputs, targets)
+    assert pairs == [(x["inputs"][:12].tolist(), x["targets"][:12].tolist()) for x in examples]
+
+
+# --- batches -----------------------------------------------------------------------------
+
+def train_batches(vocab, **kwargs):
+    return lm_batches(EN, vocab, "train", LENGTH, BATCH, seed=5, train=True,
+                      window=WINDOW, **kwargs)
+
+
+def assert_same(batches_a, batches_b):
+    assert len(batches_a) == len(batches_b)
+    for a, b in zip(batches_a, batches_b):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_train_batches_shape_and_content(vocab):
+    batch = next(train_batches(vocab))
+    assert set(batch) == {"targets", "targets_segment_ids", "targets_positions"}
+    for value in batch.values():
+        assert value.shape == (BATCH, LENGTH) and value.dtype == np.int32
+    train = list(EN.texts("train"))
+    for i in range(BATCH):
+        for sequence in unpack({k: v[i] for k, v in batch.items()}, "targets"):
+            if UNK_ID not in sequence:  # each is a (trimmed) training verse
+                text = vocab.decode(sequence)
+                assert any(verse.startswith(text) for verse in train)
+
+
+def test_process_batches_are_rows_of_the_global_batch(vocab):
+    single = train_batches(vocab)
+    halves = [train_batches(vocab, process_index=p, process_count=2) for p in range(2)]
+    for _ in range(3):
+        expected = next(single)
+        got = [next(h) for h in halves]
+        assert_same([expected], [{k: np.concatenate([g[k] for g in got]) for k in expected}])
+
+
+def test_restored_iterator_continues_exactly(vocab, tmp_path):
+    batches = train_batches(vocab)
+    for _ in range(2):
+        next(batches)
+    batches.save(tmp_path)
+    expected = [next(batches) for _ in range(3)]
+    restored = train_batches(vocab)
+    restored.restore(tmp_path)
+    assert_same([next(restored) for _ in range(3)], expected)
+    with pytest.raises(FileNotFoundError, match="process-0-of-2"):
+        train_batches(vocab, process_count=2).restore(tmp_path)
+    other = lm_batches(EN, vocab, "train", LENGTH, BATCH, seed=6, train=True, window=WINDOW)
+    with pytest.raises(ValueError, match=r"different pipeline .*'seed': \(5, 6\)"):
+        other.restore(tmp_path)
+
+
+def test_eval_pass_sees_every_token_once(vocab):
+    length, batch_size = 64, 32
+    batches = list(lm_batches(EN, vocab, "validation", length, batch_size, train=False))
+    assert all(b["targets"].shape == (batch_size, length) for b in batches)
+    rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    used = rows["targets_segment_ids"] > 0
+    # Every verse, trimmed, in order, once: the tokens of all segments one after the other,
+    # each segment's positions counting from 0.
+    expected = [(vocab.encode(t) + [EOS_ID])[:length] for t in EN.texts("validation")]
+    np.testing.assert_array_equal(rows["targets"][used], np.concatenate(expected))
+    np.testing.assert_array_equal(rows["targets_positions"][used],
+                                  np.concatenate([np.arange(len(x)) for x in expected]))
+    assert (rows["targets"][~used] == 0).all()
+    rows_used = used.any(axis=1)
+    assert rows_used[:rows_used.sum()].all()  # only the last batch has all-zero rows
+
+    halves = [list(lm_batches(EN, vocab, "validation", length, batch_size, train=False,
+                              process_index=p, process_count=2))
+              for p in range(2)]
+    assert_same([{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves)],
+                batches)
+
+
+def test_bad_process_count_is_a_clear_error(vocab):
+    with pytest.raises(ValueError, match="batch_size 4 is not divisible by the 3 processes"):
+        train_batches(vocab, process_count=3)
