@@ -19,6 +19,8 @@ import numpy as np
 import sentencepiece as spm
 import tensorflow as tf
 
+from mtrain.errors import UserError
+
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
@@ -28,7 +30,7 @@ UNK_ID = 2
 _TRAINER_THREADS = 4
 
 
-class VocabularyError(ValueError):
+class VocabularyError(UserError, ValueError):
     """A vocabulary file is missing, unreadable, or does not match the configuration."""
 
 

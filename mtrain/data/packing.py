@@ -18,13 +18,18 @@ sequences fit. Examples longer than `length` are trimmed first.
 
 Packing is greedy over windows of `window` consecutive examples: each example goes into
 the current row if it fits, else starts a new row; the last row of a window is emitted even
-if not full. Deterministic; the only Python (a `tf.numpy_function` choosing each example's
-row) is a pure function, so an iterator over a packed dataset can be checkpointed with
-`tf.data.Options.experimental_external_state_policy = IGNORE` (see pipeline.py).
+if not full. The packing of a window is one `tf.numpy_function` call of plain numpy: a graph
+of small TensorFlow ops doing the same ran ~10x slower inside tf.data. It is deterministic
+and a pure function of its input, so an iterator over a packed dataset can be checkpointed
+with `tf.data.Options.experimental_external_state_policy = IGNORE` (see pipeline.py).
 """
 
 import numpy as np
 import tensorflow as tf
+
+# Functions given to tf.data are plain TensorFlow code: skipping AutoGraph's source
+# rewriting saves about a second per function traced.
+no_autograph = tf.autograph.experimental.do_not_convert
 
 
 def trim_and_pack(dataset: tf.data.Dataset, keys: tuple[str, ...], length: int,
@@ -40,42 +45,24 @@ def trim_and_pack(dataset: tf.data.Dataset, keys: tuple[str, ...], length: int,
     return dataset.unbatch()
 
 
-# Functions given to tf.data are plain TensorFlow code: skipping AutoGraph's source
-# rewriting saves about a second per function traced.
-no_autograph = tf.autograph.experimental.do_not_convert
-
-
 @no_autograph
 def pack_batch(batch: dict[str, tf.RaggedTensor], keys: tuple[str, ...],
                length: int) -> dict[str, tf.Tensor]:
     """Trims and packs a batch of examples given as one ragged [n, (tokens)] tensor per key.
 
-    Returns, per key, the three [rows, length] tensors described in the module docstring.
+    Returns, per key, the three [rows, length] int32 tensors described in the module
+    docstring.
     """
-    batch = {k: _as_ragged(batch[k])[:, :length] for k in keys}
-    lengths = tf.stack([tf.cast(batch[k].row_lengths(), tf.int32) for k in keys], axis=1)
-    row, start = _assign_rows(lengths, length)
-    num_rows = tf.reduce_max(tf.concat([row + 1, [0]], axis=0))
-    # Segment id of an example: 1 + its index minus the index of its row's first example.
-    index = tf.range(tf.shape(row)[0])
-    first_in_row = tf.math.unsorted_segment_min(index, row, num_rows)
-    segment = index - tf.gather(first_in_row, row) + 1
-
-    packed = {}
-    for key_index, k in enumerate(keys):
-        tokens = batch[k]
-        example = tf.cast(tokens.value_rowids(), tf.int32)  # example of each token
-        position = tf.range(tf.shape(tokens.values)[0]) - tf.gather(
-            tf.cast(tokens.row_splits, tf.int32), example)
-        column = tf.gather(start[:, key_index], example) + position
-        where = tf.stack([tf.gather(row, example), column], axis=1)
-        shape = tf.stack([num_rows, length])
-        packed[k] = tf.scatter_nd(where, tf.cast(tokens.values, tf.int32), shape)
-        packed[f"{k}_segment_ids"] = tf.scatter_nd(where, tf.gather(segment, example), shape)
-        packed[f"{k}_positions"] = tf.scatter_nd(where, position, shape)
-    for value in packed.values():
+    arrays = []
+    for k in keys:
+        tokens = _as_ragged(batch[k])
+        arrays += [tf.cast(tokens.values, tf.int32), tf.cast(tokens.row_splits, tf.int64)]
+    packed = tf.numpy_function(lambda *arrays: pack_arrays(arrays, length), arrays,
+                               [tf.int32] * (3 * len(keys)), stateful=False)
+    names = [f"{k}{suffix}" for k in keys for suffix in ("", "_segment_ids", "_positions")]
+    for value in packed:
         value.set_shape([None, length])
-    return packed
+    return dict(zip(names, packed))
 
 
 def _as_ragged(tokens: tf.Tensor | tf.RaggedTensor) -> tf.RaggedTensor:
@@ -85,24 +72,46 @@ def _as_ragged(tokens: tf.Tensor | tf.RaggedTensor) -> tf.RaggedTensor:
     return tf.RaggedTensor.from_tensor(tokens)
 
 
-def _assign_rows(lengths: tf.Tensor, length: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """Greedy next-fit: for example lengths [n, keys], each example's row and start columns.
+def pack_arrays(arrays: list[np.ndarray], length: int) -> list[np.ndarray]:
+    """numpy side of `pack_batch`.
 
-    Returns `row` [n] (0, 0, 1, 1, 1, 2, ...) and `start` [n, keys], the column where each
-    of the example's sequences begins in its row. The loop over examples is plain Python
-    (a tf.while_loop costs ~100x more per step); it is a pure function of its input.
+    `arrays` is (values, row_splits) for each key: example i of that key is
+    values[row_splits[i]:row_splits[i + 1]]. Returns (tokens, segment_ids, positions) for
+    each key, each [rows, length].
     """
-    row, start = tf.numpy_function(
-        lambda x: next_fit(x, length), [lengths], [tf.int32, tf.int32], stateful=False)
-    row.set_shape([None])
-    start.set_shape(lengths.shape)
-    return row, start
+    values, row_splits = arrays[0::2], arrays[1::2]
+    lengths = np.stack([np.minimum(np.diff(splits), length) for splits in row_splits], axis=1)
+    row, start = next_fit(lengths, length)
+    num_examples, num_rows = len(row), (row[-1] + 1 if len(row) else 0)
+    # Segment id of an example: 1 + its index minus the index of its row's first example.
+    starts_row = np.ones(num_examples, bool)
+    starts_row[1:] = row[1:] != row[:-1]
+    segment = np.arange(num_examples) - np.flatnonzero(starts_row)[row] + 1
+
+    packed = []
+    for k, (key_values, splits) in enumerate(zip(values, row_splits)):
+        kept = lengths[:, k]  # tokens kept of each example after trimming
+        example = np.repeat(np.arange(num_examples), kept)  # the example of each kept token
+        position = np.arange(len(example)) - (np.cumsum(kept) - kept)[example]
+        where = row[example], start[example, k] + position  # its (row, column) when packed
+        tokens, segment_ids, positions = (np.zeros((num_rows, length), np.int32)
+                                          for _ in range(3))
+        tokens[where] = key_values[splits[example] + position]
+        segment_ids[where] = segment[example]
+        positions[where] = position
+        packed += [tokens, segment_ids, positions]
+    return packed
 
 
 def next_fit(lengths: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """numpy side of `_assign_rows`: each example joins the current row if all its keys fit."""
+    """Greedy next-fit of examples with lengths [n, keys] into rows of `length`.
+
+    Each example joins the current row if all its keys fit, else starts a new row. Returns
+    `row` [n] (0, 0, 1, 1, 1, 2, ...) and `start` [n, keys], the column where each of the
+    example's sequences begins in its row.
+    """
     row = np.zeros(len(lengths), np.int32)
-    start = np.zeros_like(lengths, dtype=np.int32)
+    start = np.zeros(lengths.shape, np.int32)
     current, used = -1, None
     for i, example_lengths in enumerate(lengths.tolist()):
         if used is None or any(u + n > length for u, n in zip(used, example_lengths)):

@@ -22,6 +22,8 @@ from typing import Iterator, NamedTuple, Sequence
 
 import tensorflow as tf
 
+from mtrain.errors import UserError
+
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 BIBLE_FILE = DATA_DIR / "bible_kjv_lsg.tsv.xz"
 BIBLE_LANGUAGES = ("en", "fr")
@@ -35,11 +37,17 @@ VALIDATION_BOOKS = {8: "Ruth", 21: "Ecclesiastes", 27: "Daniel", 45: "Romans"}  
 TEST_BOOKS = {17: "Esther", 22: "Song of Solomon", 28: "Hosea", 46: "1 Corinthians"}  # 918 verses
 
 
+class DataError(UserError, ValueError):
+    """A data request that cannot work: an unknown split or language, too little data, an
+    input state saved by a different pipeline."""
+
+
 class TextSource(abc.ABC):
     """A corpus with named splits; subclasses say how to read a split."""
 
     features: tuple[str, ...]  # names of the string features of every example
     splits: tuple[str, ...] = SPLITS
+    shuffle_buffer: int = 10_000  # examples, for the default shuffled_dataset
 
     @abc.abstractmethod
     def dataset(self, split: str, shard: tuple[int, int] | None = None) -> tf.data.Dataset:
@@ -64,16 +72,14 @@ class TextSource(abc.ABC):
         dataset = dataset.shuffle(self.shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
         return dataset.repeat()
 
-    shuffle_buffer: int = 10_000
-
     @abc.abstractmethod
     def texts(self, split: str) -> Iterator[str]:
         """Every string of every feature of `split`, for training a vocabulary."""
 
     def check_split(self, split: str) -> str:
-        """Returns `split`, or raises a ValueError naming the valid splits."""
+        """Returns `split`, or raises a DataError naming the valid splits."""
         if split not in self.splits:
-            raise ValueError(
+            raise DataError(
                 f"unknown split {split!r} for {type(self).__name__}; valid splits: "
                 + ", ".join(self.splits)
             )
@@ -99,6 +105,10 @@ class InMemorySource(TextSource):
         """
         tensors = self._shard_tensors(split, shard)
         size = tf.shape(next(iter(tensors.values())))[0]
+        # An empty shard would make the endless stream below spin forever: fail instead.
+        with tf.control_dependencies([tf.debugging.assert_positive(
+                size, message=f"{type(self).__name__}: empty shard of split {split!r}")]):
+            size = tf.identity(size)
         seed = tf.cast(seed, tf.int64)
 
         @tf.autograph.experimental.do_not_convert
@@ -154,11 +164,11 @@ class Verse(NamedTuple):
 def bible_verses() -> tuple[Verse, ...]:
     """Every verse of the shipped Bible in file order; the file is read once per process."""
     if not BIBLE_FILE.exists():
-        raise FileNotFoundError(f"the shipped corpus {BIBLE_FILE} is missing")
+        raise DataError(f"the shipped corpus {BIBLE_FILE} is missing")
     with lzma.open(BIBLE_FILE, "rt", encoding="utf-8") as f:
         header = f.readline().rstrip("\n").split("\t")
         if header != list(Verse._fields):
-            raise ValueError(f"{BIBLE_FILE}: unexpected header {header}")
+            raise DataError(f"{BIBLE_FILE}: unexpected header {header}")
         verses = []
         for line in f:
             book, chapter, verse, en, fr = line.rstrip("\n").split("\t")
@@ -189,7 +199,7 @@ def bible_column(split: str, language: str) -> tuple[str, ...]:
 
 def _check_language(language: str) -> str:
     if language not in BIBLE_LANGUAGES:
-        raise ValueError(f"the Bible corpus has languages {BIBLE_LANGUAGES}, not {language!r}")
+        raise DataError(f"the Bible corpus has languages {BIBLE_LANGUAGES}, not {language!r}")
     return language
 
 
