@@ -105,10 +105,18 @@ def _format_mesh(mesh_shape: MeshShape) -> str:
 class Layout:
     """A mesh shape plus layout rules: logical dimension names -> `PartitionSpec`s and a `Mesh`."""
 
-    def __init__(self, mesh_shape: str | Sequence = "", layout_rules: str | Sequence = ""):
+    def __init__(self, mesh_shape: str | Sequence = "", layout_rules: str | Sequence = "",
+                 drop_unused_rules: bool = False):
+        """`drop_unused_rules`: ignore rules whose mesh dimension the mesh lacks (Mesh-TF's
+        behaviour, so one set of rules serves every mesh) instead of raising `LayoutError`;
+        the dropped rules are kept in `self.dropped_rules`."""
         self.mesh_shape = parse_mesh_shape(mesh_shape)
         self.layout_rules = parse_layout_rules(layout_rules)
         self.mesh_dims = dict(self.mesh_shape)
+        self.dropped_rules = []
+        if drop_unused_rules:
+            self.dropped_rules = [r for r in self.layout_rules if r[1] not in self.mesh_dims]
+            self.layout_rules = [r for r in self.layout_rules if r[1] in self.mesh_dims]
         for tensor_dim, mesh_dim in self.layout_rules:
             if mesh_dim not in self.mesh_dims:
                 raise LayoutError(

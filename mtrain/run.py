@@ -140,7 +140,10 @@ def run(
         raise ConfigError(f"unknown mode {mode!r}; use train or eval")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
     task_obj = tasks_lib.get_task(task)
-    layout = Layout(mesh_shape, layout_rules)
+    layout = Layout(mesh_shape, layout_rules, drop_unused_rules=True)
+    for tensor_dim, mesh_dim in layout.dropped_rules:
+        log.warning("layout rule '%s:%s' ignored: the mesh %r has no dimension %r",
+                    tensor_dim, mesh_dim, mesh_shape, mesh_dim)
     mesh = layout.make_mesh()
     source = task_obj.make_source(data_dir)
     source.check_split(eval_split)

@@ -63,10 +63,10 @@ def test_train_then_eval(data_dir, tmp_path):
 
 def test_gin_param_overrides_file(data_dir, tmp_path):
     config = tmp_path / "mine.gin"
-    config.write_text("include 'tasks/bible_lm.gin'\nrun.train_steps = 50\nrun.log_every = 1\n")
+    config.write_text("include 'tasks/bible_lm.gin'\ninclude 'layouts/dp4_mp2.gin'\n"
+                      "run.train_steps = 50\nrun.log_every = 1\n")
     model_dir = tmp_path / "run"
-    assert cli(model_dir, "run.train_steps=2", "run.mesh_shape='batch:8'",
-               "run.layout_rules='batch:batch'", files=(str(config),)) == 0
+    assert cli(model_dir, "run.train_steps=2", files=(str(config),)) == 0
     assert sorted(train_losses(model_dir)) == [1, 2]
 
 
@@ -83,18 +83,23 @@ def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
 
 
 def test_layouts_give_the_same_first_step_loss(data_dir, tmp_path):
+    first = ["run.train_steps=1", "run.log_every=1", "run.eval_split='test'"]
     losses = []
-    for name, params in [("dp4mp2", []), ("dp8", ["run.mesh_shape='batch:8'"]),
-                         ("single", ["run.mesh_shape=''"])]:
-        assert cli(tmp_path / name, "run.train_steps=1", "run.log_every=1", *params,
-                   files=("quickstart.gin",)) == 0
+    for name, params in [("dp4mp2", []), ("dp8", ["run.mesh_shape='batch:8'"])]:
+        assert cli(tmp_path / name, *first, *params, files=("quickstart.gin",)) == 0
         losses.append(train_losses(tmp_path / name)[1])
+    # One device, in a process of its own made with --cpu_devices=1.
+    proc = run_cli("--gin_file=quickstart.gin", "--cpu_devices=1", "--gin_param=run.mesh_shape=''",
+                   *[f"--gin_param={p}" for p in [*TINY, *first]],
+                   f"--model_dir={tmp_path / 'single'}")
+    assert proc.returncode == 0, proc.stderr
+    losses.append(train_losses(tmp_path / "single")[1])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert losses[2] == pytest.approx(losses[0], rel=1e-5)
 
 
 def run_cli(*args, cwd=REPO):
-    env = dict(os.environ, XLA_FLAGS="", TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
     return subprocess.run([sys.executable, "-m", "mtrain", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=300)
 

@@ -119,3 +119,10 @@ def test_constrain_is_a_no_op_without_layout_and_shards_with_one():
     assert y.sharding.spec == P("batch", None, "model")
     np.testing.assert_array_equal(y, 2 * np.ones((4, 3, 8)))
     assert {s.data.shape for s in y.addressable_shards} == {(2, 3, 2)}
+
+
+def test_rules_for_absent_mesh_dimensions_can_be_dropped():
+    # The run uses Mesh-TF's behaviour so one set of rules serves every mesh.
+    layout = Layout("batch:8", "batch:batch;d_ff:model", drop_unused_rules=True)
+    assert layout.dropped_rules == [("d_ff", "model")]
+    assert layout.partition_spec(("batch", "d_ff")) == P("batch", None)
