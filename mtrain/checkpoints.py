@@ -54,7 +54,9 @@ class Checkpoints:
     """Keeps the last `keep` checkpoints of a model dir."""
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
-        self.directory = epath.Path(directory)
+        # orbax's tensorstore writer needs an absolute path (a relative one fails in the
+        # background save thread, after the step has moved on).
+        self.directory = epath.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )

@@ -61,13 +61,15 @@ def test_train_then_eval(data_dir, tmp_path):
     assert again["eval/loss"] == pytest.approx(final[0]["eval/loss"], rel=1e-6)
 
 
-def test_gin_param_overrides_file(data_dir, tmp_path):
+def test_gin_param_overrides_file_and_relative_model_dir(data_dir, tmp_path, monkeypatch):
     config = tmp_path / "mine.gin"
     config.write_text("include 'tasks/bible_lm.gin'\ninclude 'layouts/dp4_mp2.gin'\n"
                       "run.train_steps = 50\nrun.log_every = 1\n")
-    model_dir = tmp_path / "run"
-    assert cli(model_dir, "run.train_steps=2", files=(str(config),)) == 0
-    assert sorted(train_losses(model_dir)) == [1, 2]
+    monkeypatch.chdir(tmp_path)  # a model dir relative to the working directory, as in the README
+    assert cli("run", "run.train_steps=2", files=("mine.gin",)) == 0
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+    assert os.path.isfile(tmp_path / "run" / "checkpoints" / "2" / "state" / "_METADATA")
 
 
 def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
