@@ -65,3 +65,34 @@ def test_adafactor_update_is_relative_and_clipped():
         updates, _ = tx.update(grads, tx.init(params), params)
         rms = float(jnp.sqrt(jnp.mean(updates["w"] ** 2)))
         np.testing.assert_allclose(rms, 0.1 * scale, rtol=1e-3)
+
+
+def test_split_vocab_loss_never_all_gathers_the_logits():
+    """With vocab split over the mesh, loss and gradient need only all-reduces of
+    [batch, length] values: the logits are never gathered whole onto a device."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mtrain.layout import Layout
+
+    layout = Layout("batch:2;model:4", "batch:batch;vocab:model")
+    mesh = layout.make_mesh()
+    logits_sharding = layout.sharding(mesh, ("batch", "length", "vocab"), (8, 16, 512))
+    ids_sharding = NamedSharding(mesh, PartitionSpec("batch", None))
+
+    def loss(logits, targets):
+        per_token, _ = losses.cross_entropy(logits, targets, targets > 0, z_loss=1e-4,
+                                            label_smoothing=0.1)
+        return per_token.sum()
+
+    step = jax.jit(jax.value_and_grad(loss), in_shardings=(logits_sharding, ids_sharding))
+    shapes = (jax.ShapeDtypeStruct((8, 16, 512), jnp.float32),
+              jax.ShapeDtypeStruct((8, 16), jnp.int32))
+    hlo = step.lower(*shapes).compile().as_text()
+    assert "all-reduce" in hlo and "all-gather" not in hlo
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(8, 16, 512)).astype(np.float32)
+    targets = rng.integers(0, 512, (8, 16)).astype(np.int32)
+    value, grad = step(logits, targets)
+    expected_value, expected_grad = jax.value_and_grad(loss)(logits, targets)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-7)
