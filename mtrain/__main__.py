@@ -26,6 +26,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where checkpoints, metrics.jsonl, TensorBoard events and config.gin go; "
                         "a run on a dir with checkpoints resumes from the latest one "
                         "(default: run.model_dir from gin, else ./runs/default)")
+    p.add_argument("--data_source", default=None, metavar="DIR",
+                   help="TFDS tasks (lm1b, wmt14_enfr): run the real TFDS builder on raw files in "
+                        "DIR, laid out as the official archives (make them with python -m "
+                        "mtrain.data.make_offline), or 'shipped' to make them from the corpus in "
+                        "data/; without it TFDS downloads (same as run.data_source)")
     p.add_argument("--mode", choices=["train", "eval"], default=None,
                    help="train (default), or eval: evaluate the latest checkpoint of --model_dir")
     p.add_argument("--cpu_devices", type=int, default=None, metavar="N",
@@ -64,6 +69,8 @@ def main(argv=None) -> int:
             kwargs["model_dir"] = os.path.join("runs", "default")
         if args.mode is not None:
             kwargs["mode"] = args.mode
+        if args.data_source is not None:
+            kwargs["data_source"] = args.data_source
         run_lib.run(**kwargs)
     except UserError as e:
         if args.verbose:

@@ -20,7 +20,7 @@ import numpy as np
 from mtrain import optimizer as optimizer_lib
 from mtrain import tasks as tasks_lib
 from mtrain.checkpoints import Checkpoints, CheckpointError
-from mtrain.data.pipeline import lm_batches
+from mtrain.data.pipeline import batches
 from mtrain.errors import ConfigError
 from mtrain.layout import Layout
 from mtrain.metrics import MetricsWriter, log
@@ -50,14 +50,16 @@ def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
 
 
 @gin.configurable
-def vocabulary(task: tasks_lib.Task, data_dir: str, size: int = 8192, path: str | None = None
-               ) -> Vocabulary:
-    """The task's sentencepiece vocabulary: `path` if given, else trained once and cached."""
+def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = 8192,
+               path: str | None = None) -> Vocabulary:
+    """The task's sentencepiece vocabulary: `path` if given, else trained once on the task's
+    training text (every feature: one joint vocabulary for translation) and cached next to
+    the data."""
     if path:
         return load_vocabulary(path)
-    cached = os.path.join(data_dir, task.name, f"spm_{size}.model")
+    cached = os.path.join(source.cache_dir(data_dir), task.name, f"spm_{size}.model")
     return get_or_train_vocabulary(
-        cached, lambda: task.make_source(data_dir).texts("train"), size,
+        cached, lambda: source.texts("train"), size,
         texts_name=f"the {task.name} training split",
     )
 
@@ -83,17 +85,18 @@ class Experiment:
     keep_checkpoints: int
     eval_split: str
     schedule: object
+    mode: str = "train"
 
     def train_batches(self):
-        return lm_batches(
-            self.source, self.vocab, "train", self.sequence_length, self.batch_size, self.seed,
-            train=True, process_index=jax.process_index(), process_count=jax.process_count(),
-        )
+        return self._batches("train", train=True)
 
     def eval_batches(self):
-        return lm_batches(
-            self.source, self.vocab, self.eval_split, self.sequence_length, self.batch_size,
-            self.seed, train=False, process_index=jax.process_index(),
+        return self._batches(self.eval_split, train=False)
+
+    def _batches(self, split: str, train: bool):
+        return batches(
+            self.source, self.vocab, split, self.task.features, self.sequence_length,
+            self.batch_size, self.seed, train=train, process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
 
@@ -107,13 +110,14 @@ def _positive(name: str, value) -> None:
         raise ConfigError(f"run.{name} must be a positive integer, got {value!r}")
 
 
-@gin.configurable
-def run(
+@gin.configurable("run")
+def build(
     model_dir: str,
     mode: str = "train",
     *,
     task: str = "bible_lm",
     data_dir: str | None = None,
+    data_source: str | None = None,
     mesh_shape: str = "",
     layout_rules: str = "batch:batch;d_ff:model;heads:model;vocab:model",
     batch_size: int = 32,
@@ -124,12 +128,17 @@ def run(
     eval_every: int = 0,
     checkpoint_every: int = 500,
     keep_checkpoints: int = 3,
-    eval_split: str = "validation",
+    eval_split: str | None = None,
 ):
-    """Trains (``mode='train'``) or evaluates the latest checkpoint (``mode='eval'``).
+    """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
+
+    `mode` is 'train' or 'eval' (evaluate the latest checkpoint); see `run`.
 
     `eval_every` = 0 evaluates only at the end of training. `data_dir` (default
     $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and cached vocabularies.
+    `data_source` (TFDS tasks): a directory of raw files laid out as the official archives,
+    or 'shipped' to make them from the shipped corpus; None downloads. `eval_split`
+    defaults to the task's.
     """
     for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
                         ("train_steps", train_steps), ("log_every", log_every),
@@ -140,14 +149,18 @@ def run(
         raise ConfigError(f"unknown mode {mode!r}; use train or eval")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
     task_obj = tasks_lib.get_task(task)
+    if task_obj.kind != "lm":
+        raise ConfigError(f"task {task!r} is a {task_obj.kind} task, which needs the "
+                          f"encoder-decoder model; mtrain trains decoder-only LM tasks so far")
+    eval_split = eval_split or task_obj.eval_split
     layout = Layout(mesh_shape, layout_rules, drop_unused_rules=True)
     for tensor_dim, mesh_dim in layout.dropped_rules:
         log.warning("layout rule '%s:%s' ignored: the mesh %r has no dimension %r",
                     tensor_dim, mesh_dim, mesh_shape, mesh_dim)
     mesh = layout.make_mesh()
-    source = task_obj.make_source(data_dir)
+    source = task_obj.source(data_dir, data_source)
     source.check_split(eval_split)
-    vocab = vocabulary(task_obj, data_dir)
+    vocab = vocabulary(task_obj, source, data_dir)
     # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
     # dimension up to 128; the extra ids never occur in the data.
     model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab.vocab_size / 128))
@@ -165,11 +178,18 @@ def run(
         layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
         train_steps=train_steps, seed=seed, log_every=log_every, eval_every=eval_every,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-        eval_split=eval_split, schedule=schedule,
+        eval_split=eval_split, schedule=schedule, mode=mode,
     )
     log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
              layout, jax.device_count())
-    return train(exp) if mode == "train" else evaluate_checkpoint(exp)
+    return exp
+
+
+def run(**overrides) -> dict:
+    """Trains (``run.mode='train'``) or evaluates the latest checkpoint (``'eval'``), as the
+    gin config and `overrides` (e.g. model_dir from the command line) say."""
+    exp = build(**overrides)
+    return train(exp) if exp.mode == "train" else evaluate_checkpoint(exp)
 
 
 def _describe(c: TransformerConfig) -> str:
@@ -237,7 +257,8 @@ def train(exp: Experiment) -> dict:
 
 
 def evaluate(exp: Experiment, params, step: int, writer: MetricsWriter) -> dict:
-    """Token-level loss, perplexity and accuracy over the whole held-out split."""
+    """Token-level loss, perplexity and accuracy over the whole held-out split, and for
+    language models the word-level perplexity and the unigram baseline."""
     totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0}
     for batch in exp.eval_batches():
         sums = jax.device_get(exp.trainer.eval_step(params, exp.trainer.place_batch(batch)))
@@ -249,37 +270,52 @@ def evaluate(exp: Experiment, params, step: int, writer: MetricsWriter) -> dict:
         "eval/perplexity": math.exp(min(loss, 50.0)),
         "eval/accuracy": totals["correct"] / n,
         "eval/num_tokens": totals["num_tokens"],
-        "eval/unigram_perplexity": unigram_perplexity(exp),
     }
+    if "word_perplexity" in exp.task.metrics:
+        stats = heldout_statistics(exp)
+        results["eval/word_perplexity"] = math.exp(min(totals["xent_sum"] / stats["words"], 50.0))
+        results["eval/num_words"] = stats["words"]
+        results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
     writer.write(step, results)
     return results
 
 
-_UNIGRAM_CACHE: dict = {}
+_HELDOUT_CACHE: dict = {}
 
 
-def unigram_perplexity(exp: Experiment, max_texts: int = 200_000) -> float:
-    """Perplexity of the held-out tokens under the training split's (add-one) unigram model.
+def heldout_statistics(exp: Experiment, max_texts: int = 200_000) -> dict:
+    """Counts over the held-out split of a language-modelling task, computed once per run.
 
-    The baseline a language model has to beat; computed once per run from at most
-    `max_texts` training texts.
+    - ``words``: the words whose tokens the evaluation scores: the whitespace-separated words
+      of each example plus one for the end of sentence, as LM1B's own evaluation counts
+      ``</S>``; of an example trimmed to the sequence length, the words of its kept tokens. Word-level
+      perplexity is exp(total token log-loss / words), the number T2T and the Mesh-TF paper
+      report for lm1b.
+    - ``unigram_perplexity``: perplexity of the held-out tokens under the (add-one) unigram
+      model of at most `max_texts` training texts: the baseline a language model must beat.
     """
-    key = (exp.task.name, exp.eval_split, exp.vocab.vocab_size)
-    if key not in _UNIGRAM_CACHE:
-        counts = np.ones(exp.vocab.vocab_size)
-        for i, text in enumerate(exp.source.texts("train")):
-            if i >= max_texts:
-                break
-            ids = (exp.vocab.encode(text) + [exp.vocab.eos_id])[: exp.sequence_length]
-            np.add.at(counts, ids, 1)
+    vocab = exp.vocab
+    key = (exp.source.description(), exp.eval_split, vocab.model_proto, exp.sequence_length)
+    if key not in _HELDOUT_CACHE:
+        def kept(text):
+            return (vocab.encode(text) + [vocab.eos_id])[: exp.sequence_length]
+
+        counts = np.ones(vocab.vocab_size)
+        for text in exp.source.texts("train", limit=max_texts):
+            np.add.at(counts, kept(text), 1)
         log_p = np.log(counts / counts.sum())
-        total, n = 0.0, 0
+        log_loss, tokens, words = 0.0, 0, 0
         for text in exp.source.texts(exp.eval_split):
-            ids = (exp.vocab.encode(text) + [exp.vocab.eos_id])[: exp.sequence_length]
-            total -= log_p[ids].sum()
-            n += len(ids)
-        _UNIGRAM_CACHE[key] = math.exp(total / max(n, 1))
-    return _UNIGRAM_CACHE[key]
+            ids = kept(text)
+            log_loss -= log_p[ids].sum()
+            tokens += len(ids)
+            if ids[-1] == vocab.eos_id:  # kept whole
+                words += len(text.split()) + 1
+            else:  # trimmed: the words (the last one perhaps in part) of the kept tokens
+                words += len(vocab.decode(ids).split())
+        _HELDOUT_CACHE[key] = {"words": max(words, 1),
+                               "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
+    return _HELDOUT_CACHE[key]
 
 
 def evaluate_checkpoint(exp: Experiment) -> dict:

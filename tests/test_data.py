@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from mtrain.data import packing, sources
-from mtrain.data.pipeline import lm_batches
+from mtrain.data.pipeline import batches, lm_batches
 from mtrain.data.sources import BibleLM, BibleTranslation, DataError
 from mtrain.vocabulary import EOS_ID, UNK_ID, train_vocabulary
 
@@ -221,3 +221,28 @@ def test_eval_pass_sees_every_token_once(vocab):
 def test_bad_process_count_is_a_clear_error(vocab):
     with pytest.raises(ValueError, match="batch_size 4 is not divisible by the 3 processes"):
         train_batches(vocab, process_count=3)
+
+
+def test_translation_batches_pack_aligned_pairs(tmp_path):
+    source = BibleTranslation("en", "fr")
+    joint = train_vocabulary(itertools.islice(source.texts("train"), 4000), 700,
+                             tmp_path / "joint.model")
+    pairs = dict(zip(source.columns("train")["inputs"], source.columns("train")["targets"]))
+    features = {"inputs": "inputs", "targets": "targets"}
+    iterator = batches(source, joint, "train", features, 96, BATCH, seed=1, train=True,
+                       window=WINDOW)  # long enough for most verses to fit whole
+    batch = next(iterator)
+    assert set(batch) == {f"{k}{s}" for k in features for s in ("", "_segment_ids", "_positions")}
+    checked = 0
+    for i in range(BATCH):
+        row = {k: v[i] for k, v in batch.items()}
+        inputs, targets = unpack(row, "inputs"), unpack(row, "targets")
+        assert len(inputs) == len(targets) >= 1  # pair i is segment i of inputs and targets
+        for en_ids, fr_ids in zip(inputs, targets):
+            if UNK_ID in en_ids or UNK_ID in fr_ids or EOS_ID not in en_ids:
+                continue  # trimmed or not exactly decodable: skip
+            en = joint.decode(en_ids)
+            assert en in pairs, en
+            assert pairs[en].startswith(joint.decode(fr_ids))
+            checked += 1
+    assert checked >= BATCH

@@ -12,9 +12,12 @@ from mtrain.__main__ import main
 def test_quickstart_learns_real_text(tmp_path, monkeypatch):
     monkeypatch.setenv("MTRAIN_DATA_DIR", str(tmp_path / "data"))
     model_dir = tmp_path / "run"
-    argv = ["--gin_file=quickstart.gin", f"--model_dir={model_dir}",
-            "--gin_param=run.train_steps=150", "--gin_param=run.eval_every=0",
-            "--gin_param=run.log_every=10", "--gin_param=run.checkpoint_every=150"]
+    # The quickstart's mesh and data, with a smaller model and batch so that CPU tests stay fast.
+    params = ["run.train_steps=200", "run.eval_every=0", "run.log_every=20",
+              "run.checkpoint_every=200", "run.batch_size=8", "transformer.d_model=64",
+              "transformer.d_ff=256", "transformer.num_heads=2", "vocabulary.size=512"]
+    argv = ["--gin_file=quickstart.gin", f"--model_dir={model_dir}"]
+    argv += [f"--gin_param={p}" for p in params]
     assert main(argv) == 0
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]

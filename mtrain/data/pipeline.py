@@ -3,6 +3,9 @@
     batches = lm_batches(BibleLM("en"), vocab, "train", sequence_length=128,
                          batch_size=32, seed=0, train=True)
     batch = next(batches)   # {"targets", "targets_segment_ids", "targets_positions"}
+
+`batches(source, vocab, split, {"inputs": "en", "targets": "fr"}, ...)` packs translation
+pairs: inputs and targets of an example are segment i of the same row in both keys.
     batches.save(directory); ...; batches.restore(directory)
 
 Every batch is a dict of int32 numpy arrays of shape [batch_size // process_count,
@@ -45,31 +48,35 @@ from mtrain.data.sources import DataError, TextSource
 from mtrain.vocabulary import Vocabulary
 
 LM_FEATURES = {"targets": "text"}  # packed key <- source feature
+TRANSLATION_FEATURES = {"inputs": "inputs", "targets": "targets"}  # of BibleTranslation
 
 
-def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_length: int,
-               batch_size: int, seed: int = 0, *, train: bool, process_index: int = 0,
-               process_count: int = 1, window: int = 256) -> "BatchIterator":
-    """Language-model batches {"targets", "targets_segment_ids", "targets_positions"}.
+def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],
+            sequence_length: int, batch_size: int, seed: int = 0, *, train: bool,
+            process_index: int = 0, process_count: int = 1,
+            window: int = 256) -> "BatchIterator":
+    """Packed batches: for each packed key k of `features` (e.g. {"inputs": "en", "targets":
+    "fr"}), the arrays k, k_segment_ids and k_positions.
 
     train=True: endless, shuffled by `seed`. train=False: one pass in order, the last batch
     padded with all-zero rows. See `make_dataset` for the arguments.
     """
-    dataset = make_dataset(source, vocab, split, LM_FEATURES, sequence_length, batch_size,
+    dataset = make_dataset(source, vocab, split, features, sequence_length, batch_size,
                            seed, train=train, process_index=process_index,
                            process_count=process_count, window=window)
-    config = dict(source=source_description(source), split=split, features=LM_FEATURES,
+    config = dict(source=source.description(), split=split, features=features,
                   vocabulary=hashlib.sha256(vocab.model_proto).hexdigest()[:16],
                   sequence_length=sequence_length, batch_size=batch_size, seed=seed,
                   train=train, window=window)
     return BatchIterator(dataset, process_index, process_count, config)
 
 
-def source_description(source: TextSource) -> str:
-    """A source's class and settings, e.g. "BibleLM(lang='en')"."""
-    settings = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(source).items())
-                         if not k.startswith("_"))
-    return f"{type(source).__name__}({settings})"
+def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_length: int,
+               batch_size: int, seed: int = 0, **kwargs) -> "BatchIterator":
+    """Language-model batches {"targets", "targets_segment_ids", "targets_positions"} of a
+    source with the feature "text"."""
+    return batches(source, vocab, split, LM_FEATURES, sequence_length, batch_size, seed,
+                   **kwargs)
 
 
 def make_dataset(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],
@@ -79,8 +86,8 @@ def make_dataset(source: TextSource, vocab: Vocabulary, split: str, features: di
     """This process's batches as a tf.data.Dataset (see the module docstring).
 
     `features` maps each packed key to the source feature it is made from, e.g.
-    {"targets": "text"} for language modelling, {"inputs": "inputs", "targets": "targets"}
-    for translation. `window` is how many examples are tokenised and packed together.
+    {"targets": "text"} for language modelling, {"inputs": "en", "targets": "fr"} for
+    translation. `window` is how many examples are tokenised and packed together.
     """
     if batch_size % process_count:
         raise DataError(f"batch_size {batch_size} is not divisible by the "
@@ -124,8 +131,8 @@ def make_dataset(source: TextSource, vocab: Vocabulary, split: str, features: di
 
 def _check_enough_examples(source: TextSource, split: str, batch_size: int) -> None:
     """Every lane needs at least one example, or training would stop at once."""
-    size = int(source.dataset(split).cardinality())
-    if 0 <= size < batch_size:
+    size = source.num_examples(split)
+    if size < batch_size:
         raise DataError(f"split {split!r} has {size} examples, fewer than the batch size "
                          f"{batch_size}: some batch rows would have nothing to train on")
 
