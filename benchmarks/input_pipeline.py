@@ -37,9 +37,9 @@ def parse_args():
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.cpu_devices:  # before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={ARGS.cpu_devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from mtrain.cpu_devices import simulate_cpu_devices
+
+    simulate_cpu_devices(ARGS.cpu_devices)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax  # noqa: E402

@@ -52,8 +52,9 @@ def parse_args():
 if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.cpu_devices:  # must happen before jax is imported
-        flag = f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+        from mtrain.cpu_devices import simulate_cpu_devices
+
+        simulate_cpu_devices(ARGS.cpu_devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -6,11 +6,10 @@ faster on CPU; tests check results, not speed.
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from mtrain.cpu_devices import simulate_cpu_devices  # imports no jax
+
+simulate_cpu_devices(8)
+os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
