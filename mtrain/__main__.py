@@ -31,8 +31,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "DIR, laid out as the official archives (make them with python -m "
                         "mtrain.data.make_offline), or 'shipped' to make them from the corpus in "
                         "data/; without it TFDS downloads (same as run.data_source)")
-    p.add_argument("--mode", choices=["train", "eval"], default=None,
-                   help="train (default), or eval: evaluate the latest checkpoint of --model_dir")
+    p.add_argument("--mode", choices=["train", "eval", "infer"], default=None,
+                   help="train (default); eval: evaluate the latest checkpoint of --model_dir "
+                        "(loss, accuracy, perplexity or BLEU); infer: translate --input_file "
+                        "with it")
+    p.add_argument("--input_file", default=None, metavar="FILE",
+                   help="--mode=infer: sentences to translate, one per line (default: stdin)")
+    p.add_argument("--output_file", default=None, metavar="FILE",
+                   help="--mode=infer: where the translations go, one per line (default: "
+                        "stdout; logs go to stderr)")
     p.add_argument("--cpu_devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (sets XLA's host device count before jax "
                         "starts), so that e.g. a batch:4;model:2 mesh runs on a laptop")
@@ -47,11 +54,9 @@ def main(argv=None) -> int:
         if args.cpu_devices < 1:
             print("mtrain: error: --cpu_devices must be at least 1", file=sys.stderr)
             return 2
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.cpu_devices}"
-        )
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        from mtrain.cpu_devices import simulate_cpu_devices
+
+        simulate_cpu_devices(args.cpu_devices)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow only feeds the input pipeline
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # and should not log about oneDNN
 
@@ -71,6 +76,8 @@ def main(argv=None) -> int:
             kwargs["mode"] = args.mode
         if args.data_source is not None:
             kwargs["data_source"] = args.data_source
+        if args.mode == "infer":
+            kwargs.update(input_file=args.input_file, output_file=args.output_file)
         run_lib.run(**kwargs)
     except UserError as e:
         if args.verbose:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 
 import gin
@@ -24,14 +25,17 @@ from mtrain.data.pipeline import batches
 from mtrain.errors import ConfigError
 from mtrain.layout import Layout
 from mtrain.metrics import MetricsWriter, log
-from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.bleu import corpus_bleu
+from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.trainer import LossConfig, Trainer
+from mtrain.translation import DecodingConfig, Translator
 from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Model settings that change parameter shapes: a checkpoint must agree on all of them.
-SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layers", "max_length",
-                "shared_embedding_and_softmax")
+SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layers",
+                "num_encoder_layers", "max_length", "shared_embedding_and_softmax")
+MODES = ("train", "eval", "infer")
 
 def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
     """Parses gin files (searched in the working dir, then configs/) and bindings."""
@@ -86,6 +90,7 @@ class Experiment:
     eval_split: str
     schedule: object
     mode: str = "train"
+    translator: Translator | None = None  # translation tasks: decodes for BLEU and infer
 
     def train_batches(self):
         return self._batches("train", train=True)
@@ -132,7 +137,8 @@ def build(
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
 
-    `mode` is 'train' or 'eval' (evaluate the latest checkpoint); see `run`.
+    `mode` is 'train', 'eval' (evaluate the latest checkpoint) or 'infer' (translate with
+    it); see `run`. Translation tasks get the encoder-decoder, LM tasks the decoder-only LM.
 
     `eval_every` = 0 evaluates only at the end of training. `data_dir` (default
     $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and cached vocabularies.
@@ -145,13 +151,12 @@ def build(
                         ("checkpoint_every", checkpoint_every),
                         ("keep_checkpoints", keep_checkpoints)]:
         _positive(name, value)
-    if mode not in ("train", "eval"):
-        raise ConfigError(f"unknown mode {mode!r}; use train or eval")
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
     task_obj = tasks_lib.get_task(task)
-    if task_obj.kind != "lm":
-        raise ConfigError(f"task {task!r} is a {task_obj.kind} task, which needs the "
-                          f"encoder-decoder model; mtrain trains decoder-only LM tasks so far")
+    if mode == "infer" and task_obj.kind != "translation":
+        raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
     eval_split = eval_split or task_obj.eval_split
     layout = Layout(mesh_shape, layout_rules, drop_unused_rules=True)
     for tensor_dim, mesh_dim in layout.dropped_rules:
@@ -171,25 +176,33 @@ def build(
         )
     schedule = optimizer_lib.learning_rate_schedule(train_steps=train_steps)
     opt = optimizer_lib.adafactor(schedule)
-    trainer = Trainer(DecoderLM(model_config), opt, layout, mesh, batch_size, sequence_length,
-                      seed=seed, loss_config=LossConfig())
+    translation = task_obj.kind == "translation"
+    model = EncoderDecoder(model_config) if translation else DecoderLM(model_config)
+    trainer = Trainer(model, opt, layout, mesh, batch_size, sequence_length, seed=seed,
+                      loss_config=LossConfig())
     exp = Experiment(
         model_dir=model_dir, task=task_obj, source=source, vocab=vocab, model_config=model_config,
         layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
         train_steps=train_steps, seed=seed, log_every=log_every, eval_every=eval_every,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
         eval_split=eval_split, schedule=schedule, mode=mode,
+        translator=Translator(trainer, vocab, DecodingConfig()) if translation else None,
     )
     log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
              layout, jax.device_count())
     return exp
 
 
-def run(**overrides) -> dict:
-    """Trains (``run.mode='train'``) or evaluates the latest checkpoint (``'eval'``), as the
-    gin config and `overrides` (e.g. model_dir from the command line) say."""
+def run(input_file: str | None = None, output_file: str | None = None, **overrides):
+    """Trains (``run.mode='train'``), evaluates the latest checkpoint (``'eval'``) or
+    translates `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout),
+    as the gin config and `overrides` (e.g. model_dir from the command line) say."""
     exp = build(**overrides)
-    return train(exp) if exp.mode == "train" else evaluate_checkpoint(exp)
+    if exp.mode == "train":
+        return train(exp)
+    if exp.mode == "eval":
+        return evaluate_checkpoint(exp)
+    return infer(exp, input_file, output_file)
 
 
 def _describe(c: TransformerConfig) -> str:
@@ -228,6 +241,11 @@ def train(exp: Experiment) -> dict:
     tick, tokens_since = time.time(), 0
     for step in range(start + 1, exp.train_steps + 1):
         state, metrics = trainer.train_step(state, trainer.place_batch(next(batches)))
+        # At most two steps in flight: this one is queued behind the previous one, which we
+        # wait for. More buys nothing (the devices are busy either way) and, with simulated
+        # CPU devices, a deep queue of multi-device programs can deadlock XLA's collectives.
+        if pending:
+            jax.block_until_ready(pending[-1])
         pending.append(metrics)
         if step % exp.log_every == 0 or step == exp.train_steps:
             fetched = jax.device_get(pending)
@@ -276,8 +294,28 @@ def evaluate(exp: Experiment, params, step: int, writer: MetricsWriter) -> dict:
         results["eval/word_perplexity"] = math.exp(min(totals["xent_sum"] / stats["words"], 50.0))
         results["eval/num_words"] = stats["words"]
         results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
+    if "bleu" in exp.task.metrics:
+        results.update(bleu(exp, params))
     writer.write(step, results)
     return results
+
+
+def bleu(exp: Experiment, params) -> dict:
+    """BLEU of the model's translations of (the first decoding.num_examples of) the eval split."""
+    limit = exp.translator.config.num_examples or None
+    examples = list(exp.source.examples(exp.eval_split, limit))
+    features = exp.task.features
+    inputs = [e[features["inputs"]] for e in examples]
+    references = [e[features["targets"]] for e in examples]
+    t0 = time.time()
+    hypotheses = exp.translator(params, inputs)
+    scores = corpus_bleu(hypotheses, references)
+    log.info("translated %d %s examples in %.0f s (beam %d, alpha %.1f); e.g. %r -> %r "
+             "(reference %r); BLEU signature %s", len(inputs), exp.eval_split, time.time() - t0,
+             exp.translator.config.beam_size, exp.translator.config.alpha, inputs[0],
+             hypotheses[0], references[0], scores["signature"])
+    return {"eval/bleu": scores["bleu"], "eval/bleu_intl": scores["bleu_intl"],
+            "eval/bleu_examples": len(inputs)}
 
 
 _HELDOUT_CACHE: dict = {}
@@ -318,8 +356,8 @@ def heldout_statistics(exp: Experiment, max_texts: int = 200_000) -> dict:
     return _HELDOUT_CACHE[key]
 
 
-def evaluate_checkpoint(exp: Experiment) -> dict:
-    """``--mode=eval``: evaluates the latest checkpoint in the model dir."""
+def _restore_latest(exp: Experiment):
+    """(state, step) of the latest checkpoint in the model dir, for eval and infer."""
     directory = os.path.join(exp.model_dir, "checkpoints")
     if not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoints in {exp.model_dir}; train first (--mode=train)")
@@ -328,11 +366,41 @@ def evaluate_checkpoint(exp: Experiment) -> dict:
     if step is None:
         raise CheckpointError(f"no checkpoints in {directory}; train first (--mode=train)")
     state = checkpoints.restore(step, _abstract_state(exp), None, exp.checkpoint_meta())
+    checkpoints.close()
+    return state, step
+
+
+def evaluate_checkpoint(exp: Experiment) -> dict:
+    """``--mode=eval``: evaluates the latest checkpoint in the model dir."""
+    state, step = _restore_latest(exp)
     writer = MetricsWriter(exp.model_dir)
     results = evaluate(exp, state.params, step, writer)
     writer.close()
-    checkpoints.close()
     return results
+
+
+def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
+    """``--mode=infer``: translates the lines of `input_file` (or stdin) with the latest
+    checkpoint, one line out per line in, to `output_file` (or stdout)."""
+    if input_file in (None, "-"):
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            with open(input_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise ConfigError(f"cannot read --input_file {input_file}: {e.strerror}") from None
+    state, step = _restore_latest(exp)
+    translations = exp.translator(state.params, lines) if lines else []
+    text = "".join(t + "\n" for t in translations)
+    if output_file in (None, "-"):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        with open(output_file, "w", encoding="utf-8") as f:
+            f.write(text)
+    log.info("translated %d lines with the checkpoint of step %d", len(lines), step)
+    return len(lines)
 
 
 def model_dir_is_bound() -> bool:

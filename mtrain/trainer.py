@@ -28,6 +28,12 @@ Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
 
 
+def feature_names(model: nn.Module) -> list[str]:
+    """The batch arrays a model takes, in order: for each of its `features` (e.g. "inputs",
+    "targets"), the tokens, segment ids and positions."""
+    return [f"{f}{suffix}" for f in model.features for suffix in ("", "_segment_ids", "_positions")]
+
+
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
@@ -133,24 +139,18 @@ class Trainer:
 
     def _dummy_batch(self):
         ids = jnp.zeros(self.batch_shape, jnp.int32)
-        return {"targets": ids, "targets_segment_ids": ids, "targets_positions": ids}
+        return {name: ids for name in feature_names(self.model)}
 
     def _apply(self, params, batch, deterministic, rngs=None):
-        return self.model.apply(
-            {"params": params},
-            batch["targets"],
-            batch["targets_segment_ids"],
-            batch["targets_positions"],
-            deterministic=deterministic,
-            rngs=rngs,
-        )
+        """The model's logits for a packed batch (its `features`, each with segment ids and
+        positions)."""
+        args = [batch[name] for name in feature_names(self.model)]
+        return self.model.apply({"params": params}, *args, deterministic=deterministic,
+                                rngs=rngs)
 
     def _init_variables(self, key):
         with self.layout.activate(self.mesh):
-            b = self._dummy_batch()
-            return self.model.init(
-                key, b["targets"], b["targets_segment_ids"], b["targets_positions"]
-            )
+            return self.model.init(key, *self._dummy_batch().values())
 
     def _init_fn(self):
         params = nn.unbox(self._init_variables(self.init_key))["params"]

@@ -11,6 +11,7 @@ Inside tf.data, `encode_tf` tokenises a batch of strings with one SentencePiece 
 import io
 import itertools
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
@@ -189,5 +190,5 @@ def get_or_train_vocabulary(
             )
         return vocab
     print(f"training a {vocab_size}-piece sentencepiece vocabulary on {texts_name} -> {path}",
-          flush=True)
+          file=sys.stderr, flush=True)
     return train_vocabulary(texts_fn(), vocab_size, path, **train_kwargs)

@@ -137,14 +137,16 @@ def test_second_prepare_reuses_the_dataset(data_dir, tmp_path, capsys):
         builder = tfds_prepare.prepare(name, data_dir, data_source=tmp_path / "nothing")
         assert builder.is_prepared()
     assert _snapshot(data_dir) == before
-    assert "preparing" not in capsys.readouterr().out
+    assert "preparing" not in capsys.readouterr().err
 
 
 def test_prepare_prints_one_line(tmp_path, capsys):
     raw = make_offline.write_lm1b_tree(tmp_path / "raw", max_train=10)
     tfds_prepare.prepare("lm1b:1.1.0", tmp_path / "data", data_source=raw)
     captured = capsys.readouterr()
-    assert captured.out == f"preparing lm1b:1.1.0 in {tmp_path / 'data'} from {raw}\n"
+    # On stderr, with the logs: stdout is for results (translations with --mode=infer).
+    assert captured.err == f"preparing lm1b:1.1.0 in {tmp_path / 'data'} from {raw}\n"
+    assert captured.out == ""
     assert not list((tmp_path / "data").glob("downloads"))
 
 

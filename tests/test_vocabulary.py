@@ -66,11 +66,12 @@ def test_get_or_train_caches(tmp_path, capsys):
         return some_texts(500)
 
     first = get_or_train_vocabulary(path, texts, 200, texts_name="500 verses")
-    out = capsys.readouterr().out
-    assert out == f"training a 200-piece sentencepiece vocabulary on 500 verses -> {path}\n"
+    captured = capsys.readouterr()  # the one line goes to stderr, with the logs
+    assert captured.err == f"training a 200-piece sentencepiece vocabulary on 500 verses -> {path}\n"
+    assert captured.out == ""
     mtime = path.stat().st_mtime_ns
     second = get_or_train_vocabulary(path, texts, 200)
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
     assert calls == [1] and path.stat().st_mtime_ns == mtime
     assert second.model_proto == first.model_proto
     with pytest.raises(VocabularyError, match=re.escape(f"{path} has 200 pieces but 300")):

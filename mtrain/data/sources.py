@@ -25,6 +25,7 @@ import abc
 import functools
 import hashlib
 import lzma
+import sys
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -134,13 +135,18 @@ class TextSource(abc.ABC):
     def texts(self, split: str, limit: int | None = None) -> Iterator[str]:
         """Every string of every feature of the first `limit` examples of `split`, example by
         example (so a vocabulary trained on the first N strings sees every feature)."""
+        for example in self.examples(split, limit):
+            yield from example.values()
+
+    def examples(self, split: str, limit: int | None = None) -> Iterator[dict[str, str]]:
+        """The first `limit` examples of `split` in order, as dicts of Python strings."""
         size = self.num_examples(self.check_split(split))
         size = size if limit is None else min(size, limit)
         for start in range(0, size, 4096):
             block = self.gather(split, tf.range(start, min(start + 4096, size), dtype=tf.int64))
-            columns = [block[name].numpy() for name in self.features]
-            for strings in zip(*columns):
-                yield from (s.decode("utf-8") for s in strings)
+            columns = {name: block[name].numpy() for name in self.features}
+            for i in range(len(columns[self.features[0]])):
+                yield {name: values[i].decode("utf-8") for name, values in columns.items()}
 
 
 class InMemorySource(TextSource):
@@ -278,7 +284,8 @@ def _shipped_raw_tree(name: str, data_dir: str) -> str:
         raise DataError(f"run.data_source='{SHIPPED}': no shipped raw files for {name}")
     root = Path(data_dir) / "raw" / dataset
     if not root.exists():
-        print(f"writing {dataset} raw files from the shipped corpus -> {root}", flush=True)
+        print(f"writing {dataset} raw files from the shipped corpus -> {root}",
+              file=sys.stderr, flush=True)
         writers[dataset](root)
     return str(root)
 

@@ -23,6 +23,7 @@ import contextlib
 import glob
 import logging
 import os
+import sys
 import socket
 import tempfile
 import urllib.parse
@@ -78,7 +79,8 @@ def prepare(name: str, data_dir: str | os.PathLike, data_source: str | os.PathLi
         source = None if data_source is None else epath.Path(data_source).expanduser().absolute()
         if source is not None:
             _check_raw_tree(builder, source)
-        print(f"preparing {name} in {data_dir} from {source or 'the web'}", flush=True)
+        print(f"preparing {name} in {data_dir} from {source or 'the web'}",
+              file=sys.stderr, flush=True)
         # GCS only hosts tfrecord datasets, and asking whether it has one needs a network.
         from_gcs = source is None and wanted_format == file_adapters.FileFormat.TFRECORD
         download_config = tfds.download.DownloadConfig(try_download_gcs=from_gcs)

@@ -70,6 +70,12 @@ class MultiHeadAttention(nn.Module):
 
     Keys and values live on the ``memory_length`` dimension (Mesh-TF's name), so that query
     and key positions never collide in the layout even when ``length`` is split.
+
+    Incremental decoding (`decode_index` given, self-attention only): `x` is one position
+    [batch, 1, d_model]; its key and value are written at `decode_index` into the "cache"
+    collection (``cached_key``/``cached_value`` [batch, max_length, heads, d_kv], made by an
+    `init` with the full decoding length), and the query attends to the cached positions
+    <= `decode_index`. `mask` is then ignored.
     """
 
     num_heads: int
@@ -78,7 +84,7 @@ class MultiHeadAttention(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, memory, mask, deterministic: bool):
+    def __call__(self, x, memory, mask, deterministic: bool, decode_index=None):
         d_model = x.shape[-1]
         h, k = self.num_heads, self.d_kv
         qkv_names = ("d_model", "heads", "d_kv")
@@ -91,6 +97,8 @@ class MultiHeadAttention(nn.Module):
         kv_names = ("batch", "memory_length", "heads", "d_kv")
         key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk.astype(dt)), kv_names)
         value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv.astype(dt)), kv_names)
+        if decode_index is not None:
+            key, value, mask = self._cached(key, value, decode_index)
         # Logits and softmax in float32 whatever the activation dtype.
         logits = jnp.einsum("blhk,bmhk->bhlm", q, key, preferred_element_type=jnp.float32)
         logits = jnp.where(mask, logits, NEG_INF)
@@ -101,6 +109,21 @@ class MultiHeadAttention(nn.Module):
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = jnp.einsum("blhk,hkd->bld", out, wo.astype(dt))
         return constrain(y, ("batch", "length", "d_model"))
+
+    def _cached(self, key, value, index):
+        """Writes this position's key and value into the cache; returns all cached keys and
+        values and the mask of the positions written so far."""
+        initialised = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        if not initialised:  # the init call that creates the cache with the full length
+            length = key.shape[1]
+            causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+            return key, value, causal[None, None]
+        cached_key.value = jax.lax.dynamic_update_slice_in_dim(cached_key.value, key, index, 1)
+        cached_value.value = jax.lax.dynamic_update_slice_in_dim(cached_value.value, value, index, 1)
+        mask = jnp.arange(cached_key.value.shape[1]) <= index
+        return cached_key.value, cached_value.value, mask[None, None, None, :]
 
 
 class Embed(nn.Module):
@@ -123,6 +146,13 @@ class Embed(nn.Module):
         """Logits of a shared softmax, scaled by d_model^-0.5 as in Mesh-TF."""
         logits = jnp.einsum("bld,vd->blv", x, self.embedding.astype(self.dtype))
         return constrain(logits * self.d_model**-0.5, ("batch", "length", "vocab"))
+
+
+def segment_mask(query_segment_ids: jax.Array, memory_segment_ids: jax.Array) -> jax.Array:
+    """[batch, 1, length, memory_length]: a position sees the real (segment > 0) positions of
+    its own packed segment. Used by the encoder and by encoder-decoder attention."""
+    same = query_segment_ids[:, :, None] == memory_segment_ids[:, None, :]
+    return (same & (memory_segment_ids > 0)[:, None, :])[:, None]
 
 
 def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:

@@ -1,9 +1,14 @@
-"""The decoder-only Transformer language model (Mesh-TF's `Unitransformer`).
+"""The Transformers: decoder-only LM (Mesh-TF's `Unitransformer`) and encoder-decoder
+(`Bitransformer`).
 
-token embedding + learned positions -> num_layers x [pre-RMSNorm self-attention, pre-RMSNorm
-DenseReluDense], each with dropout on its residual branch -> final RMSNorm -> dropout -> softmax
-(unshared by default; `shared_embedding_and_softmax=True` reuses the embedding table).
-Attention is causal and respects packed segments.
+token embedding + learned positions -> num_layers x [pre-RMSNorm self-attention,
+(decoder: pre-RMSNorm encoder-decoder attention,) pre-RMSNorm DenseReluDense], each with
+dropout on its residual branch -> final RMSNorm -> dropout -> softmax (unshared by default;
+`shared_embedding_and_softmax=True` reuses the embedding table). Attention respects packed
+segments; decoder self-attention is causal.
+
+A model's `features` say which packed features its `__call__` takes: for each, the tokens,
+segment ids and positions, in that order.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class TransformerConfig:
     num_heads: int = 4
     d_kv: int = 64
     num_layers: int = 2
+    num_encoder_layers: int = 0  # encoder-decoder only; 0: as many as num_layers
     dropout_rate: float = 0.0
     shared_embedding_and_softmax: bool = False
     max_length: int = 512
@@ -42,30 +48,56 @@ class TransformerConfig:
         return jnp.dtype(self.activation_dtype)
 
 
-class SelfAttentionBlock(nn.Module):
-    """x + dropout(attention(norm(x))), then x + dropout(ffn(norm(x)))."""
+class Block(nn.Module):
+    """x + dropout(self_attention(norm(x))), [x + dropout(encoder_decoder_attention(norm(x),
+    memory))], x + dropout(ffn(norm(x))): a layer of the LM, the encoder or the decoder."""
 
     config: TransformerConfig
+    cross_attention: bool = False
 
     @nn.compact
-    def __call__(self, x, mask, deterministic: bool):
+    def __call__(self, x, mask, deterministic: bool, memory=None, memory_mask=None,
+                 decode_index=None):
         c = self.config
         drop = nn.Dropout(c.dropout_rate)
+
+        def attention(name):
+            return layers.MultiHeadAttention(c.num_heads, c.d_kv, c.dropout_rate, c.dtype, name=name)
+
         y = layers.RMSNorm(dtype=c.dtype, name="attention_norm")(x)
-        y = layers.MultiHeadAttention(
-            c.num_heads, c.d_kv, c.dropout_rate, c.dtype, name="self_attention"
-        )(y, y, mask, deterministic)
+        y = attention("self_attention")(y, y, mask, deterministic, decode_index)
         x = x + drop(y, deterministic=deterministic)
+        if self.cross_attention:
+            y = layers.RMSNorm(dtype=c.dtype, name="encoder_decoder_attention_norm")(x)
+            y = attention("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
+            x = x + drop(y, deterministic=deterministic)
         y = layers.RMSNorm(dtype=c.dtype, name="mlp_norm")(x)
         y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, name="mlp")(y, deterministic)
         x = x + drop(y, deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
 
 
+def _softmax_table(module: nn.Module, c: TransformerConfig):
+    """The softmax weights [d_model, vocab], or None when the embedding table is shared."""
+    if c.shared_embedding_and_softmax:
+        return None
+    return layers.param(module, "softmax", layers.normal(c.d_model**-0.5),
+                        (c.d_model, c.vocab_size), ("d_model", "vocab"))
+
+
+def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x):
+    """Next-token logits [b, l, vocab] from the shared embedding table or `softmax`."""
+    if softmax is None:
+        return embed.attend(x)
+    logits = jnp.einsum("bld,dv->blv", x, softmax.astype(c.dtype))
+    return constrain(logits, ("batch", "length", "vocab"))
+
+
 class DecoderLM(nn.Module):
     """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]."""
 
     config: TransformerConfig
+    features = ("targets",)  # the packed features __call__ takes, in order
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True):
@@ -81,14 +113,98 @@ class DecoderLM(nn.Module):
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         mask = layers.causal_segment_mask(segment_ids)
         for i in range(c.num_layers):
-            x = SelfAttentionBlock(c, name=f"layer_{i}")(x, mask, deterministic)
+            x = Block(c, name=f"layer_{i}")(x, mask, deterministic)
         x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        if c.shared_embedding_and_softmax:
-            return embed.attend(x)
-        softmax = layers.param(
-            self, "softmax", layers.normal(c.d_model**-0.5), (c.d_model, c.vocab_size),
-            ("d_model", "vocab"),
-        )
-        logits = jnp.einsum("bld,dv->blv", x, softmax.astype(c.dtype))
-        return constrain(logits, ("batch", "length", "vocab"))
+        return _logits(c, embed, _softmax_table(self, c), x)
+
+
+class DecodeIndex(nn.Module):
+    """The position incremental decoding is at: a scalar in the "cache" collection, returned
+    and then advanced by each decoding step (not by the `init` that creates the cache)."""
+
+    @nn.compact
+    def __call__(self):
+        initialised = self.has_variable("cache", "index")
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        i = index.value
+        if initialised:
+            index.value = i + 1
+        return i
+
+
+class EncoderDecoder(nn.Module):
+    """The encoder-decoder Transformer (Mesh-TF's `Bitransformer`) for translation.
+
+    One token embedding serves inputs and targets (the paper's setting for translation);
+    `shared_embedding_and_softmax` also reuses it as the softmax. Encoder layers attend within
+    their packed segment of the inputs; decoder layers attend causally within their segment
+    of the targets and to the encoder positions of the same segment.
+
+    - `__call__(inputs, inputs_segment_ids, inputs_positions, targets, targets_segment_ids,
+      targets_positions)`: teacher-forced logits [b, l, vocab] (training and eval).
+    - `encode(...)` then `decode_step(encoded, inputs_segment_ids, ids)` one token at a time
+      with a key/value cache (the "cache" collection; see `decoding.py`).
+    """
+
+    config: TransformerConfig
+    features = ("inputs", "targets")
+
+    def setup(self):
+        c = self.config
+        self.embed = layers.Embed(c.vocab_size, c.d_model, c.dtype)
+        names = ("length", "d_model")
+        self.encoder_positions = layers.param(self, "encoder_position_embedding",
+                                              layers.normal(1.0), (c.max_length, c.d_model), names)
+        self.decoder_positions = layers.param(self, "decoder_position_embedding",
+                                              layers.normal(1.0), (c.max_length, c.d_model), names)
+        self.encoder = [Block(c) for _ in range(c.num_encoder_layers or c.num_layers)]
+        self.encoder_norm = layers.RMSNorm(dtype=c.dtype)
+        self.decoder = [Block(c, cross_attention=True) for _ in range(c.num_layers)]
+        self.decoder_norm = layers.RMSNorm(dtype=c.dtype)
+        self.dropout = nn.Dropout(c.dropout_rate)
+        self.softmax = _softmax_table(self, c)
+        self.decode_index = DecodeIndex()
+
+    def _embed(self, ids, table, positions, deterministic):
+        x = self.embed(ids) + jnp.take(table, positions, axis=0).astype(self.config.dtype)
+        x = constrain(x, ("batch", "length", "d_model"))
+        return self.dropout(x, deterministic=deterministic)
+
+    def encode(self, inputs, inputs_segment_ids, inputs_positions, deterministic: bool = True):
+        """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
+        x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
+        mask = layers.segment_mask(inputs_segment_ids, inputs_segment_ids)
+        for layer in self.encoder:
+            x = layer(x, mask, deterministic)
+        x = self.dropout(self.encoder_norm(x), deterministic=deterministic)
+        return constrain(x, ("batch", "memory_length", "d_model"))
+
+    def _decoder_stack(self, x, mask, encoded, memory_mask, deterministic, decode_index=None):
+        for layer in self.decoder:
+            x = layer(x, mask, deterministic, encoded, memory_mask, decode_index)
+        x = self.dropout(self.decoder_norm(x), deterministic=deterministic)
+        return _logits(self.config, self.embed, self.softmax, x)
+
+    def __call__(self, inputs, inputs_segment_ids, inputs_positions, targets,
+                 targets_segment_ids, targets_positions, deterministic: bool = True):
+        encoded = self.encode(inputs, inputs_segment_ids, inputs_positions, deterministic)
+        decoder_inputs = layers.shift_right(targets, targets_segment_ids)
+        x = self._embed(decoder_inputs, self.decoder_positions, targets_positions, deterministic)
+        mask = layers.causal_segment_mask(targets_segment_ids)
+        memory_mask = layers.segment_mask(targets_segment_ids, inputs_segment_ids)
+        return self._decoder_stack(x, mask, encoded, memory_mask, deterministic)
+
+    def decode_step(self, encoded, inputs_segment_ids, ids):
+        """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token; 0 first).
+
+        Each call writes one position into the cache and advances its ``index``. The cache is
+        made by `init` (or `jax.eval_shape` of it) of this method with `ids` [n, max_length]:
+        that call only creates the cache, with room for max_length positions.
+        """
+        i = self.decode_index()
+        positions = i + jnp.arange(ids.shape[1])[None, :]
+        x = self._embed(ids, self.decoder_positions, positions, deterministic=True)
+        memory_mask = (inputs_segment_ids > 0)[:, None, None, :]
+        logits = self._decoder_stack(x, None, encoded, memory_mask, True, decode_index=i)
+        return logits[:, -1]
