@@ -82,7 +82,10 @@ def main(argv=None) -> int:
     except UserError as e:
         if args.verbose:
             raise
-        print(f"mtrain: error: {e}", file=sys.stderr)
+        # gin appends "In call to configurable ..." lines to errors raised inside a
+        # configurable: the first line is the message.
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"mtrain: error: {message}", file=sys.stderr)
         return 2
     return 0
 

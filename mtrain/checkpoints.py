@@ -15,12 +15,15 @@ write to disk overlaps the following train steps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
 
 from mtrain.errors import UserError
+
+log = logging.getLogger("mtrain")
 
 
 class CheckpointError(UserError):
@@ -53,12 +56,15 @@ class DataIteratorRestore(ocp.args.CheckpointArgs):
 class Checkpoints:
     """Keeps the last `keep` checkpoints of a model dir."""
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, keep: int = 3, keep_period: int | None = None,
+                 async_save: bool = True):
+        """Keeps the last `keep` checkpoints, and every step divisible by `keep_period`."""
         # orbax's tensorstore writer needs an absolute path (a relative one fails in the
         # background save thread, after the step has moved on).
         self.directory = epath.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=keep, keep_period=keep_period or None, create=True,
+            enable_async_checkpointing=async_save,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data", "meta")
@@ -66,6 +72,9 @@ class Checkpoints:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, iterator, meta: dict) -> None:
         self.manager.save(
@@ -87,6 +96,43 @@ class Checkpoints:
             items["data"] = DataIteratorRestore(iterator)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
+
+    def restore_intact(self, abstract_state, iterator, meta: dict, step: int | None = None):
+        """(state, step) of the newest checkpoint that restores (or of `step`).
+
+        A checkpoint that fails to restore (partly written, truncated, corrupted) is moved
+        aside to ``<step>.damaged`` with a warning, and the one before it is tried: a run
+        never silently starts from scratch over a model dir that has checkpoints. A
+        checkpoint of a different model shape is not damage: that is an error.
+        """
+        steps = [step] if step is not None else self.all_steps()[::-1]
+        if step is not None and step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (it has "
+                                  f"{self.all_steps() or 'none'})")
+        for candidate in steps:
+            try:
+                return self.restore(candidate, abstract_state, iterator, meta), candidate
+            except CheckpointError:
+                raise
+            except Exception as e:  # orbax, tensorstore and tf.data raise many kinds
+                reason = " ".join(str(e).split())[:300] or type(e).__name__
+                damaged = self._move_aside(candidate)
+                log.warning("checkpoint %d cannot be restored (%s); moved it to %s%s",
+                            candidate, reason, damaged,
+                            "" if step is not None else " and trying the one before")
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be restored (damaged ones were moved to "
+            f"<step>.damaged); use a new --model_dir, or restore a good copy")
+
+    def _move_aside(self, step: int) -> epath.Path:
+        """Renames a damaged step directory to <step>.damaged[.N] (keeping it for a human)."""
+        source = self.directory / str(step)
+        target, n = self.directory / f"{step}.damaged", 1
+        while target.exists():
+            target, n = self.directory / f"{step}.damaged.{n}", n + 1
+        source.rename(target)
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -7,3 +7,8 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A gin file or binding that cannot be used."""
+
+
+class TrainingDiverged(UserError):
+    """Too many steps in a row with a non-finite loss or gradient (usually a learning rate
+    that is too high for the model)."""

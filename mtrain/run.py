@@ -7,22 +7,25 @@ by `build` before anything is written to the model dir, so a bad config never to
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
 import os
+import signal
 import sys
 import time
 
 import gin
 import jax
 import numpy as np
+import optax
 
 from mtrain import optimizer as optimizer_lib
 from mtrain import tasks as tasks_lib
 from mtrain.checkpoints import Checkpoints, CheckpointError
 from mtrain.data.pipeline import batches
-from mtrain.errors import ConfigError
+from mtrain.errors import ConfigError, TrainingDiverged
 from mtrain.layout import Layout
 from mtrain.metrics import MetricsWriter, log
 from mtrain.bleu import corpus_bleu
@@ -87,6 +90,10 @@ class Experiment:
     eval_every: int
     checkpoint_every: int
     keep_checkpoints: int
+    keep_checkpoint_every: int
+    init_from: str | None
+    init_step: int | None
+    max_nonfinite_steps: int
     eval_split: str
     schedule: object
     mode: str = "train"
@@ -133,6 +140,10 @@ def build(
     eval_every: int = 0,
     checkpoint_every: int = 500,
     keep_checkpoints: int = 3,
+    keep_checkpoint_every: int = 0,
+    init_from: str | None = None,
+    init_step: int | None = None,
+    max_nonfinite_steps: int = 10,
     eval_split: str | None = None,
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
@@ -145,11 +156,19 @@ def build(
     `data_source` (TFDS tasks): a directory of raw files laid out as the official archives,
     or 'shipped' to make them from the shipped corpus; None downloads. `eval_split`
     defaults to the task's.
+
+    Checkpoints: the last `keep_checkpoints` are kept, and every multiple of
+    `keep_checkpoint_every` (0: none). A model dir with checkpoints resumes from its newest
+    intact one. `init_from` (another run's model dir) starts a new run from the parameters of
+    its checkpoint `init_step` (default: the latest), with a fresh optimizer: fine-tuning.
+    A step with a non-finite loss or gradient is skipped; `max_nonfinite_steps` in a row
+    stop the run.
     """
     for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
                         ("train_steps", train_steps), ("log_every", log_every),
                         ("checkpoint_every", checkpoint_every),
-                        ("keep_checkpoints", keep_checkpoints)]:
+                        ("keep_checkpoints", keep_checkpoints),
+                        ("max_nonfinite_steps", max_nonfinite_steps)]:
         _positive(name, value)
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -175,7 +194,8 @@ def build(
             f"transformer.max_length={model_config.max_length}"
         )
     schedule = optimizer_lib.learning_rate_schedule(train_steps=train_steps)
-    opt = optimizer_lib.adafactor(schedule)
+    # Updates with a non-finite gradient leave parameters and optimizer state as they were.
+    opt = optax.apply_if_finite(optimizer_lib.adafactor(schedule), max_nonfinite_steps)
     translation = task_obj.kind == "translation"
     model = EncoderDecoder(model_config) if translation else DecoderLM(model_config)
     trainer = Trainer(model, opt, layout, mesh, batch_size, sequence_length, seed=seed,
@@ -185,6 +205,8 @@ def build(
         layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
         train_steps=train_steps, seed=seed, log_every=log_every, eval_every=eval_every,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+        keep_checkpoint_every=keep_checkpoint_every, init_from=init_from, init_step=init_step,
+        max_nonfinite_steps=max_nonfinite_steps,
         eval_split=eval_split, schedule=schedule, mode=mode,
         translator=Translator(trainer, vocab, DecodingConfig()) if translation else None,
     )
@@ -211,12 +233,39 @@ def _describe(c: TransformerConfig) -> str:
 
 
 def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator):
-    step = checkpoints.latest_step()
-    if step is None:
-        return exp.trainer.init_state(), 0
-    log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
-    state = checkpoints.restore(step, _abstract_state(exp), iterator, exp.checkpoint_meta())
-    return state, step
+    """(state, step): resumed from the model dir's newest intact checkpoint, else started
+    from `init_from`'s parameters, else freshly initialised."""
+    if checkpoints.all_steps():
+        state, step = checkpoints.restore_intact(_abstract_state(exp), iterator,
+                                                 exp.checkpoint_meta())
+        log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
+        return state, step
+    state = exp.trainer.init_state()
+    if exp.init_from:
+        params, step, where = _params_from(exp)
+        log.info("starting from the parameters of step %d of %s", step, where)
+        state = state.replace(params=params)
+    return state, 0
+
+
+def _params_from(exp: Experiment):
+    """The parameters of checkpoint `init_step` (default: the latest) of run `init_from`."""
+    where = exp.init_from
+    if os.path.isdir(os.path.join(where, "checkpoints")):
+        where = os.path.join(where, "checkpoints")
+    if not os.path.isdir(where):
+        raise CheckpointError(f"run.init_from={exp.init_from!r} is not a model dir")
+    source = Checkpoints(where, exp.keep_checkpoints)
+    try:
+        steps = source.all_steps()
+        step = exp.init_step if exp.init_step is not None else (steps[-1] if steps else None)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {where} (it has "
+                                  f"{steps or 'none'})")
+        state = source.restore(step, _abstract_state(exp), None, exp.checkpoint_meta())
+    finally:
+        source.close()
+    return state.params, step, where
 
 
 def _abstract_state(exp: Experiment):
@@ -229,49 +278,126 @@ def _abstract_state(exp: Experiment):
 
 def train(exp: Experiment) -> dict:
     """The training loop: log, evaluate and checkpoint on schedule; returns the last eval."""
-    os.makedirs(exp.model_dir, exist_ok=True)
-    checkpoints = Checkpoints(os.path.join(exp.model_dir, "checkpoints"), exp.keep_checkpoints)
+    try:
+        os.makedirs(exp.model_dir, exist_ok=True)
+        if not os.access(exp.model_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ConfigError(f"cannot write the model dir {exp.model_dir}: {e.strerror}") from None
+    checkpoints = Checkpoints(os.path.join(exp.model_dir, "checkpoints"), exp.keep_checkpoints,
+                              exp.keep_checkpoint_every)
     batches = exp.train_batches()
     state, start = _restore_or_init(exp, checkpoints, batches)
     if jax.process_index() == 0:
         with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
             f.write(gin.operative_config_str())
     writer = MetricsWriter(exp.model_dir)
-    trainer, pending, results = exp.trainer, [], {}
-    tick, tokens_since = time.time(), 0
-    for step in range(start + 1, exp.train_steps + 1):
-        state, metrics = trainer.train_step(state, trainer.place_batch(next(batches)))
-        # At most two steps in flight: this one is queued behind the previous one, which we
-        # wait for. More buys nothing (the devices are busy either way) and, with simulated
-        # CPU devices, a deep queue of multi-device programs can deadlock XLA's collectives.
-        if pending:
-            jax.block_until_ready(pending[-1])
-        pending.append(metrics)
-        if step % exp.log_every == 0 or step == exp.train_steps:
-            fetched = jax.device_get(pending)
-            tokens_since = sum(float(m["num_tokens"]) for m in fetched)
-            elapsed = time.time() - tick
-            writer.write(step, {
-                "train/loss": np.mean([m["loss"] for m in fetched]),
-                "train/cross_entropy": np.mean([m["cross_entropy"] for m in fetched]),
-                "train/grad_norm": np.mean([m["grad_norm"] for m in fetched]),
-                # The schedule counts updates from 0: step s was produced by update s - 1.
-                "train/learning_rate": float(exp.schedule(step - 1)),
-                "train/tokens_per_second": tokens_since / max(elapsed, 1e-9),
-            })
-            pending, tick = [], time.time()
-        if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
-            results = evaluate(exp, state.params, step, writer)
-            tick = time.time()
-        if step % exp.checkpoint_every == 0 or step == exp.train_steps:
-            checkpoints.save(step, state, batches, exp.checkpoint_meta())
-    if start < exp.train_steps or not results:
-        results = evaluate(exp, state.params, exp.train_steps, writer)
-    checkpoints.wait()
-    checkpoints.close()
-    writer.close()
+    try:
+        results = _train_loop(exp, state, start, batches, checkpoints, writer)
+    finally:  # a run that stops on an error still completes the checkpoints it started
+        checkpoints.wait()
+        checkpoints.close()
+        writer.close()
     log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
     return results
+
+
+def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints,
+                writer: MetricsWriter) -> dict:
+    trainer, pending, results = exp.trainer, [], {}
+    guard, tick, preempted = _FiniteGuard(exp.max_nonfinite_steps), time.time(), False
+    with _Preemption() as preemption:
+        for step in range(start + 1, exp.train_steps + 1):
+            state, metrics = trainer.train_step(state, trainer.place_batch(next(batches)))
+            guard.add(step, metrics["finite"])
+            # At most two steps in flight: this one is queued behind the previous one, which
+            # we wait for here. More buys nothing (the devices are busy either way) and, with
+            # simulated CPU devices, a deep queue of multi-device programs can deadlock
+            # XLA's collectives.
+            guard.check(until=step - 1)
+            pending.append(metrics)
+            if step % exp.log_every == 0 or step == exp.train_steps:
+                _log_train(exp, step, jax.device_get(pending), time.time() - tick, guard, writer)
+                pending, tick = [], time.time()
+            if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
+                results = evaluate(exp, state.params, step, writer)
+                tick = time.time()
+            preempted = preemption.requested
+            if step % exp.checkpoint_every == 0 or step == exp.train_steps or preempted:
+                guard.check(until=step)  # never save a state that is about to be rejected
+                checkpoints.save(step, state, batches, exp.checkpoint_meta())
+            if preempted:
+                log.warning("SIGTERM: stopped after step %d and saved its checkpoint; run the "
+                            "same command to resume", step)
+                return results
+    if start < exp.train_steps or not results:
+        results = evaluate(exp, state.params, exp.train_steps, writer)
+    return results
+
+
+def _log_train(exp: Experiment, step: int, fetched: list[dict], elapsed: float,
+               guard: "_FiniteGuard", writer: MetricsWriter) -> None:
+    """One record of training metrics, averaged over the steps since the last one (the
+    skipped, non-finite ones left out)."""
+    finite = [m for m in fetched if m["finite"]] or [{k: np.nan for k in fetched[0]}]
+    writer.write(step, {
+        "train/loss": np.mean([m["loss"] for m in finite]),
+        "train/cross_entropy": np.mean([m["cross_entropy"] for m in finite]),
+        "train/grad_norm": np.mean([m["grad_norm"] for m in finite]),
+        # The schedule counts updates from 0: step s was produced by update s - 1.
+        "train/learning_rate": float(exp.schedule(step - 1)),
+        "train/tokens_per_second": sum(float(m["num_tokens"]) for m in fetched) / max(elapsed, 1e-9),
+        "train/skipped_steps": guard.skipped,
+    })
+
+
+class _FiniteGuard:
+    """Counts the steps whose loss or gradient was not finite (optax.apply_if_finite skipped
+    their updates), and stops the run after `limit` of them in a row."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row, self.skipped = limit, 0, 0
+        self._unchecked: collections.deque = collections.deque()
+
+    def add(self, step: int, finite: jax.Array) -> None:
+        self._unchecked.append((step, finite))
+
+    def check(self, until: int) -> None:
+        """Waits for the steps up to `until` and counts them."""
+        while self._unchecked and self._unchecked[0][0] <= until:
+            step, finite = self._unchecked.popleft()
+            if float(finite):
+                self.in_a_row = 0
+                continue
+            self.in_a_row += 1
+            self.skipped += 1
+            log.warning("step %d: non-finite loss or gradient; its update was skipped (%d in "
+                        "a row)", step, self.in_a_row)
+            if self.in_a_row >= self.limit:
+                raise TrainingDiverged(
+                    f"training diverged: {self.limit} steps in a row, up to step {step}, had a "
+                    f"non-finite loss or gradient (run.max_nonfinite_steps); nothing after "
+                    f"the last checkpoint was saved. Lower the learning rate and resume")
+
+
+class _Preemption:
+    """Notes SIGTERM (what Cloud TPU, Kubernetes and Slurm send before they stop a job) so
+    that the loop can save a checkpoint and stop, instead of dying mid-step."""
+
+    def __enter__(self):
+        self.requested = False
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+        return self
+
+    def _note(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def evaluate(exp: Experiment, params, step: int, writer: MetricsWriter) -> dict:

@@ -185,11 +185,15 @@ class Trainer:
             )
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
         metrics = {
             "loss": loss,
             "cross_entropy": xent,
             "num_tokens": num_tokens,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
+            # 0 when the loss or a gradient is not finite (wrap the optimizer in
+            # optax.apply_if_finite to skip such updates, as run.py does).
+            "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32),
         }
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
