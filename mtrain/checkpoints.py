@@ -14,6 +14,7 @@ write to disk overlaps the following train steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -77,15 +78,32 @@ class Checkpoints:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, iterator, meta: dict) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=DataIteratorSave(iterator),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        """Starts saving `step` in the background (after checking that the previous save
+        succeeded: a failed one, e.g. on a full disk, is a CheckpointError)."""
+        with self._failing_save(step):
+            self.manager.check_for_errors()
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=DataIteratorSave(iterator),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int):
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:  # OSError (a full disk), or orbax's wrapping of it
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise CheckpointError(
+                f"could not save a checkpoint (step {step} or the one before it) in "
+                f"{self.directory}: {reason}; the checkpoints already there are intact "
+                f"(steps {self.all_steps() or 'none'})") from None
 
     def restore(self, step: int, abstract_state, iterator, meta: dict):
         """Restores `step` into the shardings of `abstract_state` and moves `iterator`."""
@@ -135,7 +153,10 @@ class Checkpoints:
         return target
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the background save, raising a CheckpointError if it failed."""
+        with self._failing_save(self.manager.latest_step() or 0):
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
 
     def close(self) -> None:
         self.manager.close()

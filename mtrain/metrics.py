@@ -17,13 +17,18 @@ log = logging.getLogger("mtrain")
 
 
 def setup_logging(verbose: bool = False) -> None:
-    """Tidy one-line logs on stdout (process 0 only; other processes log warnings)."""
+    """Tidy one-line logs on stderr (process 0 only; other processes log warnings).
+
+    Libraries that log through absl (orbax logs every failed background write with its
+    traceback) are silenced unless `verbose`: mtrain reports their failures in one line.
+    """
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     log.handlers[:] = [handler]
     log.setLevel(logging.DEBUG if verbose else level)
     log.propagate = False
+    logging.getLogger("absl").setLevel(logging.DEBUG if verbose else logging.CRITICAL)
 
 
 def _format(value) -> str:

@@ -295,9 +295,11 @@ def train(exp: Experiment) -> dict:
     try:
         results = _train_loop(exp, state, start, batches, checkpoints, writer)
     finally:  # a run that stops on an error still completes the checkpoints it started
-        checkpoints.wait()
-        checkpoints.close()
-        writer.close()
+        try:
+            checkpoints.wait()
+        finally:
+            checkpoints.close()
+            writer.close()
     log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
     return results
 

@@ -257,3 +257,31 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(trained, extra, message
     assert message in lines[-1]
     assert not any("Traceback" in line for line in lines)
     assert snapshot(trained) == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MB file system (tmpfs) that fills up after a few tiny checkpoints."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_full_disk_during_save_is_one_clear_error(data_dir, small_disk, capsys):
+    model_dir = small_disk / "run"
+    code = main(argv(model_dir, "run.train_steps=40", "run.checkpoint_every=1",
+                     "run.keep_checkpoints=100"))
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("mtrain: error: could not save a checkpoint"), lines[-1]
+    assert not any("Traceback" in line for line in lines)
+    saved = [int(s) for s in os.listdir(model_dir / "checkpoints") if s.isdigit()]
+    assert saved, "the disk should hold a few checkpoints before it fills up"
+    for step in saved:  # what was saved before the disk filled up is intact
+        state = saved_state(model_dir, step)
+        assert state["step"] == step
