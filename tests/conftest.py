@@ -19,8 +19,19 @@ assert jax.device_count() == 8, "tests need 8 simulated CPU devices; was jax imp
 
 import tempfile  # noqa: E402
 
+import pytest  # noqa: E402
+
 # Tests compile the same small programs many times (every CLI run of one config): a
 # persistent compilation cache for the session compiles each once.
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="mtrain-jax-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A data dir (vocabularies, prepared datasets) shared by the tests of a module."""
+    path = tmp_path_factory.mktemp("data")
+    os.environ["MTRAIN_DATA_DIR"] = str(path)
+    yield path
+    del os.environ["MTRAIN_DATA_DIR"]

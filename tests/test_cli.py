@@ -8,22 +8,9 @@ import sys
 import pytest
 
 from mtrain.__main__ import main
+from tiny_config import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "transformer.d_model=32", "transformer.d_ff=64", "transformer.num_heads=2",
-    "transformer.d_kv=16", "transformer.num_layers=1", "transformer.max_length=32",
-    "vocabulary.size=256", "run.batch_size=8", "run.sequence_length=32",
-    "run.eval_split='test'", "learning_rate_schedule.warmup_steps=5",
-]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    os.environ["MTRAIN_DATA_DIR"] = str(path)
-    yield path
-    del os.environ["MTRAIN_DATA_DIR"]
 
 
 def cli(model_dir, *params, files=("tasks/bible_lm.gin", "layouts/dp4_mp2.gin"), mode=None):

@@ -19,26 +19,15 @@ from mtrain.checkpoints import Checkpoints
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.trainer import Trainer
+from tiny_config import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["transformer.d_model=32", "transformer.d_ff=64", "transformer.num_heads=2",
-        "transformer.d_kv=16", "transformer.num_layers=1", "transformer.max_length=32",
-        "vocabulary.size=256", "run.batch_size=8", "run.sequence_length=32",
-        "run.eval_split='test'", "learning_rate_schedule.warmup_steps=5",
-        "transformer.dropout_rate=0.1", "run.log_every=1"]
+PARAMS = [*TINY, "transformer.dropout_rate=0.1", "run.log_every=1"]
 FILES = ["--gin_file=tasks/bible_lm.gin", "--gin_file=layouts/dp4_mp2.gin"]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    os.environ["MTRAIN_DATA_DIR"] = str(path)
-    yield path
-    del os.environ["MTRAIN_DATA_DIR"]
-
-
 def argv(model_dir, *params):
-    return FILES + [f"--gin_param={p}" for p in [*TINY, *params]] + [f"--model_dir={model_dir}"]
+    return FILES + [f"--gin_param={p}" for p in [*PARAMS, *params]] + [f"--model_dir={model_dir}"]
 
 
 def subprocess_cli(model_dir, *params):

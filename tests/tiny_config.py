@@ -1,0 +1,8 @@
+"""The tiny model and run that the command-line tests train (seconds on a CPU)."""
+
+TINY = [
+    "transformer.d_model=32", "transformer.d_ff=64", "transformer.num_heads=2",
+    "transformer.d_kv=16", "transformer.num_layers=1", "transformer.max_length=32",
+    "vocabulary.size=256", "run.batch_size=8", "run.sequence_length=32",
+    "run.eval_split='test'", "learning_rate_schedule.warmup_steps=5",
+]
