@@ -1,0 +1,84 @@
+"""The paper's models (configs/paper/): every file parses, builds its model (abstractly: no
+parameter is allocated), has the analytic number of parameters, and lays every parameter out
+legally on its paper mesh."""
+
+import glob
+import math
+import os
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mtrain import run as run_lib
+from mtrain import tasks
+from mtrain.layout import Layout
+from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+from mtrain.trainer import feature_names
+
+PAPER = sorted(glob.glob(os.path.join(run_lib.CONFIGS_DIR, "paper", "*_size_*.gin")))
+
+
+def build(path):
+    """(model config, layout, task, batch size, abstract boxed variables) of a paper file."""
+    run_lib.parse_config([path], [])
+    vocab = gin.query_parameter("vocabulary.size")
+    config = TransformerConfig(vocab_size=128 * math.ceil(vocab / 128))
+    task = tasks.get_task(gin.query_parameter("run.task"))
+    model = (EncoderDecoder if task.kind == "translation" else DecoderLM)(config)
+    batch, length = gin.query_parameter("run.batch_size"), gin.query_parameter("run.sequence_length")
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    boxed = jax.eval_shape(lambda *a: model.init(jax.random.key(0), *a),
+                           *[ids] * len(feature_names(model)))
+    layout = Layout(gin.query_parameter("run.mesh_shape"), gin.query_parameter("run.layout_rules"),
+                    drop_unused_rules=True)  # as runs do: batch:32 has no `model`
+    return config, layout, task, batch, boxed
+
+
+def analytic_params(c: TransformerConfig, kind: str) -> int:
+    """Matmul and embedding parameters, as the paper counts them."""
+    d, h, k, f, v, n = c.d_model, c.num_heads, c.d_kv, c.d_ff, c.vocab_size, c.num_layers
+    if kind == "lm":  # 6 (4 d h d_kv + 2 d d_ff) + 2 V d: embedding and softmax
+        return n * (4 * d * h * k + 2 * d * f) + 2 * v * d
+    encoder = n * (4 * d * h * k + 2 * d * f)
+    decoder = n * (8 * d * h * k + 2 * d * f)  # self- and encoder-decoder attention
+    return encoder + decoder + 2 * v * d  # one shared embedding, one softmax
+
+
+def extra_params(c: TransformerConfig, kind: str) -> int:
+    """Learned position embeddings and RMSNorm scales, which the analytic count leaves out."""
+    if kind == "lm":
+        return c.max_length * c.d_model + (2 * c.num_layers + 1) * c.d_model
+    return 2 * c.max_length * c.d_model + (5 * c.num_layers + 2) * c.d_model
+
+
+@pytest.mark.parametrize("path", PAPER, ids=[os.path.basename(p) for p in PAPER])
+def test_paper_config_builds_and_lays_out_legally(path):
+    config, layout, task, batch, boxed = build(path)
+    params = nn.unbox(boxed)["params"]
+    total = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    assert total == analytic_params(config, task.kind) + extra_params(config, task.kind)
+    # Every parameter is legal on the paper's mesh (LayoutError otherwise), and the batch
+    # splits over the batch dimension.
+    names = nn.get_partition_spec(boxed)["params"]
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    per_device = 0
+    for (path_, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(names, is_leaf=is_spec),
+                                   jax.tree_util.tree_leaves(params)):
+        split = layout.partition_spec(tuple(spec), leaf.shape, tensor=jax.tree_util.keystr(path_))
+        per_device += leaf.size // math.prod(layout.mesh_dims[m] for m in split if m)
+    layout.partition_spec(("batch", "length"), (batch, 256), tensor="batch")
+    model_ways = layout.mesh_dims.get("model", 1)
+    # Splitting d_ff, heads and vocab over `model` divides almost every parameter by it.
+    assert per_device < 1.01 * total / model_ways + config.d_model * 4096
+
+
+def test_the_largest_models_have_the_papers_sizes():
+    config, layout, _, _, boxed = build(os.path.join(run_lib.CONFIGS_DIR, "paper", "lm_size_5.gin"))
+    total = sum(x.size for x in jax.tree_util.tree_leaves(nn.unbox(boxed)["params"]))
+    assert 4.85e9 < total < 4.95e9 and layout.size == 512  # "about 4.9B on 512 cores"
+    _, layout, _, _, boxed = build(os.path.join(run_lib.CONFIGS_DIR, "paper", "tr_size_4.gin"))
+    total = sum(x.size for x in jax.tree_util.tree_leaves(nn.unbox(boxed)["params"]))
+    assert 2.8e9 < total < 2.95e9 and layout.size == 128  # "about 2.9B on 128 cores"
