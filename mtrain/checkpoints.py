@@ -115,29 +115,24 @@ class Checkpoints:
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
 
-    def restore_intact(self, abstract_state, iterator, meta: dict, step: int | None = None):
-        """(state, step) of the newest checkpoint that restores (or of `step`).
+    def restore_intact(self, abstract_state, iterator, meta: dict):
+        """(state, step) of the newest checkpoint that restores.
 
         A checkpoint that fails to restore (partly written, truncated, corrupted) is moved
         aside to ``<step>.damaged`` with a warning, and the one before it is tried: a run
         never silently starts from scratch over a model dir that has checkpoints. A
         checkpoint of a different model shape is not damage: that is an error.
         """
-        steps = [step] if step is not None else self.all_steps()[::-1]
-        if step is not None and step not in self.all_steps():
-            raise CheckpointError(f"no checkpoint of step {step} in {self.directory} (it has "
-                                  f"{self.all_steps() or 'none'})")
-        for candidate in steps:
+        for step in self.all_steps()[::-1]:
             try:
-                return self.restore(candidate, abstract_state, iterator, meta), candidate
+                return self.restore(step, abstract_state, iterator, meta), step
             except CheckpointError:
                 raise
             except Exception as e:  # orbax, tensorstore and tf.data raise many kinds
                 reason = " ".join(str(e).split())[:300] or type(e).__name__
-                damaged = self._move_aside(candidate)
-                log.warning("checkpoint %d cannot be restored (%s); moved it to %s%s",
-                            candidate, reason, damaged,
-                            "" if step is not None else " and trying the one before")
+                damaged = self._move_aside(step)
+                log.warning("checkpoint %d cannot be restored (%s); moved it to %s and trying "
+                            "the one before", step, reason, damaged)
         raise CheckpointError(
             f"no checkpoint in {self.directory} can be restored (damaged ones were moved to "
             f"<step>.damaged); use a new --model_dir, or restore a good copy")

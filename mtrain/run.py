@@ -23,12 +23,12 @@ import optax
 
 from mtrain import optimizer as optimizer_lib
 from mtrain import tasks as tasks_lib
+from mtrain.bleu import corpus_bleu
 from mtrain.checkpoints import Checkpoints, CheckpointError
 from mtrain.data.pipeline import batches
 from mtrain.errors import ConfigError, TrainingDiverged
 from mtrain.layout import Layout
 from mtrain.metrics import MetricsWriter, log
-from mtrain.bleu import corpus_bleu
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.trainer import LossConfig, Trainer
 from mtrain.translation import DecodingConfig, Translator
@@ -176,6 +176,9 @@ def build(
     task_obj = tasks_lib.get_task(task)
     if mode == "infer" and task_obj.kind != "translation":
         raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
+    if init_from and not os.path.isdir(init_from):
+        raise ConfigError(f"run.init_from={init_from!r} is not a directory; name the model dir "
+                          f"of the run to start from")
     eval_split = eval_split or task_obj.eval_split
     layout = Layout(mesh_shape, layout_rules, drop_unused_rules=True)
     for tensor_dim, mesh_dim in layout.dropped_rules:
@@ -253,19 +256,29 @@ def _params_from(exp: Experiment):
     where = exp.init_from
     if os.path.isdir(os.path.join(where, "checkpoints")):
         where = os.path.join(where, "checkpoints")
-    if not os.path.isdir(where):
-        raise CheckpointError(f"run.init_from={exp.init_from!r} is not a model dir")
-    source = Checkpoints(where, exp.keep_checkpoints)
-    try:
-        steps = source.all_steps()
-        step = exp.init_step if exp.init_step is not None else (steps[-1] if steps else None)
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint of step {step} in {where} (it has "
-                                  f"{steps or 'none'})")
-        state = source.restore(step, _abstract_state(exp), None, exp.checkpoint_meta())
-    finally:
-        source.close()
+    state, step = _restore_from(exp, where, exp.init_step,
+                                missing="run.init_from must name the model dir of a run")
     return state.params, step, where
+
+
+def _restore_from(exp: Experiment, directory: str, step: int | None = None,
+                  missing: str = "train first (--mode=train)"):
+    """(state, step) of checkpoint `step` (default: the latest) in `directory`, into this
+    run's shardings, without the input position: for eval, infer and init_from. Reads only;
+    `missing` says what to do when `directory` holds no checkpoint."""
+    if not os.path.isdir(directory):  # Checkpoints would create it
+        raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+    checkpoints = Checkpoints(directory, exp.keep_checkpoints)
+    try:
+        steps = checkpoints.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
+        return checkpoints.restore(step, _abstract_state(exp), None, exp.checkpoint_meta()), step
+    finally:
+        checkpoints.close()
 
 
 def _abstract_state(exp: Experiment):
@@ -484,23 +497,9 @@ def heldout_statistics(exp: Experiment, max_texts: int = 200_000) -> dict:
     return _HELDOUT_CACHE[key]
 
 
-def _restore_latest(exp: Experiment):
-    """(state, step) of the latest checkpoint in the model dir, for eval and infer."""
-    directory = os.path.join(exp.model_dir, "checkpoints")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"no checkpoints in {exp.model_dir}; train first (--mode=train)")
-    checkpoints = Checkpoints(directory, exp.keep_checkpoints)
-    step = checkpoints.latest_step()
-    if step is None:
-        raise CheckpointError(f"no checkpoints in {directory}; train first (--mode=train)")
-    state = checkpoints.restore(step, _abstract_state(exp), None, exp.checkpoint_meta())
-    checkpoints.close()
-    return state, step
-
-
 def evaluate_checkpoint(exp: Experiment) -> dict:
     """``--mode=eval``: evaluates the latest checkpoint in the model dir."""
-    state, step = _restore_latest(exp)
+    state, step = _restore_from(exp, os.path.join(exp.model_dir, "checkpoints"))
     writer = MetricsWriter(exp.model_dir)
     results = evaluate(exp, state.params, step, writer)
     writer.close()
@@ -518,7 +517,7 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
                 lines = f.read().splitlines()
         except OSError as e:
             raise ConfigError(f"cannot read --input_file {input_file}: {e.strerror}") from None
-    state, step = _restore_latest(exp)
+    state, step = _restore_from(exp, os.path.join(exp.model_dir, "checkpoints"))
     translations = exp.translator(state.params, lines) if lines else []
     text = "".join(t + "\n" for t in translations)
     if output_file in (None, "-"):

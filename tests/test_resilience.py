@@ -230,6 +230,7 @@ BAD_INPUTS = [  # (extra command-line arguments, what the one line must say)
     (["--gin_param=transformer.d_model=64"], "holds a model of a different shape (d_model=32 there, 64 here)"),
     (["--model_dir={readme}/run"], "cannot write the model dir"),
     (["--mode=infer"], "--mode=infer translates, but task 'bible_lm' is a lm task"),
+    (["--gin_param=run.init_from='/no/such/run'"], "run.init_from='/no/such/run' is not a directory"),
 ]
 
 
