@@ -30,7 +30,6 @@ The last line is ``ratio mtrain/plain: X.XX`` (> 1 means mtrain is faster).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
