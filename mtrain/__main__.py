@@ -31,10 +31,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "DIR, laid out as the official archives (make them with python -m "
                         "mtrain.data.make_offline), or 'shipped' to make them from the corpus in "
                         "data/; without it TFDS downloads (same as run.data_source)")
-    p.add_argument("--mode", choices=["train", "eval", "infer"], default=None,
+    p.add_argument("--mode", choices=["train", "eval", "infer", "plan"], default=None,
                    help="train (default); eval: evaluate the latest checkpoint of --model_dir "
                         "(loss, accuracy, perplexity or BLEU); infer: translate --input_file "
-                        "with it")
+                        "with it; plan: compile the train step for the configured mesh on "
+                        "simulated CPU devices and report memory, FLOPs, collectives and a "
+                        "step-time estimate for --target, without data or accelerators")
+    p.add_argument("--target", default="tpu-v3", metavar="NAME",
+                   help="--mode=plan: the accelerator to estimate for: tpu-v2, tpu-v3, tpu-v4, "
+                        "tpu-v5e, tpu-v5p, h100 or h200 (default tpu-v3)")
+    p.add_argument("--format", default="text", choices=["text", "json"],
+                   help="--mode=plan: a report for people (text) or one JSON object")
+    p.add_argument("--auto_layout", action="store_true",
+                   help="--mode=plan: try every 1-, 2- and 3-D mesh of --devices devices with "
+                        "the candidate layout rules; print the fastest that fit as gin lines")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="--mode=plan --auto_layout: the number of devices to lay the model out "
+                        "on (default: the size of run.mesh_shape)")
     p.add_argument("--input_file", default=None, metavar="FILE",
                    help="--mode=infer: sentences to translate, one per line (default: stdin)")
     p.add_argument("--output_file", default=None, metavar="FILE",
@@ -48,8 +61,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _plan_devices(args: argparse.Namespace) -> int:
+    """Makes jax see as many CPU devices as the plan needs (the mesh's size, or --devices),
+    which works because nothing has started jax's backends yet; returns that number."""
+    import gin
+    import jax
+
+    from mtrain.errors import ConfigError
+    from mtrain.layout import Layout
+
+    if args.devices is not None and args.devices < 1:
+        raise ConfigError("--devices must be at least 1")
+    try:
+        mesh_shape = gin.query_parameter("run.mesh_shape")
+    except ValueError:
+        mesh_shape = ""
+    needed = args.devices or Layout(mesh_shape).size
+    if args.cpu_devices is None:
+        try:
+            jax.config.update("jax_platforms", "cpu")  # plans compile for CPU, on any machine
+            jax.config.update("jax_num_cpu_devices", needed)
+            # A plan compiles but never runs: skip LLVM's optimisations (they change no
+            # number the plan reads, and take most of the compile time).
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_backend_optimization_level=0"
+                                       + " --xla_llvm_disable_expensive_passes=true").strip()
+        except RuntimeError:  # backends already started (mtrain used as a library)
+            pass
+    if jax.device_count() < needed:
+        raise ConfigError(f"the plan needs {needed} devices but jax has {jax.device_count()}; "
+                          f"drop --cpu_devices (plan simulates as many as it needs)")
+    return needed
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.mode != "plan" and (args.auto_layout or args.devices is not None):
+        print("mtrain: error: --auto_layout and --devices go with --mode=plan", file=sys.stderr)
+        return 2
     if args.cpu_devices is not None:
         if args.cpu_devices < 1:
             print("mtrain: error: --cpu_devices must be at least 1", file=sys.stderr)
@@ -64,9 +113,11 @@ def main(argv=None) -> int:
     from mtrain.errors import UserError
     from mtrain.metrics import setup_logging
 
-    setup_logging(args.verbose)
     try:
         run_lib.parse_config(args.gin_file, args.gin_param)
+        if args.mode == "plan":
+            plan_devices = _plan_devices(args)  # before anything starts jax (logging does)
+        setup_logging(args.verbose)
         kwargs = {}
         if args.model_dir is not None:
             kwargs["model_dir"] = args.model_dir
@@ -78,6 +129,11 @@ def main(argv=None) -> int:
             kwargs["data_source"] = args.data_source
         if args.mode == "infer":
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
+        if args.mode == "plan":
+            kwargs["plan_options"] = {"target": args.target, "output_format": args.format,
+                                      "auto_layout": args.auto_layout, "devices": plan_devices}
+            if args.auto_layout:  # the configured mesh is only where the search starts
+                kwargs["mesh_shape"] = ""
         run_lib.run(**kwargs)
     except UserError as e:
         if args.verbose:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ import numpy as np
 import optax
 
 from mtrain import optimizer as optimizer_lib
+from mtrain import planner
 from mtrain import tasks as tasks_lib
 from mtrain.bleu import corpus_bleu
 from mtrain.checkpoints import Checkpoints, CheckpointError
@@ -38,7 +40,8 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 # Model settings that change parameter shapes: a checkpoint must agree on all of them.
 SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layers",
                 "num_encoder_layers", "max_length", "shared_embedding_and_softmax")
-MODES = ("train", "eval", "infer")
+MODES = ("train", "eval", "infer", "plan")
+DEFAULT_VOCAB_SIZE = 8192
 
 def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
     """Parses gin files (searched in the working dir, then configs/) and bindings."""
@@ -57,7 +60,7 @@ def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
 
 
 @gin.configurable
-def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = 8192,
+def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_VOCAB_SIZE,
                path: str | None = None) -> Vocabulary:
     """The task's sentencepiece vocabulary: `path` if given, else trained once on the task's
     training text (every feature: one joint vocabulary for translation) and cached next to
@@ -71,14 +74,27 @@ def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = 8192,
     )
 
 
+def planned_vocab_size() -> int:
+    """The vocabulary size a run would have, without data: that of ``vocabulary.path`` if
+    bound, else ``vocabulary.size`` (sentencepiece trains exactly that many pieces)."""
+    def bound(name, default):
+        try:
+            return gin.query_parameter(f"vocabulary.{name}")
+        except ValueError:
+            return default
+
+    path = bound("path", None)
+    return load_vocabulary(path).vocab_size if path else bound("size", DEFAULT_VOCAB_SIZE)
+
+
 @dataclasses.dataclass
 class Experiment:
     """Everything `train` and `evaluate` need, built from the gin config by `build`."""
 
     model_dir: str
     task: tasks_lib.Task
-    source: object
-    vocab: Vocabulary
+    source: object  # None when planning: a plan needs no data
+    vocab: Vocabulary | None
     model_config: TransformerConfig
     layout: Layout
     trainer: Trainer
@@ -148,8 +164,9 @@ def build(
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
 
-    `mode` is 'train', 'eval' (evaluate the latest checkpoint) or 'infer' (translate with
-    it); see `run`. Translation tasks get the encoder-decoder, LM tasks the decoder-only LM.
+    `mode` is 'train', 'eval' (evaluate the latest checkpoint), 'infer' (translate with
+    it) or 'plan' (compile the train step for the mesh and report its cost; needs no data
+    and only as many devices as the mesh, simulated on CPU); see `run`. Translation tasks get the encoder-decoder, LM tasks the decoder-only LM.
 
     `eval_every` = 0 evaluates only at the end of training. `data_dir` (default
     $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and cached vocabularies.
@@ -184,13 +201,17 @@ def build(
     for tensor_dim, mesh_dim in layout.dropped_rules:
         log.warning("layout rule '%s:%s' ignored: the mesh %r has no dimension %r",
                     tensor_dim, mesh_dim, mesh_shape, mesh_dim)
-    mesh = layout.make_mesh()
-    source = task_obj.source(data_dir, data_source)
-    source.check_split(eval_split)
-    vocab = vocabulary(task_obj, source, data_dir)
+    planning = mode == "plan"
+    mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
+    source = vocab = None
+    if not planning:
+        source = task_obj.source(data_dir, data_source)
+        source.check_split(eval_split)
+        vocab = vocabulary(task_obj, source, data_dir)
+    vocab_size = planned_vocab_size() if planning else vocab.vocab_size
     # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
     # dimension up to 128; the extra ids never occur in the data.
-    model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab.vocab_size / 128))
+    model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab_size / 128))
     if model_config.max_length < sequence_length:
         raise ConfigError(
             f"run.sequence_length={sequence_length} is longer than "
@@ -211,23 +232,72 @@ def build(
         keep_checkpoint_every=keep_checkpoint_every, init_from=init_from, init_step=init_step,
         max_nonfinite_steps=max_nonfinite_steps,
         eval_split=eval_split, schedule=schedule, mode=mode,
-        translator=Translator(trainer, vocab, DecodingConfig()) if translation else None,
+        translator=(Translator(trainer, vocab, DecodingConfig())
+                    if translation and not planning else None),
     )
     log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
              layout, jax.device_count())
     return exp
 
 
-def run(input_file: str | None = None, output_file: str | None = None, **overrides):
-    """Trains (``run.mode='train'``), evaluates the latest checkpoint (``'eval'``) or
-    translates `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout),
-    as the gin config and `overrides` (e.g. model_dir from the command line) say."""
+def run(input_file: str | None = None, output_file: str | None = None,
+        plan_options: dict | None = None, **overrides):
+    """Trains (``run.mode='train'``), evaluates the latest checkpoint (``'eval'``),
+    translates `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout)
+    or plans (``'plan'``, with `plan_options` for `plan`), as the gin config and `overrides`
+    (e.g. model_dir from the command line) say."""
     exp = build(**overrides)
     if exp.mode == "train":
         return train(exp)
     if exp.mode == "eval":
         return evaluate_checkpoint(exp)
+    if exp.mode == "plan":
+        return plan(exp, **(plan_options or {}))
     return infer(exp, input_file, output_file)
+
+
+def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
+         auto_layout: bool = False, devices: int | None = None, top: int = 5,
+         out=None) -> dict:
+    """``--mode=plan``: compiles the train step for the configured mesh and prints what it
+    needs per device and how long it would take on `target` (see `planner`); with
+    `auto_layout`, ranks every mesh and layout of `devices` (default: the mesh's size)
+    devices instead. Prints text or, with `output_format` 'json', one JSON object to `out`
+    (default stdout); returns that object."""
+    if target not in planner.TARGETS:
+        raise ConfigError(f"unknown --target {target!r}; use one of {', '.join(planner.TARGETS)}")
+    if output_format not in ("text", "json"):
+        raise ConfigError(f"unknown --format {output_format!r}; use text or json")
+    target_spec, kind = planner.TARGETS[target], exp.task.kind
+    analytic = planner.analytic_parameters(exp.model_config, kind)
+    describe = f"task {exp.task.name}, {_describe(exp.model_config)}"
+    if auto_layout:
+        devices = devices or exp.layout.size
+        if devices > jax.device_count():
+            raise ConfigError(f"--auto_layout for {devices} devices, but only "
+                              f"{jax.device_count()} are available to compile for")
+        t = exp.trainer
+        results = planner.auto_layout(
+            lambda layout: Trainer(t.model, t.optimizer, layout,
+                                   layout.make_mesh(jax.devices()[:layout.size]),
+                                   exp.batch_size, exp.sequence_length, seed=exp.seed,
+                                   loss_config=t.loss_config),
+            exp.model_config, kind, devices, target_spec, analytic,
+            progress=lambda message: log.info("auto-layout %s", message))
+        report = {"model": describe, "num_devices": devices, "target": target,
+                  "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
+                                  "rejected": c.rejected,
+                                  "plan": c.plan.to_dict() if c.plan else None}
+                                 for c in results]}
+        text = planner.format_auto_layout(results, devices, target, top)
+    else:
+        result = planner.plan(exp.trainer, exp.model_config, kind, target_spec, analytic)
+        report = {"model": describe, **result.to_dict()}
+        text = planner.format_plan(result, describe)
+    out = out or sys.stdout
+    out.write((json.dumps(report, indent=1) if output_format == "json" else text) + "\n")
+    out.flush()
+    return report
 
 
 def _describe(c: TransformerConfig) -> str:

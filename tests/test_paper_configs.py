@@ -2,7 +2,9 @@
 parameter is allocated), has the analytic number of parameters, and lays every parameter out
 legally on its paper mesh."""
 
+import dataclasses
 import glob
+import json
 import math
 import os
 
@@ -82,3 +84,48 @@ def test_the_largest_models_have_the_papers_sizes():
     _, layout, _, _, boxed = build(os.path.join(run_lib.CONFIGS_DIR, "paper", "tr_size_4.gin"))
     total = sum(x.size for x in jax.tree_util.tree_leaves(nn.unbox(boxed)["params"]))
     assert 2.8e9 < total < 2.95e9 and layout.size == 128  # "about 2.9B on 128 cores"
+
+
+# Compiles every paper file's train step on its paper mesh, in one process that simulates
+# 512 CPU devices. The largest LM and translation models compile at full depth; the others
+# with one layer, which exercises every layout the full depth does, in a fraction of the time.
+_COMPILE_ALL = """
+import io, json, sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 512)
+from mtrain import run as run_lib
+for path in sys.argv[1:]:
+    full = path.endswith(("lm_size_5.gin", "tr_size_4.gin"))
+    run_lib.parse_config([path], [] if full else ["transformer.num_layers=1"])
+    exp = run_lib.build(model_dir="unused", mode="plan")
+    report = run_lib.plan(exp, target="tpu-v3", output_format="json", out=io.StringIO())
+    print(json.dumps({"path": path, "layers": exp.model_config.num_layers, **report}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_every_paper_config_compiles_its_train_step_on_its_paper_mesh():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL, *PAPER], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["path"] for r in reports] == PAPER
+    for r in reports:
+        config, layout, task, _, _ = build(r["path"])
+        assert r["mesh_shape"] == ";".join(f"{n}:{s}" for n, s in layout.mesh_shape)
+        assert r["num_devices"] == layout.size and r["xla_flops"] > 0 and r["temp_bytes"] > 0
+        # The planner counts what the formula counts.
+        config = dataclasses.replace(config, num_layers=r["layers"])
+        assert r["analytic_parameters"] == analytic_params(config, task.kind)
+        assert r["parameters"] == r["analytic_parameters"] + extra_params(config, task.kind)
+    largest = {os.path.basename(r["path"]): r for r in reports if r["layers"] == 6}
+    assert set(largest) == {"lm_size_5.gin", "tr_size_4.gin"}
+    # Model parallelism is what lets them fit: 1/32 and 1/8 of the parameters per device.
+    assert largest["lm_size_5.gin"]["parameter_bytes"] < 4 * 4.9e9 / 32 * 1.01
+    assert largest["tr_size_4.gin"]["parameter_bytes"] < 4 * 2.9e9 / 8 * 1.01
+    assert all(r["fits"] for r in largest.values())  # on a 16 GiB TPU v3 core

@@ -1,0 +1,169 @@
+"""--mode=plan: the train step compiled ahead of time for a mesh, and what it costs."""
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import optax
+import pytest
+
+from mtrain import planner
+from mtrain import run as run_lib
+from mtrain.__main__ import main
+from mtrain.layout import Layout
+from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.trainer import Trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = TransformerConfig(vocab_size=1024, d_model=64, d_ff=512, num_heads=8, d_kv=16,
+                           num_layers=2, max_length=64)
+RULES = "batch:batch;d_ff:model;heads:model;vocab:model"
+V3 = planner.TARGETS["tpu-v3"]
+
+
+def make_plan(mesh_shape, rules=RULES, config=CONFIG, target=V3):
+    layout = Layout(mesh_shape, rules, drop_unused_rules=True)
+    trainer = Trainer(DecoderLM(config), optax.adafactor(1e-3), layout,
+                      layout.make_mesh(jax.devices()[:layout.size]), 16, 64)
+    return trainer, planner.plan(trainer, config, "lm", target,
+                                 planner.analytic_parameters(config, "lm"))
+
+
+def test_collectives_are_parsed_from_hlo_text():
+    hlo = "\n".join([
+        "  %all-reduce.1 = f32[16,32,64]{2,1,0} all-reduce(%x), channel_id=2, "
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add",
+        "  %all-reduce.2 = (f32[64,512]{1,0}, bf16[8]{0}, f32[]) all-reduce(%a, %b, %c), "
+        "replica_groups=[2,4]<=[8], to_apply=%add",
+        "  ROOT %all-gather.3 = f32[8,64]{1,0} all-gather(%y), dimensions={0}, "
+        "replica_groups={{0,1},{2,3},{4,5},{6,7}}",
+        "  %reduce-scatter = f32[4,64]{1,0} reduce-scatter(%z), replica_groups={}, dimensions={0}",
+        "  %collective-permute = s32[10]{0} collective-permute(%w), source_target_pairs={{0,1}}",
+        "  %add = f32[16,32,64]{2,1,0} add(%all-reduce.1, %all-reduce.1)",
+        "  %trivial = f32[8]{0} all-reduce(%v), replica_groups={{0},{1}}, to_apply=%add",
+    ])
+    stats = planner.collectives(hlo, num_devices=8, parameter_shapes={(64, 512)})
+    ar, ag = stats["all-reduce"], stats["all-gather"]
+    # Groups of 4: an all-reduce sends 2 x 3/4 of its bytes; groups of one are no collective.
+    assert ar.count == 2
+    assert ar.bytes_sent == 1.5 * (16 * 32 * 64 * 4 + 64 * 512 * 4 + 8 * 2 + 4)
+    assert ar.parameter_shaped_bytes == 1.5 * 64 * 512 * 4
+    assert (ag.count, ag.bytes_sent) == (1, 0.5 * 8 * 64 * 4)
+    # Empty groups are all 8 devices: a reduce-scatter producing B bytes sends 7 B.
+    assert stats["reduce-scatter"].bytes_sent == 7 * 4 * 64 * 4
+    assert stats["collective-permute"].bytes_sent == 40 and stats["all-to-all"].count == 0
+
+
+def test_data_parallel_plan_all_reduces_the_gradients():
+    trainer, p = make_plan("batch:8")
+    params = jax.tree_util.tree_leaves(trainer.abstract_state.params)
+    assert p.parameters == sum(x.size for x in params)
+    assert p.parameter_bytes == 4 * p.parameters  # every device holds every parameter
+    ar = p.collectives["all-reduce"]
+    # Each gradient is all-reduced over the 8 replicas: 2 x 7/8 of the parameter bytes, and
+    # nothing else of size (only the loss and metric scalars).
+    assert ar["parameter_shaped_bytes"] == pytest.approx(2 * 7 / 8 * p.parameter_bytes)
+    assert ar["bytes_sent"] - ar["parameter_shaped_bytes"] < 100
+    # XLA's count agrees with 6 x params x tokens + attention, per device.
+    assert p.xla_flops == pytest.approx(p.analytic_flops / 8, rel=0.1)
+    assert p.fits and p.step_seconds == pytest.approx(
+        max(p.compute_seconds, p.memory_seconds) + p.communication_seconds)
+
+
+def test_model_parallel_plan_all_reduces_activations_and_splits_parameters():
+    trainer, dp = make_plan("batch:8")
+    _, mp = make_plan("model:8")
+    ar = mp.collectives["all-reduce"]
+    # Mesh-TF's analysis: splitting d_ff and heads makes every layer all-reduce its
+    # [batch, length, d_model] output, forward and backward; no gradient is all-reduced.
+    activation = 16 * 64 * CONFIG.d_model * 4
+    assert ar["parameter_shaped_bytes"] == 0
+    assert ar["bytes_sent"] >= 2 * 7 / 8 * activation * CONFIG.num_layers * 2 * 2
+    # Per-device parameter bytes shrink by the model-axis size, but for the parameters that
+    # have no d_ff, heads or vocab dimension (position embedding, norm scales).
+    names = nn.get_partition_spec(jax.eval_shape(trainer._init_variables, trainer.init_key))
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    replicated = sum(
+        4 * leaf.size for spec, leaf in zip(
+            jax.tree_util.tree_leaves(names["params"], is_leaf=is_spec),
+            jax.tree_util.tree_leaves(trainer.abstract_state.params))
+        if not {"d_ff", "heads", "vocab"} & set(spec))
+    assert 0 < replicated < dp.parameter_bytes / 20
+    assert mp.parameter_bytes == (dp.parameter_bytes - replicated) / 8 + replicated
+    _, mp4 = make_plan("batch:2;model:4")
+    assert mp4.parameter_bytes == (dp.parameter_bytes - replicated) / 4 + replicated
+    # A mixed layout does both: gradients over `batch`, activations over `model`.
+    ar4 = mp4.collectives["all-reduce"]
+    assert 0 < ar4["parameter_shaped_bytes"] < ar4["bytes_sent"]
+
+
+def test_a_step_too_big_for_the_target_does_not_fit():
+    small = dataclasses.replace(V3, name="tpu-v3", hbm_bytes=4 * 2**20)
+    _, p = make_plan("batch:8", target=small)
+    assert p.total_bytes > small.hbm_bytes and not p.fits
+    assert "DOES NOT FIT" in planner.format_plan(p)
+
+
+def run_plan(*args):
+    proc = subprocess.run([sys.executable, "-m", "mtrain", "--mode=plan", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    return proc
+
+
+def test_cli_plans_the_largest_paper_lm_on_its_512_cores():
+    # A process of its own: the plan simulates the 512 devices it needs.
+    proc = run_plan("--gin_file=paper/lm_size_5.gin", "--target=tpu-v2", "--format=json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["num_devices"] == 512 and report["mesh_shape"] == "batch:16;model:32"
+    d, f, h, k, v = 1024, 262144, 256, 256, 32768
+    assert report["analytic_parameters"] == 6 * (4 * d * h * k + 2 * d * f) + 2 * v * d
+    assert 4.85e9 < report["parameters"] < 4.95e9
+    # 1/32 of the parameters per device (plus the replicated position embedding and norms).
+    assert report["parameter_bytes"] < 4 * report["parameters"] / 32 + 4 * 300 * d
+    assert report["fits"] and report["total_bytes"] < 8 * 2**30  # a TPU v2 core's 8 GiB
+    assert report["xla_flops"] == pytest.approx(report["analytic_flops"] / 512, rel=0.05)
+    assert report["collectives"]["all-reduce"]["count"] > 0
+
+
+def test_cli_plan_text_report_and_bad_input(capsys):
+    assert main(["--mode=plan", "--gin_file=quickstart.gin", "--target=h100"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh batch:4;model:2 (8 devices)" in out and "verdict: FITS in h100 memory" in out
+    assert "all-reduce" in out and "roofline on h100" in out
+    assert main(["--mode=plan", "--gin_file=quickstart.gin", "--target=tpu-v9"]) == 2
+    assert "unknown --target 'tpu-v9'; use one of tpu-v2, tpu-v3" in capsys.readouterr().err
+    assert main(["--gin_file=quickstart.gin", "--auto_layout"]) == 2
+    assert "--auto_layout and --devices go with --mode=plan" in capsys.readouterr().err
+
+
+def test_auto_layout_ranks_the_legal_layouts_that_fit(capsys):
+    run_lib.parse_config(["quickstart.gin"], ["transformer.num_heads=4"])
+    exp = run_lib.build(model_dir="unused", mode="plan", mesh_shape="")
+    out = io.StringIO()
+    report = run_lib.plan(exp, target="tpu-v3", output_format="json", auto_layout=True,
+                          devices=8, out=out)
+    assert json.loads(out.getvalue()) == json.loads(json.dumps(report))
+    candidates = report["candidates"]
+    assert {c["mesh_shape"] for c in candidates} == {
+        "batch:8", "model:8", "batch:2;model:4", "batch:4;model:2", "batch:2;model:2;embed:2"}
+    # 4 heads cannot split 8 ways: that candidate is illegal, and says why.
+    illegal = [c for c in candidates if c["mesh_shape"] == "model:8"]
+    assert illegal[0]["plan"] is None and "'heads' of size 4 is not divisible" in illegal[0]["rejected"]
+    fitting = [c["plan"] for c in candidates if c["plan"] and c["plan"]["fits"]]
+    assert len(fitting) == len(candidates) - 1
+    steps = [p["step_seconds"] for p in fitting]
+    assert steps == sorted(steps) and candidates[0]["plan"] == fitting[0]
+    # The command line prints the winners as gin lines, for a legal layout.
+    best = candidates[0]
+    Layout(best["mesh_shape"], best["layout_rules"])
+    assert main(["--mode=plan", "--gin_file=quickstart.gin", "--auto_layout", "--devices=8",
+                 "--gin_param=transformer.num_heads=4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("auto-layout for 8 devices on tpu-v3: 9 candidates, 8 compiled")
+    assert "#1  step ~" in printed and f'run.mesh_shape = "{best["mesh_shape"]}"' in printed
