@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         if args.mode == "plan":
             kwargs["plan_options"] = {"target": args.target, "output_format": args.format,
                                       "auto_layout": args.auto_layout, "devices": plan_devices}
-            if args.auto_layout:  # the configured mesh is only where the search starts
-                kwargs["mesh_shape"] = ""
+            if args.auto_layout:  # the search replaces the configured mesh and rules
+                kwargs.update(mesh_shape="", layout_rules="")
         run_lib.run(**kwargs)
     except UserError as e:
         if args.verbose:
