@@ -11,6 +11,11 @@ import os
 import sys
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mtrain",
@@ -56,6 +61,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu_devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (sets XLA's host device count before jax "
                         "starts), so that e.g. a batch:4;model:2 mesh runs on a laptop")
+    env = os.environ.get
+    p.add_argument("--coordinator_address", default=env("MTRAIN_COORDINATOR_ADDRESS"),
+                   metavar="HOST:PORT",
+                   help="multi-process runs: where process 0 listens (also "
+                        "$MTRAIN_COORDINATOR_ADDRESS); not needed on Cloud TPU or under Slurm, "
+                        "where JAX finds it")
+    p.add_argument("--num_processes", type=int, default=_env_int("MTRAIN_NUM_PROCESSES"),
+                   metavar="N", help="multi-process runs: how many processes (also "
+                                     "$MTRAIN_NUM_PROCESSES)")
+    p.add_argument("--process_id", type=int, default=_env_int("MTRAIN_PROCESS_ID"),
+                   metavar="I", help="multi-process runs: this process, 0 .. N-1 (also "
+                                     "$MTRAIN_PROCESS_ID)")
+    p.add_argument("--distributed_timeout", type=int, default=300, metavar="SECONDS",
+                   help="multi-process runs: how long to wait for every process to join")
+    p.add_argument("--heartbeat_timeout", type=int, default=100, metavar="SECONDS",
+                   help="multi-process runs: a process silent this long is taken for dead, "
+                        "and the others stop")
     p.add_argument("--verbose", action="store_true",
                    help="debug logging, and full tracebacks for configuration errors")
     return p.parse_args(argv)
@@ -108,6 +130,17 @@ def main(argv=None) -> int:
         simulate_cpu_devices(args.cpu_devices)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow only feeds the input pipeline
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # and should not log about oneDNN
+    if args.mode != "plan":  # a plan is one process however many devices it plans for
+        from mtrain import distributed
+        from mtrain.errors import UserError
+
+        try:  # before anything else touches jax
+            distributed.initialize(args.coordinator_address, args.num_processes,
+                                   args.process_id, args.distributed_timeout,
+                                   args.heartbeat_timeout)
+        except UserError as e:
+            print(f"mtrain: error: {e}", file=sys.stderr)
+            return 2
 
     from mtrain import run as run_lib  # imports jax: only after the flags above
     from mtrain.errors import UserError

@@ -19,9 +19,11 @@ import dataclasses
 import logging
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from mtrain import distributed
 from mtrain.errors import UserError
 
 log = logging.getLogger("mtrain")
@@ -138,12 +140,15 @@ class Checkpoints:
             f"<step>.damaged); use a new --model_dir, or restore a good copy")
 
     def _move_aside(self, step: int) -> epath.Path:
-        """Renames a damaged step directory to <step>.damaged[.N] (keeping it for a human)."""
+        """Renames a damaged step directory to <step>.damaged[.N] (keeping it for a human);
+        process 0 renames, the others wait for it."""
         source = self.directory / str(step)
         target, n = self.directory / f"{step}.damaged", 1
         while target.exists():
             target, n = self.directory / f"{step}.damaged.{n}", n + 1
-        source.rename(target)
+        if jax.process_index() == 0:
+            source.rename(target)
+        distributed.sync(f"mtrain_damaged_{step}")
         self.manager.reload()
         return target
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import optax
 
+from mtrain import distributed
 from mtrain import optimizer as optimizer_lib
 from mtrain import planner
 from mtrain import tasks as tasks_lib
@@ -122,10 +123,13 @@ class Experiment:
         return self._batches(self.eval_split, train=False)
 
     def _batches(self, split: str, train: bool):
+        """This process's rows of each global batch (`Trainer.local_rows`)."""
+        start, stop = self.trainer.local_rows()
         return batches(
             self.source, self.vocab, split, self.task.features, self.sequence_length,
-            self.batch_size, self.seed, train=train, process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            self.batch_size, self.seed, train=train,
+            shard=(start // (stop - start), self.batch_size // (stop - start)),
+            process=(jax.process_index(), jax.process_count()),
         )
 
     def checkpoint_meta(self) -> dict:
@@ -205,9 +209,14 @@ def build(
     mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
     source = vocab = None
     if not planning:
-        source = task_obj.source(data_dir, data_source)
-        source.check_split(eval_split)
-        vocab = vocabulary(task_obj, source, data_dir)
+        # Process 0 prepares the dataset and trains the vocabulary (once, into data_dir);
+        # the others wait, then load what it made.
+        for turn in ("first", "rest"):
+            if (jax.process_index() == 0) == (turn == "first"):
+                source = task_obj.source(data_dir, data_source)
+                source.check_split(eval_split)
+                vocab = vocabulary(task_obj, source, data_dir)
+            distributed.sync(f"mtrain_data_prepared_{turn}")
     vocab_size = planned_vocab_size() if planning else vocab.vocab_size
     # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
     # dimension up to 128; the extra ids never occur in the data.
@@ -407,7 +416,7 @@ def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkp
             if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
                 results = evaluate(exp, state.params, step, writer)
                 tick = time.time()
-            preempted = preemption.requested
+            preempted = preemption.reached(step)
             if step % exp.checkpoint_every == 0 or step == exp.train_steps or preempted:
                 guard.check(until=step)  # never save a state that is about to be rejected
                 checkpoints.save(step, state, batches, exp.checkpoint_meta())
@@ -467,10 +476,26 @@ class _FiniteGuard:
 
 class _Preemption:
     """Notes SIGTERM (what Cloud TPU, Kubernetes and Slurm send before they stop a job) so
-    that the loop can save a checkpoint and stop, instead of dying mid-step."""
+    that the loop can save a checkpoint and stop, instead of dying mid-step.
+
+    With several processes, JAX's coordination service catches the signal on whichever
+    processes get it and agrees with all of them on a step to stop at
+    (`reached_preemption_sync_point`), so that they all save the same one.
+    """
+
+    def reached(self, step: int) -> bool:
+        """Whether to save and stop after `step` (call it at every step, on every process)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
 
     def __enter__(self):
         self.requested = False
+        self._previous = None
+        if jax.process_count() > 1:
+            return self  # the coordination service owns SIGTERM
         try:
             self._previous = signal.signal(signal.SIGTERM, self._note)
         except ValueError:  # not the main thread: leave signals alone

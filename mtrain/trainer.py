@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain import losses
-from mtrain.layout import Layout, tree_shardings
+from mtrain.layout import Layout, LayoutError, tree_shardings
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
@@ -213,10 +213,27 @@ class Trainer:
         """A freshly initialised state, created directly in its shards."""
         return self._init_state()
 
+    def local_rows(self) -> tuple[int, int]:
+        """The rows [start, stop) of the global batch that this process's devices hold, and
+        so the rows it must feed: all of them with one process, or when the hosts split only
+        the model; 1/P of them each when P hosts lie along the batch dimension."""
+        size = self.batch_shape[0]
+        slices = {(s[0].start or 0, size if s[0].stop is None else s[0].stop) for s in
+                  self.batch_sharding.addressable_devices_indices_map(self.batch_shape).values()}
+        start, stop = min(a for a, _ in slices), max(b for _, b in slices)
+        covered = sum(b - a for a, b in slices)
+        if covered != stop - start or size % (stop - start) or start % (stop - start):
+            raise LayoutError(
+                f"this process's devices hold rows {sorted(slices)} of the batch, not one "
+                f"block of it: put the hosts along the batch mesh dimension")
+        return start, stop
+
     def place_batch(self, batch: dict[str, np.ndarray]) -> Batch:
-        """This process's rows of a global batch -> global arrays sharded along ``batch``."""
+        """This process's rows of a global batch (`local_rows`) -> global arrays sharded
+        along ``batch``."""
         return {
-            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v),
+                                                      self.batch_shape)
             for k, v in batch.items()
         }
 

@@ -107,8 +107,8 @@ class Translator:
     def __call__(self, params, texts: Sequence[str]) -> list[str]:
         """The translations of `texts`, in order."""
         out = []
-        rows = self.batch_size // jax.process_count()
-        first = jax.process_index() * rows
+        first, stop = self.trainer.local_rows()
+        rows = stop - first
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start:start + self.batch_size])
             ids = self.encode_batch(chunk)[first:first + rows]  # this process's rows

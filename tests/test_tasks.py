@@ -102,7 +102,7 @@ def test_tfds_batches_shard_by_host_and_resume_exactly(lm1b, en_vocab, tmp_path)
                        train=True, window=WINDOW, **kwargs)
 
     single = make()
-    hosts = [make(process_index=p, process_count=2) for p in range(2)]
+    hosts = [make(shard=(p, 2)) for p in range(2)]
     for _ in range(2):
         expected = next(single)
         halves = [next(h) for h in hosts]

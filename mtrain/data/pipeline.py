@@ -8,14 +8,15 @@
 pairs: inputs and targets of an example are segment i of the same row in both keys.
     batches.save(directory); ...; batches.restore(directory)
 
-Every batch is a dict of int32 numpy arrays of shape [batch_size // process_count,
+Every batch is a dict of int32 numpy arrays of shape [batch_size // shard count,
 sequence_length] (see packing.py for the three arrays of each key).
 
 **The global batch does not depend on the number of processes.** Training uses "lanes":
 row r of every global batch (r = 0 .. B-1) is its own endless stream, made from shard r of
 B of the split (`source.shuffled_dataset`: reshuffled every epoch with a seed derived from
-(seed, r)), tokenised and packed. Process p builds only its lanes, rows [p*B/P, (p+1)*B/P),
-and takes one row from each in turn, so it reads and tokenises only its share and yields
+(seed, r)), tokenised and packed. The process feeding shard i of n of the batch (the
+process whose devices hold those rows) builds only its lanes, rows [i*B/n, (i+1)*B/n), and
+takes one row from each in turn, so it reads and tokenises only its share and yields
 exactly its rows of the batch that a single process would have made.
 
 Evaluation makes one deterministic pass over the split: examples in order, packed, batched
@@ -30,7 +31,10 @@ single tf.data map making two `tf.numpy_function` calls: one SentencePiece call 
 function.
 
 Resuming: `BatchIterator.save` / `restore` checkpoint the tf.data iterator. Lanes shuffle
-without buffers, so a checkpoint holds positions and a few prefetched batches (~50 kB).
+without buffers, so a checkpoint holds positions and a few prefetched batches (~50 kB). A
+run resumed with a different number of processes cannot use another process's tf.data
+state; it fast-forwards instead: after n batches every lane has given exactly n rows, so
+skipping n rows of each lane continues exactly where the saved run was.
 """
 
 import functools
@@ -53,22 +57,25 @@ TRANSLATION_FEATURES = {"inputs": "inputs", "targets": "targets"}  # of BibleTra
 
 def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],
             sequence_length: int, batch_size: int, seed: int = 0, *, train: bool,
-            process_index: int = 0, process_count: int = 1,
+            shard: tuple[int, int] = (0, 1), process: tuple[int, int] | None = None,
             window: int = 256) -> "BatchIterator":
     """Packed batches: for each packed key k of `features` (e.g. {"inputs": "en", "targets":
     "fr"}), the arrays k, k_segment_ids and k_positions.
 
     train=True: endless, shuffled by `seed`. train=False: one pass in order, the last batch
-    padded with all-zero rows. See `make_dataset` for the arguments.
+    padded with all-zero rows. `shard` (i, n): yield rows [i*B/n, (i+1)*B/n) of each global
+    batch of B rows. `process` (p, P) names the state this iterator saves (default: as
+    `shard`). See `make_dataset` for the other arguments.
     """
-    dataset = make_dataset(source, vocab, split, features, sequence_length, batch_size,
-                           seed, train=train, process_index=process_index,
-                           process_count=process_count, window=window)
+    def make(skip: int) -> tf.data.Dataset:
+        return make_dataset(source, vocab, split, features, sequence_length, batch_size,
+                            seed, train=train, shard=shard, window=window, skip=skip)
+
     config = dict(source=source.description(), split=split, features=features,
                   vocabulary=hashlib.sha256(vocab.model_proto).hexdigest()[:16],
                   sequence_length=sequence_length, batch_size=batch_size, seed=seed,
                   train=train, window=window)
-    return BatchIterator(dataset, process_index, process_count, config)
+    return BatchIterator(make, shard, process or shard, config)
 
 
 def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_length: int,
@@ -81,22 +88,24 @@ def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_lengt
 
 def make_dataset(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],
                  sequence_length: int, batch_size: int, seed: int = 0, *, train: bool,
-                 process_index: int = 0, process_count: int = 1,
-                 window: int = 256) -> tf.data.Dataset:
-    """This process's batches as a tf.data.Dataset (see the module docstring).
+                 shard: tuple[int, int] = (0, 1), window: int = 256,
+                 skip: int = 0) -> tf.data.Dataset:
+    """Shard `shard` = (i, n) of the batches as a tf.data.Dataset (see the module
+    docstring), starting after the first `skip` batches.
 
     `features` maps each packed key to the source feature it is made from, e.g.
     {"targets": "text"} for language modelling, {"inputs": "en", "targets": "fr"} for
     translation. `window` is how many examples are tokenised and packed together.
     """
-    if batch_size % process_count:
-        raise DataError(f"batch_size {batch_size} is not divisible by the "
-                         f"{process_count} processes")
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    index, count = shard
+    if batch_size % count:
+        raise DataError(f"batch_size {batch_size} is not divisible into {count} shards "
+                        f"(one per process feeding its own rows)")
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index} is not in [0, {count})")
     source.check_split(split)
-    rows = batch_size // process_count
-    first_row = process_index * rows
+    rows = batch_size // count
+    first_row = index * rows
     pack = _tokenize_and_pack_fn(vocab, tuple(features.items()), sequence_length)
 
     if train:
@@ -107,7 +116,7 @@ def make_dataset(source: TextSource, vocab: Vocabulary, split: str, features: di
         def lane_dataset(lane: tf.Tensor) -> tf.data.Dataset:
             """The endless stream of packed rows for row `lane` of every global batch."""
             dataset = source.shuffled_dataset(split, seeds[lane], shard=(lane, batch_size))
-            return dataset.batch(window).map(pack).unbatch()
+            return dataset.batch(window).map(pack).unbatch().skip(skip)
 
         # Take one row from each of this process's lanes in turn: a batch is rows
         # first_row, first_row + 1, ... of the global batch.
@@ -118,6 +127,7 @@ def make_dataset(source: TextSource, vocab: Vocabulary, split: str, features: di
         dataset = source.dataset(split).batch(window).map(pack).unbatch()
         dataset = dataset.batch(batch_size).map(
             no_autograph(lambda batch: _rows_of(_pad_rows(batch, batch_size), first_row, rows)))
+        dataset = dataset.skip(skip)
 
     options = tf.data.Options()
     options.deterministic = True
@@ -183,57 +193,82 @@ class BatchIterator:
     """Numpy batches from a tf.data pipeline, whose position can be saved and restored.
 
     A restored iterator yields exactly the batches the saved one would have yielded next.
-    The state of process p is written under `directory` with the process in its name, so
-    every process of a run can save into the same (e.g. the trainer's checkpoint) directory.
-    `config` (JSON-able) describes the pipeline; it is saved with the state, and restoring
-    into a pipeline with a different config is an error.
+    The state of process p of P is written under `directory` with the process in its name,
+    so every process of a run can save into the same (e.g. the trainer's checkpoint)
+    directory. `config` (JSON-able) describes the pipeline; it is saved with the state and
+    the position (batches yielded), and restoring into a pipeline with a different config is
+    an error. `make(skip)` builds the dataset from batch `skip` on.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, process_index: int = 0, process_count: int = 1,
-                 config: dict | None = None):
-        self.dataset = dataset
-        self.process_index = process_index
-        self.process_count = process_count
-        self.config = dict(config or {}, process_count=process_count)
-        self._iterator = iter(dataset)
+    def __init__(self, make, shard: tuple[int, int] = (0, 1),
+                 process: tuple[int, int] = (0, 1), config: dict | None = None):
+        self._make = make
+        self.shard, self.process = tuple(shard), tuple(process)
+        self.config = dict(config or {})
+        self._start(0)
+
+    def _start(self, position: int) -> None:
+        self.start = self.position = position  # the dataset begins after `start` batches
+        self.dataset = self._make(position)
+        self._iterator = iter(self.dataset)
         self._checkpoint = tf.train.Checkpoint(iterator=self._iterator)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return {key: value.numpy() for key, value in next(self._iterator).items()}
+        batch = {key: value.numpy() for key, value in next(self._iterator).items()}
+        self.position += 1
+        return batch
 
-    def state_prefix(self, directory: str | os.PathLike) -> str:
-        """Where this process's state lives: `directory/input_pipeline.process-I-of-N.*`."""
-        name = f"input_pipeline.process-{self.process_index}-of-{self.process_count}"
-        return os.path.join(os.fspath(directory), name)
+    def state_prefix(self, directory: str | os.PathLike, process=None) -> str:
+        """Where a process's state lives: `directory/input_pipeline.process-p-of-P.*`."""
+        p, count = process or self.process
+        return os.path.join(os.fspath(directory), f"input_pipeline.process-{p}-of-{count}")
+
+    def _saved(self) -> dict:
+        return dict(self.config, shard=list(self.shard), position=self.position,
+                    start=self.start)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Writes this process's iterator state under `directory`; returns its prefix."""
-        os.makedirs(directory, exist_ok=True)
+        tf.io.gfile.makedirs(os.fspath(directory))
         prefix = self.state_prefix(directory)
         self._checkpoint.write(prefix)
-        with open(prefix + ".json", "w") as f:
-            json.dump(self.config, f, indent=1, sort_keys=True)
+        with tf.io.gfile.GFile(prefix + ".json", "w") as f:
+            json.dump(self._saved(), f, indent=1, sort_keys=True)
         return prefix
 
     def restore(self, directory: str | os.PathLike) -> None:
-        """Moves the iterator to the position saved under `directory` by `save`."""
+        """Moves the iterator to the position saved under `directory` by `save`: from this
+        process's saved tf.data state, or, when the run was saved by a different number of
+        processes, by fast-forwarding to the saved position."""
         prefix = self.state_prefix(directory)
-        if not os.path.exists(prefix + ".index"):
-            raise DataError(f"no input pipeline state {prefix}.index (saved by a run "
-                                    f"with {self.process_count} processes?)")
-        with open(prefix + ".json") as f:
+        saved_files = tf.io.gfile.glob(os.path.join(os.fspath(directory), "input_pipeline.*.json"))
+        if not saved_files:
+            raise DataError(f"no input pipeline state under {directory}")
+        own = prefix + ".json"
+        with tf.io.gfile.GFile(own if own in saved_files else saved_files[0]) as f:
             saved = json.load(f)
+        position, start = saved.pop("position", None), saved.pop("start", 0)
+        saved_shard = tuple(saved.pop("shard", ()))
         differences = {key: (saved.get(key), self.config.get(key))
                        for key in saved.keys() | self.config.keys()
                        if saved.get(key) != self.config.get(key)}
         if differences:
-            raise DataError(f"cannot restore the input pipeline from {prefix}: it was saved by "
-                             f"a different pipeline (saved vs now: {differences})")
-        try:
-            self._checkpoint.read(prefix).assert_consumed()
-        except (tf.errors.OpError, AssertionError) as e:
-            raise DataError(f"cannot restore the input pipeline from {prefix}: "
-                             f"{type(e).__name__}") from None
+            raise DataError(f"cannot restore the input pipeline from {directory}: it was saved "
+                            f"by a different pipeline (saved vs now: {differences})")
+        if own in saved_files and saved_shard == self.shard:
+            if start != self.start:
+                self._start(start)  # the saved state is of a dataset built to start there
+            try:
+                self._checkpoint.read(prefix).assert_consumed()
+            except (tf.errors.OpError, AssertionError) as e:
+                raise DataError(f"cannot restore the input pipeline from {prefix}: "
+                                f"{type(e).__name__}") from None
+            self.position = position
+            return
+        if position is None:
+            raise DataError(f"the input pipeline state under {directory} has no position to "
+                            f"fast-forward to")
+        self._start(position)  # saved by another number of processes: skip to the position

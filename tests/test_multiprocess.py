@@ -1,0 +1,102 @@
+"""Multi-process runs: 2 processes x 4 CPU devices (JAX's multi-controller runtime with gloo
+collectives) train exactly as 1 process x 8 devices, save a checkpoint that one process
+resumes, and stop with an error, not a hang, when the other process dies."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mtrain.__main__ import main
+from tiny_config import TINY
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ["--gin_file=tasks/bible_lm.gin", "--gin_param=run.mesh_shape='batch:4;model:2'"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(model_dir, *params, heartbeat=100):
+    """Two `python -m mtrain` processes of one run, 4 CPU devices each."""
+    address = f"localhost:{free_port()}"
+    argv = [*FILES, *[f"--gin_param={p}" for p in [*TINY, *params]],
+            f"--model_dir={model_dir}", "--cpu_devices=4", f"--coordinator_address={address}",
+            "--num_processes=2", "--distributed_timeout=60", f"--heartbeat_timeout={heartbeat}"]
+    env = dict(os.environ, XLA_FLAGS="")  # each process simulates its own 4 devices
+    return [subprocess.Popen([sys.executable, "-m", "mtrain", *argv, f"--process_id={i}"],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+            for i in range(2)]
+
+
+def losses(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
+
+
+def train_in_this_process(model_dir, *params):
+    argv = [*FILES, *[f"--gin_param={p}" for p in [*TINY, *params]], f"--model_dir={model_dir}"]
+    assert main(argv) == 0
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_one_process_resumes(data_dir, tmp_path):
+    steps = ["run.log_every=1", "run.checkpoint_every=3"]
+    # The reference: one process with 8 devices (this one), 6 steps then 3 more.
+    train_in_this_process(tmp_path / "one", "run.train_steps=6", *steps)
+    expected = losses(tmp_path / "one")
+
+    procs = start_processes(tmp_path / "two", "run.train_steps=6", *steps)
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    got = losses(tmp_path / "two")  # written by process 0 only
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    assert "step 6" in outs[0][1] and "step 6" not in outs[1][1]  # process 1 logs only warnings
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3", "6"]
+    saved = os.listdir(tmp_path / "two" / "checkpoints" / "6" / "data")
+    assert {"input_pipeline.process-0-of-2.json", "input_pipeline.process-1-of-2.json"} <= set(saved)
+
+    # One process resumes the two processes' checkpoint, fast-forwarding the input pipeline
+    # to its position, and continues exactly as the single-process run does.
+    train_in_this_process(tmp_path / "one", "run.train_steps=9", *steps)
+    train_in_this_process(tmp_path / "two", "run.train_steps=9", *steps)
+    expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
+    for step in (7, 8, 9):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_when_one_process_dies_the_other_stops_with_an_error(data_dir, tmp_path):
+    train_in_this_process(tmp_path / "warm", "run.train_steps=1")  # the vocabulary, cached
+    procs = start_processes(tmp_path / "run", "run.train_steps=100000", "run.log_every=1",
+                            "run.checkpoint_every=100000", heartbeat=5)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(losses(tmp_path / "run")) >= 2):
+        assert time.time() < deadline and procs[0].poll() is None, procs[0].communicate()[1]
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)  # a host dies mid-run
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=120)  # bounded: no hang
+    procs[1].communicate()
+    assert procs[0].returncode != 0
+    assert time.time() - killed < 60
+    assert "another task died" in err or "stopped sending heartbeats" in err, err[-2000:]
+
+
+def test_partial_multiprocess_flags_are_refused(capsys):
+    assert main(["--gin_file=quickstart.gin", "--num_processes=2"]) == 2
+    assert "needs all of --coordinator_address, --num_processes and --process_id" in \
+        capsys.readouterr().err
