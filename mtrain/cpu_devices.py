@@ -15,5 +15,8 @@ def simulate_cpu_devices(count: int) -> None:
     flags = [f"--xla_force_host_platform_device_count={count}",
              f"--xla_cpu_collective_call_terminate_timeout_seconds={COLLECTIVE_TIMEOUT_SECONDS}",
              f"--xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT_SECONDS}"]
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+    # Replace, not add to, any device count already in XLA_FLAGS (a parent process's).
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count=")]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, *flags])
     os.environ["JAX_PLATFORMS"] = "cpu"

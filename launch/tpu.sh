@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Runs mtrain on a Cloud TPU VM slice: create it (directly or as a queued resource), copy
+# this checkout to every worker, install it, run the same `python -m mtrain` on all workers
+# (JAX finds the other workers itself), stream the logs, and delete the slice.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: launch/tpu.sh --project=P --zone=Z --accelerator_type=T --model_dir=gs://... \
+                     --gin_file=F [--gin_file=...] [--gin_param=B ...] [options]
+
+Required:
+  --project=P            Google Cloud project
+  --zone=Z               zone with the accelerator, e.g. us-central2-b (v4), us-east5-a (v5p)
+  --accelerator_type=T   v2-8 ... v2-512, v3-8 ... v3-2048, v4-8 ... v4-4096,
+                         v5litepod-1 ... v5litepod-256 (or v5e-N), v5p-8 ... v5p-12288,
+                         v6e-1 ... v6e-256
+  --model_dir=gs://B/D   where checkpoints and metrics go (a bucket every worker can write)
+  --gin_file=F           gin file(s) of the run, e.g. paper/lm_size_5.gin (repeatable)
+
+Options:
+  --gin_param=B          gin binding, e.g. run.train_steps=1000 (repeatable)
+  --name=N               TPU (and queued resource) name (default: mtrain-$USER)
+  --runtime_version=V    TPU VM image (default: by accelerator generation)
+  --queued               create through queued-resources (waits for capacity)
+  --spot                 use Spot capacity
+  --keep                 do not delete the slice at the end
+  --dry_run              print the commands instead of running them
+  --help                 this text
+EOF
+}
+
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+PROJECT="" ZONE="" ACCELERATOR="" RUNTIME="" MODEL_DIR="" NAME="mtrain-${USER:-user}"
+QUEUED=0 SPOT=0 KEEP=0 DRY_RUN=0
+GIN_ARGS=()
+for arg in "$@"; do
+  case "$arg" in
+    --project=*) PROJECT="${arg#*=}" ;;
+    --zone=*) ZONE="${arg#*=}" ;;
+    --accelerator_type=*) ACCELERATOR="${arg#*=}" ;;
+    --runtime_version=*) RUNTIME="${arg#*=}" ;;
+    --model_dir=*) MODEL_DIR="${arg#*=}" ;;
+    --name=*) NAME="${arg#*=}" ;;
+    --gin_file=* | --gin_param=*) GIN_ARGS+=("$arg") ;;
+    --queued) QUEUED=1 ;;
+    --spot) SPOT=1 ;;
+    --keep) KEEP=1 ;;
+    --dry_run) DRY_RUN=1 ;;
+    --help | -h) usage; exit 0 ;;
+    *) die "unknown argument '$arg' (see --help)" ;;
+  esac
+done
+
+[[ -n "$PROJECT" ]] || die "--project is required"
+[[ -n "$ZONE" ]] || die "--zone is required"
+[[ -n "$ACCELERATOR" ]] || die "--accelerator_type is required (e.g. v4-32)"
+[[ "$MODEL_DIR" == gs://* ]] || die "--model_dir must be a gs:// path that every worker can write, got '$MODEL_DIR'"
+[[ " ${GIN_ARGS[*]-} " == *" --gin_file="* ]] || die "at least one --gin_file is required"
+[[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name '$NAME' must be lowercase letters, digits and dashes"
+
+ACCELERATOR="${ACCELERATOR/#v5e-/v5litepod-}"
+if [[ ! "$ACCELERATOR" =~ ^(v2|v3|v4|v5litepod|v5p|v6e)-([0-9]+)$ ]]; then
+  die "unknown --accelerator_type '$ACCELERATOR' (e.g. v4-32, v5p-128, v5litepod-16)"
+fi
+GENERATION="${BASH_REMATCH[1]}"
+if [[ -z "$RUNTIME" ]]; then
+  case "$GENERATION" in
+    v2 | v3 | v4) RUNTIME="tpu-ubuntu2204-base" ;;
+    v5p) RUNTIME="v2-alpha-tpuv5" ;;
+    v5litepod) RUNTIME="v2-alpha-tpuv5-lite" ;;
+    v6e) RUNTIME="v2-alpha-tpuv6e" ;;
+  esac
+fi
+
+LOCATION=(--project="$PROJECT" --zone="$ZONE")
+SPOT_FLAG=()
+((SPOT)) && SPOT_FLAG=(--spot)
+
+delete() {
+  if ((QUEUED)); then
+    run gcloud compute tpus queued-resources delete "$NAME" "${LOCATION[@]}" --force --quiet
+  else
+    run gcloud compute tpus tpu-vm delete "$NAME" "${LOCATION[@]}" --quiet
+  fi
+}
+
+# 1. The slice.
+if ((QUEUED)); then
+  run gcloud compute tpus queued-resources create "$NAME" --node-id="$NAME" "${LOCATION[@]}" \
+    --accelerator-type="$ACCELERATOR" --runtime-version="$RUNTIME" "${SPOT_FLAG[@]}"
+  if ((DRY_RUN)); then
+    run gcloud compute tpus queued-resources describe "$NAME" "${LOCATION[@]}" --format='value(state.state)'
+  else
+    until [[ "$(gcloud compute tpus queued-resources describe "$NAME" "${LOCATION[@]}" \
+                 --format='value(state.state)')" == ACTIVE ]]; do
+      echo "launch/tpu.sh: waiting for $NAME to become ACTIVE" >&2
+      sleep 30
+    done
+  fi
+else
+  run gcloud compute tpus tpu-vm create "$NAME" "${LOCATION[@]}" \
+    --accelerator-type="$ACCELERATOR" --version="$RUNTIME" "${SPOT_FLAG[@]}"
+fi
+((KEEP)) || trap delete EXIT  # the slice goes away even if a step below fails
+
+# 2. The code, on every worker: this checkout's committed tree.
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TARBALL="${TMPDIR:-/tmp}/mtrain-$NAME.tar.gz"
+run git -C "$REPO" archive --format=tar.gz --output="$TARBALL" HEAD
+run gcloud compute tpus tpu-vm scp "$TARBALL" "$NAME":mtrain.tar.gz --worker=all "${LOCATION[@]}"
+run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" \
+  --command="rm -rf mtrain && mkdir mtrain && tar -xzf mtrain.tar.gz -C mtrain && python3 -m pip install --quiet -e ./mtrain 'jax[tpu]'"
+
+# 3. The run: the same command on every worker; process 0 logs, the others only warn.
+MTRAIN=(python3 -m mtrain "${GIN_ARGS[@]}" --model_dir="$MODEL_DIR")
+run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" \
+  --command="cd mtrain && $(quote "${MTRAIN[@]}")"
