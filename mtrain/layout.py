@@ -175,11 +175,15 @@ class Layout:
             spec.append(mesh_dim)
         return PartitionSpec(*spec)
 
-    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None,
+                  data_major: bool | None = None) -> Mesh:
         """The `jax.sharding.Mesh` over `devices` (default: all devices of all processes).
 
         Devices are ordered by `jax.make_mesh` (mesh_utils), which respects TPU topologies and
-        keeps the devices of one host together along the trailing mesh dimensions.
+        keeps the devices of one host together along the trailing mesh dimensions. With
+        `data_major` (default: when there are several processes) the mesh dimension that
+        splits `batch` is laid out outermost whatever its place in the mesh shape, so that
+        the hosts lie along it and each feeds only its own rows of the batch.
         """
         devices = list(jax.devices() if devices is None else devices)
         if self.size != len(devices):
@@ -192,12 +196,17 @@ class Layout:
             return Mesh(np.array(devices).reshape(()), ())
         names = tuple(n for n, _ in self.mesh_shape)
         sizes = tuple(s for _, s in self.mesh_shape)
-        return jax.make_mesh(
-            sizes,
-            names,
-            axis_types=(jax.sharding.AxisType.Auto,) * len(names),
-            devices=devices,
-        )
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        if data_major is None:
+            data_major = jax.process_count() > 1
+        data = self.rules.get("batch")
+        order = sorted(range(len(names)), key=lambda i: names[i] != data) if data_major \
+            else list(range(len(names)))
+        mesh = jax.make_mesh(tuple(sizes[i] for i in order), tuple(names[i] for i in order),
+                             axis_types=auto, devices=devices)
+        if order == sorted(order):
+            return mesh
+        return Mesh(mesh.devices.transpose(np.argsort(order)), names, axis_types=auto)
 
     def sharding(
         self, mesh: Mesh, names: Sequence[str | None], shape: Sequence[int] | None = None,

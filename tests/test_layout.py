@@ -104,6 +104,21 @@ def test_make_mesh_over_all_devices():
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
+def test_data_major_mesh_keeps_consecutive_devices_on_a_batch_block():
+    # As with two hosts of 4 devices (0-3 and 4-7): laid out data-major, the first host's
+    # devices hold batch positions 0 and 1 of a model:2;batch:4 mesh, whatever the order of
+    # the mesh dimensions, so each host feeds half the batch.
+    for mesh_shape in ["model:2;batch:4", "batch:4;model:2"]:
+        mesh = Layout(mesh_shape, "batch:batch;d_ff:model").make_mesh(data_major=True)
+        assert dict(mesh.shape) == {"model": 2, "batch": 4}
+        batch_axis = mesh.axis_names.index("batch")
+        first_host = {int(np.argwhere(mesh.devices == d)[0][batch_axis])
+                      for d in mesh.devices.flat if d.id < 4}
+        assert first_host == {0, 1}, mesh_shape
+    plain = Layout("model:2;batch:4", "batch:batch").make_mesh(data_major=False)
+    assert [d.id for d in plain.devices[0]] == [0, 1, 2, 3]  # model-major: each host all rows
+
+
 def test_constrain_is_a_no_op_without_layout_and_shards_with_one():
     layout = Layout("batch:2;model:4", "batch:batch;d_ff:model")
     mesh = layout.make_mesh()

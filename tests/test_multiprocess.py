@@ -25,10 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_processes(model_dir, *params, heartbeat=100):
+def start_processes(model_dir, *params, heartbeat=100, files=FILES):
     """Two `python -m mtrain` processes of one run, 4 CPU devices each."""
     address = f"localhost:{free_port()}"
-    argv = [*FILES, *[f"--gin_param={p}" for p in [*TINY, *params]],
+    argv = [*files, *[f"--gin_param={p}" for p in [*TINY, *params]],
             f"--model_dir={model_dir}", "--cpu_devices=4", f"--coordinator_address={address}",
             "--num_processes=2", "--distributed_timeout=60", f"--heartbeat_timeout={heartbeat}"]
     env = dict(os.environ, XLA_FLAGS="")  # each process simulates its own 4 devices
@@ -55,7 +55,10 @@ def test_two_processes_train_like_one_and_one_process_resumes(data_dir, tmp_path
     train_in_this_process(tmp_path / "one", "run.train_steps=6", *steps)
     expected = losses(tmp_path / "one")
 
-    procs = start_processes(tmp_path / "two", "run.train_steps=6", *steps)
+    # The same layout with the mesh dimensions the other way round: the hosts still lie
+    # along `batch`, each feeding half of every batch.
+    files = [FILES[0], "--gin_param=run.mesh_shape='model:2;batch:4'"]
+    procs = start_processes(tmp_path / "two", "run.train_steps=6", *steps, files=files)
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -65,8 +68,9 @@ def test_two_processes_train_like_one_and_one_process_resumes(data_dir, tmp_path
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
     assert "step 6" in outs[0][1] and "step 6" not in outs[1][1]  # process 1 logs only warnings
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3", "6"]
-    saved = os.listdir(tmp_path / "two" / "checkpoints" / "6" / "data")
-    assert {"input_pipeline.process-0-of-2.json", "input_pipeline.process-1-of-2.json"} <= set(saved)
+    for p in range(2):
+        saved = tmp_path / "two" / "checkpoints" / "6" / "data" / f"input_pipeline.process-{p}-of-2.json"
+        assert json.loads(saved.read_text())["shard"] == [p, 2]
 
     # One process resumes the two processes' checkpoint, fast-forwarding the input pipeline
     # to its position, and continues exactly as the single-process run does.
@@ -100,3 +104,21 @@ def test_partial_multiprocess_flags_are_refused(capsys):
     assert main(["--gin_file=quickstart.gin", "--num_processes=2"]) == 2
     assert "needs all of --coordinator_address, --num_processes and --process_id" in \
         capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_saves_the_same_step_on_all_and_exits_0(data_dir, tmp_path):
+    train_in_this_process(tmp_path / "warm", "run.train_steps=1")  # the vocabulary, cached
+    procs = start_processes(tmp_path / "run", "run.train_steps=100000", "run.log_every=1",
+                            "run.checkpoint_every=100000")
+    deadline = time.time() + 300
+    while not ((tmp_path / "run" / "metrics.jsonl").exists()
+               and len(losses(tmp_path / "run")) >= 2):
+        assert time.time() < deadline and procs[0].poll() is None, procs[0].communicate()[1]
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGTERM)  # only one host is told
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    steps = os.listdir(tmp_path / "run" / "checkpoints")
+    assert len(steps) == 1 and int(steps[0]) >= 2
+    assert f"SIGTERM: stopped after step {steps[0]}" in outs[0][1]
