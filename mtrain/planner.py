@@ -75,6 +75,41 @@ TARGETS = {t.name: t for t in [
     Target("h200", "GPU", 989e12, 141 * GB, 4800 * GB, 450 * GB),
 ]}
 
+# jax's device_kind (lower case) -> the target whose peak it has.
+_DEVICE_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"),
+                 ("v5", "tpu-v5p"), ("v4", "tpu-v4"), ("v3", "tpu-v3"), ("v2", "tpu-v2"),
+                 ("h100", "h100"), ("h200", "h200"))
+
+
+def device_peak_flops(device=None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number comes from): the table's bf16 peak for
+    known TPUs and GPUs; on CPU a float32 matmul measured now, divided among the simulated
+    devices that share the cores; (0, ...) for anything else."""
+    device = device or jax.local_devices()[0]
+    kind = device.device_kind.lower()
+    for key, target in _DEVICE_KINDS:
+        if key in kind:
+            return TARGETS[target].peak_flops, f"{target} bf16 peak"
+    if device.platform == "cpu":
+        n = jax.local_device_count()
+        return _cpu_matmul_flops(device) / n, (f"measured float32 matmul, shared by {n} CPU "
+                                               f"device{'s' if n > 1 else ''}")
+    return 0.0, f"no peak known for {device.device_kind}"
+
+
+def _cpu_matmul_flops(device, n: int = 1536, repeats: int = 4) -> float:
+    import time
+
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}

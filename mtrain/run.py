@@ -40,7 +40,8 @@ from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabula
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Model settings that change parameter shapes: a checkpoint must agree on all of them.
 SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layers",
-                "num_encoder_layers", "max_length", "shared_embedding_and_softmax")
+                "num_encoder_layers", "max_length", "shared_embedding_and_softmax",
+                "scan_layers")
 MODES = ("train", "eval", "infer", "plan")
 DEFAULT_VOCAB_SIZE = 8192
 
@@ -115,6 +116,8 @@ class Experiment:
     schedule: object
     mode: str = "train"
     translator: Translator | None = None  # translation tasks: decodes for BLEU and infer
+    flops_per_step: float = 0.0  # model FLOPs of one train step (planner.analytic_flops)
+    profile_steps: tuple[int, int] | None = None
 
     def train_batches(self):
         return self._batches("train", train=True)
@@ -165,6 +168,9 @@ def build(
     init_step: int | None = None,
     max_nonfinite_steps: int = 10,
     eval_split: str | None = None,
+    activation_dtype: str | None = None,
+    num_microbatches: int = 1,
+    profile_steps: tuple[int, int] | None = None,
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
 
@@ -184,6 +190,13 @@ def build(
     its checkpoint `init_step` (default: the latest), with a fresh optimizer: fine-tuning.
     A step with a non-finite loss or gradient is skipped; `max_nonfinite_steps` in a row
     stop the run.
+
+    Speed and memory: `activation_dtype` 'bfloat16' computes activations and matmuls in
+    bfloat16 (parameters, optimizer state, attention softmax and loss stay float32; default:
+    transformer.activation_dtype); `num_microbatches` accumulates gradients over that many
+    slices of the batch (same update, less activation memory); with `profile_steps` (first,
+    last) a jax.profiler trace of those steps goes to <model_dir>/profile. See also
+    transformer.remat_policy and transformer.scan_layers.
     """
     for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
                         ("train_steps", train_steps), ("log_every", log_every),
@@ -191,6 +204,11 @@ def build(
                         ("keep_checkpoints", keep_checkpoints),
                         ("max_nonfinite_steps", max_nonfinite_steps)]:
         _positive(name, value)
+    _positive("num_microbatches", num_microbatches)
+    if profile_steps is not None and not (
+            len(profile_steps) == 2 and 0 < profile_steps[0] <= profile_steps[1]):
+        raise ConfigError(f"run.profile_steps must be (first, last) steps with 0 < first <= "
+                          f"last, got {profile_steps!r}")
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
@@ -205,6 +223,11 @@ def build(
     for tensor_dim, mesh_dim in layout.dropped_rules:
         log.warning("layout rule '%s:%s' ignored: the mesh %r has no dimension %r",
                     tensor_dim, mesh_dim, mesh_shape, mesh_dim)
+    data_ways = layout.mesh_dims.get(layout.mesh_dim_for("batch"), 1)
+    if batch_size % (num_microbatches * data_ways):
+        raise ConfigError(f"run.batch_size={batch_size} must split into run.num_microbatches="
+                          f"{num_microbatches} microbatches of a multiple of {data_ways} rows "
+                          f"(the mesh's batch dimension)")
     planning = mode == "plan"
     mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
     source = vocab = None
@@ -220,7 +243,15 @@ def build(
     vocab_size = planned_vocab_size() if planning else vocab.vocab_size
     # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
     # dimension up to 128; the extra ids never occur in the data.
-    model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab_size / 128))
+    try:
+        model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab_size / 128))
+        if activation_dtype is not None:
+            model_config = dataclasses.replace(model_config, activation_dtype=activation_dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if model_config.scan_layers and task_obj.kind == "translation":
+        raise ConfigError("transformer.scan_layers is for the decoder-only LM (language "
+                          "modelling tasks); the encoder-decoder unrolls its layers")
     if model_config.max_length < sequence_length:
         raise ConfigError(
             f"run.sequence_length={sequence_length} is longer than "
@@ -232,7 +263,7 @@ def build(
     translation = task_obj.kind == "translation"
     model = EncoderDecoder(model_config) if translation else DecoderLM(model_config)
     trainer = Trainer(model, opt, layout, mesh, batch_size, sequence_length, seed=seed,
-                      loss_config=LossConfig())
+                      loss_config=LossConfig(), num_microbatches=num_microbatches)
     exp = Experiment(
         model_dir=model_dir, task=task_obj, source=source, vocab=vocab, model_config=model_config,
         layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
@@ -243,6 +274,9 @@ def build(
         eval_split=eval_split, schedule=schedule, mode=mode,
         translator=(Translator(trainer, vocab, DecodingConfig())
                     if translation and not planning else None),
+        flops_per_step=planner.analytic_flops(model_config, task_obj.kind, batch_size,
+                                              sequence_length),
+        profile_steps=tuple(profile_steps) if profile_steps else None,
     )
     log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
              layout, jax.device_count())
@@ -399,10 +433,20 @@ def train(exp: Experiment) -> dict:
 def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints,
                 writer: MetricsWriter) -> dict:
     trainer, pending, results = exp.trainer, [], {}
+    peak, source = planner.device_peak_flops()
+    log.info("model FLOPs per step %.3g; MFU against %.3g FLOP/s per device (%s)",
+             exp.flops_per_step, peak, source)
     guard, tick, preempted = _FiniteGuard(exp.max_nonfinite_steps), time.time(), False
     with _Preemption() as preemption:
         for step in range(start + 1, exp.train_steps + 1):
+            if exp.profile_steps and step == exp.profile_steps[0]:
+                jax.profiler.start_trace(os.path.join(exp.model_dir, "profile"))
             state, metrics = trainer.train_step(state, trainer.place_batch(next(batches)))
+            if exp.profile_steps and step == exp.profile_steps[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                log.info("profile of steps %d-%d: %s", *exp.profile_steps,
+                         os.path.join(exp.model_dir, "profile"))
             guard.add(step, metrics["finite"])
             # At most two steps in flight: this one is queued behind the previous one, which
             # we wait for here. More buys nothing (the devices are busy either way) and, with
@@ -411,7 +455,8 @@ def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkp
             guard.check(until=step - 1)
             pending.append(metrics)
             if step % exp.log_every == 0 or step == exp.train_steps:
-                _log_train(exp, step, jax.device_get(pending), time.time() - tick, guard, writer)
+                _log_train(exp, step, jax.device_get(pending), time.time() - tick, guard, writer,
+                           peak)
                 pending, tick = [], time.time()
             if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
                 results = evaluate(exp, state.params, step, writer)
@@ -430,10 +475,12 @@ def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkp
 
 
 def _log_train(exp: Experiment, step: int, fetched: list[dict], elapsed: float,
-               guard: "_FiniteGuard", writer: MetricsWriter) -> None:
+               guard: "_FiniteGuard", writer: MetricsWriter, peak_flops: float = 0.0) -> None:
     """One record of training metrics, averaged over the steps since the last one (the
-    skipped, non-finite ones left out)."""
+    skipped, non-finite ones left out), with the model FLOP/s each device achieved and its
+    MFU against `peak_flops`."""
     finite = [m for m in fetched if m["finite"]] or [{k: np.nan for k in fetched[0]}]
+    flops = exp.flops_per_step * len(fetched) / max(elapsed, 1e-9) / jax.device_count()
     writer.write(step, {
         "train/loss": np.mean([m["loss"] for m in finite]),
         "train/cross_entropy": np.mean([m["cross_entropy"] for m in finite]),
@@ -442,6 +489,8 @@ def _log_train(exp: Experiment, step: int, fetched: list[dict], elapsed: float,
         "train/learning_rate": float(exp.schedule(step - 1)),
         "train/tokens_per_second": sum(float(m["num_tokens"]) for m in fetched) / max(elapsed, 1e-9),
         "train/skipped_steps": guard.skipped,
+        "train/model_flops_per_second_per_device": flops,
+        "train/mfu": flops / peak_flops if peak_flops else np.nan,
     })
 
 

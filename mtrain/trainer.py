@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain import losses
-from mtrain.layout import Layout, LayoutError, tree_shardings
+from mtrain.layout import Layout, LayoutError, constrain, tree_shardings
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
@@ -99,9 +99,17 @@ class Trainer:
         sequence_length: int,
         seed: int = 0,
         loss_config: LossConfig | None = None,
+        num_microbatches: int = 1,
     ):
+        """`num_microbatches` > 1 accumulates the gradient over that many slices of the
+        batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
+        activation memory."""
         self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
         self.loss_config = loss_config or LossConfig()
+        if batch_size % num_microbatches:
+            raise LayoutError(f"batch_size {batch_size} is not divisible into "
+                              f"{num_microbatches} microbatches")
+        self.num_microbatches = num_microbatches
         self.batch_shape = (batch_size, sequence_length)
         init_key, self.dropout_key = jax.random.split(jax.random.key(seed))
         self.init_key = init_key
@@ -171,25 +179,54 @@ class Trainer:
         )
         return loss, xent, weights, logits
 
+    def _gradients(self, params, batch: Batch, rngs):
+        """(gradient of the summed token loss, summed loss, summed cross-entropy, tokens)."""
+        def loss_fn(params):
+            loss, xent, weights, _ = self._losses(params, batch, False, rngs)
+            return loss.sum(), (xent.sum(), weights.sum())
+
+        (loss, (xent, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return grads, loss, xent, tokens.astype(jnp.float32)
+
+    def _accumulated_gradients(self, params, batch: Batch, dropout_key):
+        """`_gradients` summed over `num_microbatches` slices of the batch, one at a time.
+        Microbatch j holds rows j, j + k, j + 2k, ... so that every device keeps working on
+        its own rows."""
+        k = self.num_microbatches
+        if k == 1:
+            return self._gradients(params, batch, {"dropout": dropout_key})
+        micro = {name: constrain(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
+                                 (None, *BATCH_NAMES))
+                 for name, x in batch.items()}
+
+        def step(total, inputs):
+            i, microbatch = inputs
+            out = self._gradients(params, microbatch,
+                                  {"dropout": jax.random.fold_in(dropout_key, i)})
+            return jax.tree_util.tree_map(jnp.add, total, out), None
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
+            self._gradients, params, jax.tree_util.tree_map(lambda x: x[0], micro),
+            {"dropout": dropout_key}))
+        total, _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
+        return total
+
     def _train_step_fn(self, state: TrainState, batch: Batch):
         with self.layout.activate(self.mesh):
-            rngs = {"dropout": jax.random.fold_in(self.dropout_key, state.step)}
-
-            def loss_fn(params):
-                loss, xent, weights, _ = self._losses(params, batch, False, rngs)
-                num_tokens = jnp.maximum(weights.sum(), 1).astype(jnp.float32)
-                return loss.sum() / num_tokens, (xent.sum() / num_tokens, weights.sum())
-
-            (loss, (xent, num_tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.params
-            )
+            dropout_key = jax.random.fold_in(self.dropout_key, state.step)
+            grads, loss, xent, tokens = self._accumulated_gradients(state.params, batch,
+                                                                    dropout_key)
+            # The mean over the batch's tokens, however it was sliced.
+            scale = 1.0 / jnp.maximum(tokens, 1.0)
+            grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+            loss, xent = loss * scale, xent * scale
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {
             "loss": loss,
             "cross_entropy": xent,
-            "num_tokens": num_tokens,
+            "num_tokens": tokens,
             "grad_norm": grad_norm,
             # 0 when the loss or a gradient is not finite (wrap the optimizer in
             # optax.apply_if_finite to skip such updates, as run.py does).

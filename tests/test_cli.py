@@ -117,3 +117,21 @@ def test_help_explains_every_flag():
     assert proc.returncode == 0
     for flag in ["--gin_file", "--gin_param", "--model_dir", "--mode", "--cpu_devices"]:
         assert flag in proc.stdout
+
+
+def test_speed_settings_profile_and_mfu_from_gin(data_dir, tmp_path):
+    model_dir = tmp_path / "run"
+    assert cli(model_dir, "run.train_steps=4", "run.log_every=2", "run.num_microbatches=2",
+               "run.activation_dtype='bfloat16'", "transformer.remat_policy='dots'",
+               "transformer.scan_layers=True", "run.profile_steps=(2, 3)") == 0
+    logged = [r for r in records(model_dir) if "train/loss" in r]
+    # Model FLOP/s per device and MFU against the matmul peak measured at start-up.
+    assert all(r["train/model_flops_per_second_per_device"] > 0 for r in logged)
+    assert all(0 < r["train/mfu"] < 2 for r in logged)
+    traces = [f for _, _, files in os.walk(model_dir / "profile") for f in files]
+    assert any(f.endswith(".xplane.pb") for f in traces), traces
+    config = (model_dir / "config.gin").read_text()
+    assert "run.num_microbatches = 2" in config and "transformer.scan_layers = True" in config
+    # Settings that cannot work are one clear error.
+    assert cli(tmp_path / "bad", "run.num_microbatches=3") == 2
+    assert cli(tmp_path / "bad", "transformer.remat_policy='most'") == 2

@@ -82,6 +82,16 @@ class MultiHeadAttention(nn.Module):
     d_kv: int
     dropout_rate: float = 0.0
     dtype: Dtype = jnp.float32
+    # 'einsum' (the plain path), 'dot_product' (jax.nn.dot_product_attention: cuDNN flash
+    # attention on GPU where it applies, XLA elsewhere) or 'auto' (dot_product on GPU).
+    implementation: str = "einsum"
+
+    def _fused(self, deterministic: bool, decode_index) -> bool:
+        """Whether jax.nn.dot_product_attention can stand in: it has no attention dropout,
+        and incremental decoding keeps the plain path."""
+        use = self.implementation == "dot_product" or (
+            self.implementation == "auto" and jax.default_backend() == "gpu")
+        return use and decode_index is None and (deterministic or self.dropout_rate == 0.0)
 
     @nn.compact
     def __call__(self, x, memory, mask, deterministic: bool, decode_index=None):
@@ -99,6 +109,13 @@ class MultiHeadAttention(nn.Module):
         value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv.astype(dt)), kv_names)
         if decode_index is not None:
             key, value, mask = self._cached(key, value, decode_index)
+        if self._fused(deterministic, decode_index):
+            out = jax.nn.dot_product_attention(
+                q, key, value, mask=jnp.broadcast_to(mask, (q.shape[0], h, *mask.shape[2:])),
+                scale=1.0)  # the query initialiser absorbs 1/sqrt(d_kv), as below
+            out = constrain(out, ("batch", "length", "heads", "d_kv"))
+            y = jnp.einsum("blhk,hkd->bld", out, wo.astype(dt))
+            return constrain(y, ("batch", "length", "d_model"))
         # Logits and softmax in float32 whatever the activation dtype.
         logits = jnp.einsum("blhk,bmhk->bhlm", q, key, preferred_element_type=jnp.float32)
         logits = jnp.where(mask, logits, NEG_INF)

@@ -17,6 +17,7 @@ import dataclasses
 
 import flax.linen as nn
 import gin
+import jax
 import jax.numpy as jnp
 
 from mtrain.layout import constrain
@@ -41,11 +42,33 @@ class TransformerConfig:
     dropout_rate: float = 0.0
     shared_embedding_and_softmax: bool = False
     max_length: int = 512
-    activation_dtype: str = "float32"
+    activation_dtype: str = "float32"  # 'bfloat16': activations and matmuls (params stay f32)
+    remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
+    scan_layers: bool = False  # one scanned layer (decoder-only LM): compile time flat in depth
+    attention: str = "auto"  # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'auto'
 
     @property
     def dtype(self):
         return jnp.dtype(self.activation_dtype)
+
+    def __post_init__(self):
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"transformer.remat_policy must be one of {sorted(REMAT_POLICIES)}, "
+                             f"got {self.remat_policy!r}")
+        if self.attention not in ("auto", "einsum", "dot_product"):
+            raise ValueError(f"transformer.attention must be 'auto', 'einsum' or 'dot_product', "
+                             f"got {self.attention!r}")
+        if self.activation_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"activation_dtype must be 'float32' or 'bfloat16', got "
+                             f"{self.activation_dtype!r}")
+
+
+# What a rematerialised layer keeps for the backward pass; the rest is recomputed.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+}
 
 
 class Block(nn.Module):
@@ -62,7 +85,8 @@ class Block(nn.Module):
         drop = nn.Dropout(c.dropout_rate)
 
         def attention(name):
-            return layers.MultiHeadAttention(c.num_heads, c.d_kv, c.dropout_rate, c.dtype, name=name)
+            return layers.MultiHeadAttention(c.num_heads, c.d_kv, c.dropout_rate, c.dtype,
+                                             c.attention, name=name)
 
         y = layers.RMSNorm(dtype=c.dtype, name="attention_norm")(x)
         y = attention("self_attention")(y, y, mask, deterministic, decode_index)
@@ -75,6 +99,38 @@ class Block(nn.Module):
         y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, name="mlp")(y, deterministic)
         x = x + drop(y, deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
+
+
+class ScannedBlock(Block):
+    """A Block as the body of `nn.scan`: (carry, per-layer output)."""
+
+    @nn.compact
+    def __call__(self, x, mask, deterministic: bool):
+        return super().__call__(x, mask, deterministic), None
+
+
+def block_class(c: TransformerConfig, scanned: bool = False):
+    """Block (or ScannedBlock), rematerialised by `c.remat_policy`."""
+    cls = ScannedBlock if scanned else Block
+    if c.remat_policy == "none":
+        return cls
+    # deterministic (argument 3, counting self) is a Python bool: static.
+    return nn.remat(cls, policy=REMAT_POLICIES[c.remat_policy], static_argnums=(3,))
+
+
+def layer_stack(c: TransformerConfig, x, mask, deterministic: bool):
+    """The decoder-only LM's layers: `num_layers` Blocks, or one Block scanned over a
+    stacked ``layers`` parameter dimension."""
+    if not c.scan_layers:
+        for i in range(c.num_layers):
+            x = block_class(c)(c, name=f"layer_{i}")(x, mask, deterministic)
+        return x
+    scanned = nn.scan(
+        block_class(c, scanned=True), variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast, nn.broadcast),
+        length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = scanned(c, name="layers")(x, mask, deterministic)
+    return x
 
 
 def _softmax_table(module: nn.Module, c: TransformerConfig):
@@ -112,8 +168,7 @@ class DecoderLM(nn.Module):
         x = constrain(x, ("batch", "length", "d_model"))
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         mask = layers.causal_segment_mask(segment_ids)
-        for i in range(c.num_layers):
-            x = Block(c, name=f"layer_{i}")(x, mask, deterministic)
+        x = layer_stack(c, x, mask, deterministic)
         x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         return _logits(c, embed, _softmax_table(self, c), x)
@@ -158,9 +213,12 @@ class EncoderDecoder(nn.Module):
                                               layers.normal(1.0), (c.max_length, c.d_model), names)
         self.decoder_positions = layers.param(self, "decoder_position_embedding",
                                               layers.normal(1.0), (c.max_length, c.d_model), names)
-        self.encoder = [Block(c) for _ in range(c.num_encoder_layers or c.num_layers)]
+        if c.scan_layers:
+            raise ValueError("transformer.scan_layers is for the decoder-only LM; the "
+                             "encoder-decoder unrolls its layers (remat_policy still applies)")
+        self.encoder = [block_class(c)(c) for _ in range(c.num_encoder_layers or c.num_layers)]
         self.encoder_norm = layers.RMSNorm(dtype=c.dtype)
-        self.decoder = [Block(c, cross_attention=True) for _ in range(c.num_layers)]
+        self.decoder = [block_class(c)(c, cross_attention=True) for _ in range(c.num_layers)]
         self.decoder_norm = layers.RMSNorm(dtype=c.dtype)
         self.dropout = nn.Dropout(c.dropout_rate)
         self.softmax = _softmax_table(self, c)
