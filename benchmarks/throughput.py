@@ -21,7 +21,16 @@ the loss after every step; the medians over all steps are reported, which keeps 
 fair on a shared, noisy machine. FLOPs per token are the usual 6 * (matmul parameters) plus
 attention (12 * layers * length * heads * d_kv, full not causal), i.e. model FLOPs, not hardware.
 
-    python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1]
+Before the comparison, a table of mtrain alone on the models and settings of a preset
+(`--preset cpu`: the reference model plain, in bfloat16, rematerialised, scanned, with 4
+microbatches; `--preset gpu`: a ~1B-parameter decoder in bfloat16 with remat and
+jax.nn.dot_product_attention): tokens/s, median step time over `--table_steps` steps after
+compilation, model FLOP/s per device and MFU (against the device's peak: the table in
+mtrain/planner.py, or on CPU a float32 matmul measured at start), compile time, and peak
+memory per device (the device's own count where it keeps one, else XLA's memory analysis of
+the compiled step).
+
+    python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1] [--preset cpu]
     python benchmarks/throughput.py --cpu_devices 8 --mesh_shape batch:8 --layout_rules batch:batch
 
 The last line is ``ratio mtrain/plain: X.XX`` (> 1 means mtrain is faster).
@@ -45,7 +54,36 @@ def parse_args():
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--warmup_steps", type=int, default=10_000, help="learning-rate warmup")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS) + ["none"],
+                   help="the table of models to measure first (default: cpu or gpu, by platform)")
+    p.add_argument("--table_steps", type=int, default=20, help="timed steps per table row")
     return p.parse_args()
+
+
+# name -> rows of (label, transformer settings, batch, length, microbatches)
+REFERENCE = dict(vocab_size=8192, d_model=256, d_ff=1024, num_heads=4, d_kv=64, num_layers=2)
+PRESETS = {
+    "cpu": [
+        ("reference", {}, 16, 128, 1),
+        ("reference, bfloat16", {"activation_dtype": "bfloat16"}, 16, 128, 1),
+        ("reference, remat dots", {"remat_policy": "dots"}, 16, 128, 1),
+        ("reference, scanned layers", {"scan_layers": True}, 16, 128, 1),
+        ("reference, 4 microbatches", {}, 16, 128, 4),
+        ("paper LM size -1 / 8 (d_model 128, 6 layers)",
+         dict(vocab_size=8192, d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=6),
+         16, 256, 1),
+    ],
+    "gpu": [
+        ("~1B decoder, bf16, remat dots, dot_product attention",
+         dict(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16, d_kv=128, num_layers=16,
+              activation_dtype="bfloat16", remat_policy="dots", attention="dot_product",
+              max_length=2048), 16, 2048, 1),
+        ("~1B decoder, bf16, no remat",
+         dict(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16, d_kv=128, num_layers=16,
+              activation_dtype="bfloat16", attention="dot_product", max_length=2048),
+         8, 2048, 1),
+    ],
+}
 
 
 if __name__ == "__main__":
@@ -169,16 +207,69 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def main(args):
-    from mtrain import optimizer
+def measure(label, settings, batch_size, length, microbatches, args, peak):
+    """One table row: mtrain alone, compiled once, timed over args.table_steps steps."""
+    from mtrain import optimizer, planner
     from mtrain.layout import Layout
     from mtrain.models.transformer import DecoderLM, TransformerConfig
     from mtrain.trainer import Trainer
 
-    config = TransformerConfig(
-        vocab_size=8192, d_model=256, d_ff=1024, num_heads=4, d_kv=64, num_layers=2,
-        dropout_rate=args.dropout, max_length=max(512, args.length),
-    )
+    config = TransformerConfig(**{"max_length": max(512, length), **settings})
+    layout = Layout(args.mesh_shape, args.layout_rules)
+    mesh = layout.make_mesh(jax.devices()[: layout.size])
+    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
+    trainer = Trainer(DecoderLM(config), opt, layout, mesh, batch_size, length,
+                      num_microbatches=microbatches)
+    state = trainer.init_state()
+    batch = trainer.place_batch(packed_batch(batch_size, length, config.vocab_size))
+    t0 = time.perf_counter()
+    compiled = planner.compile_train_step(trainer)
+    compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    state, metrics = compiled(state, batch)  # the first run also warms up
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(args.table_steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        metrics["loss"].block_until_ready()
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        peak_mem, how = stats["peak_bytes_in_use"], "device"
+    else:
+        peak_mem = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                    - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+        how = "XLA"
+    flops = planner.analytic_flops(config, "lm", batch_size, length) / step / jax.device_count()
+    params = sum(x.size for x in jax.tree_util.tree_leaves(trainer.abstract_state.params))
+    print(f"{label:<48} {params / 1e6:>7.1f}M {batch_size:>4}x{length:<5} "
+          f"{batch_size * length / step:>10,.0f} {step * 1e3:>9.1f} {flops / 1e12:>8.3f} "
+          f"{100 * flops / peak if peak else float('nan'):>5.1f}% {compile_s:>8.1f} "
+          f"{peak_mem / 2**30:>7.2f} GiB ({how})", flush=True)
+    del state, batch, compiled
+
+
+def main(args):
+    from mtrain import optimizer, planner
+    from mtrain.layout import Layout
+    from mtrain.models.transformer import DecoderLM, TransformerConfig
+    from mtrain.trainer import Trainer
+
+    peak, source = planner.device_peak_flops()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices, "
+          f"{jax.devices()[0].device_kind}); peak {peak / 1e12:.3f} TFLOP/s per device ({source})")
+    preset = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+    if preset != "none":
+        print(f"\n{'model (preset ' + preset + ')':<48} {'params':>8} {'batch':>10} "
+              f"{'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>6} {'compile':>8} "
+              f"{'peak memory':>11}")
+        for row in PRESETS[preset]:
+            measure(*row, args, peak)
+        print()
+    config = TransformerConfig(**REFERENCE, dropout_rate=args.dropout,
+                               max_length=max(512, args.length))
     b, l = args.batch_size, args.length
     tokens_per_step = b * l
     layout = Layout(args.mesh_shape, args.layout_rules)
@@ -209,6 +300,8 @@ def main(args):
     matmul_params = n_params - lookup - norms
     attn_flops = 12 * config.num_layers * l * config.num_heads * config.d_kv
     flops_per_token = 6 * matmul_params + attn_flops
+    if planner.analytic_flops(config, "lm", b, l) != flops_per_token * tokens_per_step:
+        raise AssertionError("the benchmark's FLOP count disagrees with planner.analytic_flops")
     print(f"parameters: {n_params:,} ({matmul_params:,} in matmuls); model FLOPs/token ~ "
           f"6*{matmul_params:,} + {attn_flops:,} attention = {flops_per_token / 1e6:.1f} MFLOP")
 
@@ -255,9 +348,11 @@ def main(args):
     for name in ("mtrain", "plain"):
         step = statistics.median(wall[name])
         tps[name] = tokens_per_step / step
+        per_device = tps[name] * flops_per_token / jax.device_count()
         print(f"{name:>6}: median step {step * 1e3:.0f} ms (min {min(wall[name]) * 1e3:.0f}, "
               f"CPU {statistics.median(cpu[name]) * 1e3:.0f} ms), {tps[name]:,.0f} tokens/s, "
-              f"{tps[name] * flops_per_token / 1e9:.1f} GFLOP/s")
+              f"{tps[name] * flops_per_token / 1e9:.1f} GFLOP/s, MFU "
+              f"{100 * per_device / peak if peak else float('nan'):.1f}%")
     paired = statistics.median(p / m for m, p in zip(wall["mtrain"], wall["plain"]))
     print(f"median of step-by-step paired ratios (plain time / mtrain time): {paired:.2f}")
     print(f"ratio mtrain/plain: {tps['mtrain'] / tps['plain']:.2f}")

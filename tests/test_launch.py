@@ -12,7 +12,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
-SCRIPTS = sorted(os.path.join(LAUNCH, f) for f in os.listdir(LAUNCH) if f.endswith(".sh"))
+SCRIPTS = sorted(os.path.join(LAUNCH, f) for f in os.listdir(LAUNCH) if f.endswith(".sh")) + [
+    os.path.join(REPO, "benchmarks", "gpu.sh")]
 
 
 def launch(script, *args, env=None):
