@@ -223,13 +223,13 @@ def build(
     for tensor_dim, mesh_dim in layout.dropped_rules:
         log.warning("layout rule '%s:%s' ignored: the mesh %r has no dimension %r",
                     tensor_dim, mesh_dim, mesh_shape, mesh_dim)
+    planning = mode == "plan"
+    mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
     data_ways = layout.mesh_dims.get(layout.mesh_dim_for("batch"), 1)
-    if batch_size % (num_microbatches * data_ways):
+    if num_microbatches > 1 and batch_size % (num_microbatches * data_ways):
         raise ConfigError(f"run.batch_size={batch_size} must split into run.num_microbatches="
                           f"{num_microbatches} microbatches of a multiple of {data_ways} rows "
                           f"(the mesh's batch dimension)")
-    planning = mode == "plan"
-    mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
     source = vocab = None
     if not planning:
         # Process 0 prepares the dataset and trains the vocabulary (once, into data_dir);

@@ -179,22 +179,26 @@ class Trainer:
         )
         return loss, xent, weights, logits
 
-    def _gradients(self, params, batch: Batch, rngs):
-        """(gradient of the summed token loss, summed loss, summed cross-entropy, tokens)."""
+    def _gradients(self, params, batch: Batch, rngs, normalize: bool):
+        """(gradient, loss, cross-entropy, tokens) of `batch`: of the mean token loss with
+        `normalize`, else of the summed loss (the sums add up over microbatches)."""
         def loss_fn(params):
             loss, xent, weights, _ = self._losses(params, batch, False, rngs)
-            return loss.sum(), (xent.sum(), weights.sum())
+            tokens = weights.sum().astype(jnp.float32)
+            scale = 1.0 / jnp.maximum(tokens, 1.0) if normalize else 1.0
+            return loss.sum() * scale, (xent.sum() * scale, tokens)
 
         (loss, (xent, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        return grads, loss, xent, tokens.astype(jnp.float32)
+        return grads, loss, xent, tokens
 
-    def _accumulated_gradients(self, params, batch: Batch, dropout_key):
-        """`_gradients` summed over `num_microbatches` slices of the batch, one at a time.
+    def _mean_gradients(self, params, batch: Batch, dropout_key):
+        """The gradient of the mean token loss of `batch` (and the loss, cross-entropy and
+        token count), accumulated over `num_microbatches` slices of it, one at a time.
         Microbatch j holds rows j, j + k, j + 2k, ... so that every device keeps working on
         its own rows."""
         k = self.num_microbatches
         if k == 1:
-            return self._gradients(params, batch, {"dropout": dropout_key})
+            return self._gradients(params, batch, {"dropout": dropout_key}, normalize=True)
         micro = {name: constrain(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
                                  (None, *BATCH_NAMES))
                  for name, x in batch.items()}
@@ -202,24 +206,22 @@ class Trainer:
         def step(total, inputs):
             i, microbatch = inputs
             out = self._gradients(params, microbatch,
-                                  {"dropout": jax.random.fold_in(dropout_key, i)})
+                                  {"dropout": jax.random.fold_in(dropout_key, i)}, False)
             return jax.tree_util.tree_map(jnp.add, total, out), None
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
-            self._gradients, params, jax.tree_util.tree_map(lambda x: x[0], micro),
-            {"dropout": dropout_key}))
-        total, _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
-        return total
+            lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False), params,
+            jax.tree_util.tree_map(lambda x: x[0], micro)))
+        (grads, loss, xent, tokens), _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
+        # The mean over the batch's tokens, however it was sliced.
+        scale = 1.0 / jnp.maximum(tokens, 1.0)
+        grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+        return grads, loss * scale, xent * scale, tokens
 
     def _train_step_fn(self, state: TrainState, batch: Batch):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
-            grads, loss, xent, tokens = self._accumulated_gradients(state.params, batch,
-                                                                    dropout_key)
-            # The mean over the batch's tokens, however it was sliced.
-            scale = 1.0 / jnp.maximum(tokens, 1.0)
-            grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
-            loss, xent = loss * scale, xent * scale
+            grads, loss, xent, tokens = self._mean_gradients(state.params, batch, dropout_key)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)

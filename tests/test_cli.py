@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import gin
 import pytest
 
 from mtrain.__main__ import main
@@ -135,3 +136,4 @@ def test_speed_settings_profile_and_mfu_from_gin(data_dir, tmp_path):
     # Settings that cannot work are one clear error.
     assert cli(tmp_path / "bad", "run.num_microbatches=3") == 2
     assert cli(tmp_path / "bad", "transformer.remat_policy='most'") == 2
+    gin.clear_config()  # TransformerConfig is gin-configurable: leave no bad binding behind
