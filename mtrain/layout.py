@@ -236,6 +236,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     layout, mesh = active
     spec = layout.partition_spec(names, x.shape, tensor="activation")
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        # Inside a shard_map that is manual over some axes (mtrain.replica): constrain over
+        # the automatic ones, on the mesh as the shard_map sees it.
+        if all(s is None for s in spec):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

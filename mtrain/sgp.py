@@ -1,0 +1,128 @@
+"""Stochastic Gradient Push (Assran et al., ICML 2019): data parallelism by PushSum gossip.
+
+Each replica along the data axis keeps its own parameters x, PushSum weight w and optimizer
+state. A step computes the gradient of its rows of the batch at the de-biased parameters
+z = x / w, takes a local optimizer step on x, and mixes (x, w) with one out-peer (hop 2^k,
+k cycling through log2(n) phases; `mtrain.pushsum`). No all-reduce of gradients: each
+replica sends one copy of its parameters per step, and the replicas agree only
+approximately; `average` gives the mean of z, which is what evaluation uses.
+
+The model runs inside `mtrain.replica.replicate` over the data axis; the other mesh axes
+keep the layout's model parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mtrain import pushsum
+from mtrain.layout import Layout
+from mtrain.replica import replicate
+from mtrain.trainer import Trainer
+
+
+@flax.struct.dataclass
+class SGPState:
+    step: jax.Array
+    params: Any  # every leaf stacked: [replicas, *shape]
+    opt_state: Any
+    weight: jax.Array  # [replicas]
+
+
+class SGPTrainer:
+    """Stochastic Gradient Push around a `Trainer` (its model, optimizer, layout, batch)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = t = trainer
+        self.axis = t.layout.mesh_dim_for("batch")
+        if self.axis is None:
+            raise ValueError("SGP needs the batch split over a mesh dimension (batch:batch)")
+        self.num_replicas = t.mesh.shape[self.axis]
+        pushsum.num_phases(self.num_replicas)  # a power of two
+        # Inside a replica the data axis is manual: the model's constraints use the layout
+        # without the batch rule, over the other (automatic) mesh axes.
+        self.inner = Layout(t.layout.mesh_shape,
+                            [r for r in t.layout.layout_rules if r[0] != "batch"])
+
+        def stacked(sharding):
+            return NamedSharding(t.mesh, PartitionSpec(self.axis, *sharding.spec))
+
+        self.state_shardings = SGPState(
+            step=t.state_shardings.step,
+            params=jax.tree_util.tree_map(stacked, t.state_shardings.params),
+            opt_state=jax.tree_util.tree_map(stacked, t.state_shardings.opt_state),
+            weight=NamedSharding(t.mesh, PartitionSpec(self.axis)))
+        self._step = jax.jit(
+            replicate(self._replica_step, t.mesh, self.axis, jit=False,
+                      split_inputs=(False, True, True, True, True),
+                      split_outputs=(False, True, True, True, False)),
+            donate_argnums=(1, 2, 3))
+
+    def init_state(self, state=None) -> SGPState:
+        """Every replica starts from `state` (default: the trainer's fresh state), w = 1."""
+        state = state or self.trainer.init_state()
+        n = self.num_replicas
+
+        def copies(x, sharding):
+            return jax.device_put(jnp.broadcast_to(x, (n, *x.shape)), sharding)
+
+        return SGPState(
+            step=jnp.array(state.step),  # its own buffer: the trainer's step donates state
+            params=jax.tree_util.tree_map(copies, state.params, self.state_shardings.params),
+            opt_state=jax.tree_util.tree_map(copies, state.opt_state,
+                                             self.state_shardings.opt_state),
+            weight=jax.device_put(jnp.ones(n), self.state_shardings.weight))
+
+    def _replica_step(self, ctx, step, params, opt_state, weight, batch):
+        t = self.trainer
+        x = jax.tree_util.tree_map(lambda v: v[0], params)
+        opt = jax.tree_util.tree_map(lambda v: v[0], opt_state)
+        w = weight[0]
+        z = pushsum.debias(x, w)
+        with self.inner.activate(t.mesh):
+            rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(t.dropout_key, step),
+                                                  ctx.replica_id)}
+
+            def loss_fn(z):
+                loss, _, weights, _ = t._losses(z, batch, False, rngs)
+                return loss.sum() / jnp.maximum(weights.sum(), 1.0)
+
+            loss, grads = jax.value_and_grad(loss_fn)(z)
+            updates, opt = t.optimizer.update(grads, opt, z)
+            # The update moves x; the de-biased value moves by it divided by w.
+            x = jax.tree_util.tree_map(lambda v, u: v + u * w, x, updates)
+        x, w = pushsum.mix(ctx, x, w, step % pushsum.num_phases(ctx.num_replicas))
+        z = pushsum.debias(x, w)
+        mean_z = ctx.all_mean(z)
+        distance = jnp.sqrt(sum(jnp.sum(jnp.square(a - b)) for a, b in zip(
+            jax.tree_util.tree_leaves(z), jax.tree_util.tree_leaves(mean_z))))
+        metrics = {"loss": ctx.all_mean(loss),
+                   "consensus_distance_max": jax.lax.pmax(distance, ctx.axis),
+                   "consensus_distance_mean": ctx.all_mean(distance)}
+        expand = lambda v: v[None]  # noqa: E731
+        return (step + 1, jax.tree_util.tree_map(expand, x), jax.tree_util.tree_map(expand, opt),
+                w[None], metrics)
+
+    def train_step(self, state: SGPState, batch) -> tuple[SGPState, dict]:
+        step, params, opt_state, weight, metrics = self._step(
+            state.step, state.params, state.opt_state, state.weight, batch)
+        return SGPState(step, params, opt_state, weight), metrics
+
+    def average(self, state: SGPState):
+        """The mean over replicas of the de-biased parameters, laid out as the trainer's."""
+        def mean(x, sharding):
+            z = x / state.weight.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+            return jax.device_put(z.mean(0), sharding)
+
+        return jax.tree_util.tree_map(mean, state.params, self.trainer.state_shardings.params)
+
+    def bytes_sent_per_step(self) -> int:
+        """What each replica sends per step: one copy of its parameters and its weight."""
+        leaves = jax.tree_util.tree_leaves(self.trainer.abstract_state.params)
+        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) + 4
+
