@@ -27,6 +27,7 @@ that fit by estimated step time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -97,6 +98,7 @@ def device_peak_flops(device=None) -> tuple[float, str]:
     return 0.0, f"no peak known for {device.device_kind}"
 
 
+@functools.lru_cache(maxsize=None)  # once per device and process
 def _cpu_matmul_flops(device, n: int = 1536, repeats: int = 4) -> float:
     import time
 
@@ -247,9 +249,7 @@ class Plan:
 
 def compile_train_step(trainer: Trainer):
     """The train step compiled ahead of time from abstract state and batch."""
-    state = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        trainer.abstract_state, trainer.state_shardings)
+    state = trainer.sharded_abstract_state()
     ids = jax.ShapeDtypeStruct(trainer.batch_shape, jnp.int32, sharding=trainer.batch_sharding)
     batch = {name: ids for name in feature_names(trainer.model)}
     return trainer._train_step.lower(state, batch).compile()

@@ -319,13 +319,8 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
         if devices > jax.device_count():
             raise ConfigError(f"--auto_layout for {devices} devices, but only "
                               f"{jax.device_count()} are available to compile for")
-        t = exp.trainer
         results = planner.auto_layout(
-            lambda layout: Trainer(t.model, t.optimizer, layout,
-                                   layout.make_mesh(jax.devices()[:layout.size]),
-                                   exp.batch_size, exp.sequence_length, seed=exp.seed,
-                                   loss_config=t.loss_config),
-            exp.model_config, kind, devices, target_spec, analytic,
+            exp.trainer.with_layout, exp.model_config, kind, devices, target_spec, analytic,
             progress=lambda message: log.info("auto-layout %s", message))
         report = {"model": describe, "num_devices": devices, "target": target,
                   "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
@@ -352,8 +347,8 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator):
     """(state, step): resumed from the model dir's newest intact checkpoint, else started
     from `init_from`'s parameters, else freshly initialised."""
     if checkpoints.all_steps():
-        state, step = checkpoints.restore_intact(_abstract_state(exp), iterator,
-                                                 exp.checkpoint_meta())
+        state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
+                                                 iterator, exp.checkpoint_meta())
         log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
         return state, step
     state = exp.trainer.init_state()
@@ -389,17 +384,11 @@ def _restore_from(exp: Experiment, directory: str, step: int | None = None,
         step = steps[-1] if step is None else step
         if step not in steps:
             raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
-        return checkpoints.restore(step, _abstract_state(exp), None, exp.checkpoint_meta()), step
+        state = checkpoints.restore(step, exp.trainer.sharded_abstract_state(), None,
+                                    exp.checkpoint_meta())
+        return state, step
     finally:
         checkpoints.close()
-
-
-def _abstract_state(exp: Experiment):
-    t = exp.trainer
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        t.abstract_state, t.state_shardings,
-    )
 
 
 def train(exp: Experiment) -> dict:

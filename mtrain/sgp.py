@@ -120,22 +120,24 @@ class SGPTrainer:
     @functools.partial(jax.jit, static_argnums=0)
     def _consensus(self, params, weight):
         squares = 0.0
-        for x in jax.tree_util.tree_leaves(params):
-            z = x / weight.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
-            squares = squares + jnp.sum(jnp.square(z - z.mean(0)), axis=tuple(range(1, x.ndim)))
+        for z in jax.tree_util.tree_leaves(_debias_stacked(params, weight)):
+            squares = squares + jnp.sum(jnp.square(z - z.mean(0)), axis=tuple(range(1, z.ndim)))
         distance = jnp.sqrt(squares)
         return {"max": distance.max(), "mean": distance.mean()}
 
     def average(self, state: SGPState):
         """The mean over replicas of the de-biased parameters, laid out as the trainer's."""
-        def mean(x, sharding):
-            z = x / state.weight.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
-            return jax.device_put(z.mean(0), sharding)
-
-        return jax.tree_util.tree_map(mean, state.params, self.trainer.state_shardings.params)
+        return jax.tree_util.tree_map(lambda z, sharding: jax.device_put(z.mean(0), sharding),
+                                      _debias_stacked(state.params, state.weight),
+                                      self.trainer.state_shardings.params)
 
     def bytes_sent_per_step(self) -> int:
         """What each replica sends per step: one copy of its parameters and its weight."""
         leaves = jax.tree_util.tree_leaves(self.trainer.abstract_state.params)
         return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) + 4
 
+
+def _debias_stacked(params, weight):
+    """z_i = x_i / w_i for every replica i of stacked parameters [replicas, ...]."""
+    return jax.tree_util.tree_map(
+        lambda x: x / weight.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), params)

@@ -111,6 +111,7 @@ class Trainer:
                               f"{num_microbatches} microbatches")
         self.num_microbatches = num_microbatches
         self.batch_shape = (batch_size, sequence_length)
+        self.seed = seed
         init_key, self.dropout_key = jax.random.split(jax.random.key(seed))
         self.init_key = init_key
 
@@ -247,6 +248,21 @@ class Trainer:
         }
 
     # ---- the public API ----
+
+    def sharded_abstract_state(self) -> TrainState:
+        """The state as shapes with their shardings: what checkpoints restore into and
+        ahead-of-time compilation takes, with nothing allocated."""
+        return jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract_state, self.state_shardings)
+
+    def with_layout(self, layout: Layout) -> "Trainer":
+        """The same model, optimizer, batch, seed and settings on another layout (over the
+        first `layout.size` devices)."""
+        return Trainer(self.model, self.optimizer, layout,
+                       layout.make_mesh(jax.devices()[:layout.size]), *self.batch_shape,
+                       seed=self.seed, loss_config=self.loss_config,
+                       num_microbatches=self.num_microbatches)
 
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shards."""

@@ -81,10 +81,6 @@ def test_checkpoint_restores_across_meshes(tmp_path):
         opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
         return Trainer(DecoderLM(config), opt, layout, mesh, 8, 16, seed=0)
 
-    def abstract(t):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            t.abstract_state, t.state_shardings)
-
     rng = np.random.default_rng(0)
     batch = {"targets": rng.integers(1, 256, (8, 16)).astype(np.int32),
              "targets_segment_ids": np.ones((8, 16), np.int32),
@@ -99,7 +95,7 @@ def test_checkpoint_restores_across_meshes(tmp_path):
                                                        meta=ocp.args.JsonSave(meta)))
         source.wait()
         target = trainer(mesh_shape)
-        state = source.restore(1, abstract(target), None, meta)
+        state = source.restore(1, target.sharded_abstract_state(), None, meta)
         source.close()
         assert_bitwise_equal(jax.device_get(state), expected)
         wi = state.params["layer_0"]["mlp"]["wi"]

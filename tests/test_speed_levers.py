@@ -84,8 +84,7 @@ def test_scan_keeps_the_program_the_same_size_at_any_depth():
     def hlo_size(layers, scan):
         config = dataclasses.replace(CONFIG, num_layers=layers, scan_layers=scan)
         t = trainer(config)
-        state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                       t.abstract_state, t.state_shardings)
+        state = t.sharded_abstract_state()
         ids = jax.ShapeDtypeStruct((BATCH, LENGTH), np.int32, sharding=t.batch_sharding)
         batch = {k: ids for k in packed_batch()}
         return len(t._train_step.lower(state, batch).as_text())
@@ -98,6 +97,9 @@ def test_scan_keeps_the_program_the_same_size_at_any_depth():
 def test_microbatches_give_the_same_update_with_less_memory(reference, k):
     t = trainer(num_microbatches=k)
     np.testing.assert_allclose(train_losses(t), reference, rtol=1e-5)
+    # The planner's auto-layout relays a trainer out with its settings, microbatches too.
+    other = t.with_layout(Layout("batch:8", "batch:batch"))
+    assert (other.num_microbatches, other.seed, other.batch_shape) == (k, 0, (BATCH, LENGTH))
     if k == 4:
         full = planner.compile_train_step(trainer()).memory_analysis().temp_size_in_bytes
         micro = planner.compile_train_step(t).memory_analysis().temp_size_in_bytes
