@@ -5,13 +5,16 @@ update) of the reference decoder-only LM (vocab 8192, d_model 256, d_ff 1024, 4 
 2 layers, batch 16 x length 128) in two implementations:
 
 * **mtrain**: `Trainer(DecoderLM(...), optimizer.adafactor(...), layout, mesh, ...)`, i.e. the
-  Flax model with its logical names and sharding constraints, the one-hot cross-entropy with
-  z-loss 1e-4 and the step's metrics (loss, cross-entropy, token count, gradient norm), under
-  the layout given by --mesh_shape/--layout_rules.
+  Flax model with its logical names and sharding constraints, the cross-entropy with z-loss
+  1e-4 and the step's metrics (loss, cross-entropy, token count, gradient norm), under the
+  layout given by --mesh_shape/--layout_rules, with the default settings: here the loss is
+  computed 8 slices of the sequence at a time (`loss.chunks`, automatic), so the
+  [16, 128, 8192] logits are never formed whole.
 * **plain**: the same maths written below as pure functions over a dict of arrays (no Flax, no
   mtrain model code), `optax.adafactor` with the same settings, `jax.jit(..., donate_argnums=0)`,
-  always on one device. It picks the target logit with a gather (`take_along_axis`) and returns
-  only the loss: what one would write by hand, so the ratio is what the framework costs.
+  always on one device. It forms the logits whole, picks the target logit with a gather
+  (`take_along_axis`) and returns only the loss: what one would write by hand, so the ratio
+  is what the framework costs or saves.
 
 Both start from the same parameters (mtrain's initial parameters are copied into the plain
 dict), and the first two training losses are checked to agree before anything is timed, so the

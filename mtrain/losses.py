@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mtrain.layout import constrain
 
 
 def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smoothing: float = 0.0):
@@ -38,3 +42,87 @@ def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smooth
         loss = loss + z_loss * jnp.square(log_z)
     weights = weights.astype(jnp.float32)
     return loss * weights, xent * weights
+
+
+def chunked_cross_entropy(hidden, kernel, targets, weights, *, chunks: int,
+                          z_loss: float = 0.0, label_smoothing: float = 0.0):
+    """Summed ``(loss, xent)`` of `cross_entropy` over the logits ``hidden @ kernel``, never
+    forming the [batch, length, vocab] logits: `chunks` slices of the length, one at a time.
+
+    `hidden` [b, l, d_model] are the final hidden states, `kernel` [d_model, vocab] the output
+    projection. The gradient is computed slice by slice in the forward pass (each slice's
+    logits are used and dropped at once), so the largest float32 buffer is a slice's logits
+    instead of the whole batch's: less memory, and on CPU less time, since the logits and
+    their gradient are written to and read from memory once less. `xent` is a metric and
+    carries no gradient.
+    """
+    b, l = targets.shape
+    if l % chunks:
+        raise ValueError(f"loss chunks: length {l} does not split into {chunks} chunks")
+    loss, xent = _chunked_sums(hidden, kernel, targets, weights.astype(jnp.float32),
+                               chunks, z_loss, label_smoothing)
+    return loss, jax.lax.stop_gradient(xent)
+
+
+def _slices(x, chunks):
+    """[b, l, ...] -> [chunks, b, l / chunks, ...] (slices of the length, batch kept whole so
+    that every device of a data-parallel mesh works on every slice)."""
+    b, l = x.shape[:2]
+    x = jnp.moveaxis(x.reshape(b, chunks, l // chunks, *x.shape[2:]), 1, 0)
+    return constrain(x, (None, "batch", "length", "d_model")[:x.ndim])
+
+
+def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing, grad):
+    """Sums of the loss and xent over the slices; with `grad` also d(loss sum)/d(hidden)
+    [b, l, d] and /d(kernel) [d, vocab] (accumulated in float32)."""
+
+    def step(dkernel, inputs):
+        h, t, w = inputs
+        logits = jnp.einsum("bld,dv->blv", h, kernel)
+        logits = constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+
+        def sums(logits):
+            loss, xent = cross_entropy(logits, t, w, z_loss=z_loss,
+                                       label_smoothing=label_smoothing)
+            return loss.sum(), xent.sum()
+
+        if not grad:
+            return dkernel, sums(logits)
+        (loss, xent), vjp = jax.vjp(sums, logits)
+        dlogits = vjp((jnp.ones_like(loss), jnp.zeros_like(xent)))[0].astype(h.dtype)
+        dh = jnp.einsum("blv,dv->bld", dlogits, kernel)
+        dkernel = dkernel + jnp.einsum("bld,blv->dv", h, dlogits,
+                                       preferred_element_type=jnp.float32)
+        return constrain(dkernel, ("d_model", "vocab")), ((loss, xent), dh)
+
+    zeros = constrain(jnp.zeros(kernel.shape, jnp.float32), ("d_model", "vocab"))
+    xs = (_slices(hidden, chunks), _slices(targets, chunks), _slices(weights, chunks))
+    dkernel, out = jax.lax.scan(step, zeros, xs)
+    if not grad:
+        loss, xent = out
+        return loss.sum(), xent.sum()
+    (loss, xent), dh = out
+    b, l = targets.shape
+    dh = jnp.moveaxis(dh, 0, 1).reshape(b, l, -1)
+    return (loss.sum(), xent.sum()), (constrain(dh, ("batch", "length", "d_model")), dkernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked_sums(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing):
+    return _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing,
+                        grad=False)
+
+
+def _chunked_sums_fwd(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing):
+    sums, (dh, dkernel) = _scan_slices(hidden, kernel, targets, weights, chunks, z_loss,
+                                       label_smoothing, grad=True)
+    return sums, (dh.astype(hidden.dtype), dkernel.astype(kernel.dtype))
+
+
+def _chunked_sums_bwd(chunks, z_loss, label_smoothing, residuals, cotangents):
+    dh, dkernel = residuals
+    g = cotangents[0]  # of the loss sum; xent is stop_gradient'ed by the caller
+    return (g * dh).astype(dh.dtype), (g * dkernel).astype(dkernel.dtype), None, None
+
+
+_chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)

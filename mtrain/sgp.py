@@ -92,8 +92,8 @@ class SGPTrainer:
                                                   ctx.replica_id)}
 
             def loss_fn(z):
-                loss, _, weights, _ = t._losses(z, batch, False, rngs)
-                return loss.sum() / jnp.maximum(weights.sum(), 1.0)
+                loss, _, tokens = t._loss_sums(z, batch, rngs)
+                return loss / jnp.maximum(tokens, 1.0)
 
             loss, grads = jax.value_and_grad(loss_fn)(z)
             updates, opt = t.optimizer.update(grads, opt, z)

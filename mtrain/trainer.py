@@ -10,6 +10,7 @@ shardings and donates the old state.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax
@@ -44,10 +45,30 @@ class TrainState:
 @gin.configurable("loss")
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """``loss.z_loss`` (Mesh-TF's default 1e-4) and ``loss.label_smoothing`` in gin."""
+    """``loss.z_loss`` (Mesh-TF's default 1e-4), ``loss.label_smoothing`` and ``loss.chunks``
+    in gin.
+
+    `chunks` > 1 computes the training loss and its gradient that many slices of the
+    sequence at a time (`losses.chunked_cross_entropy`): the [batch, length, vocab] logits
+    never exist whole. 1 forms them whole; 0 (default) picks: the most slices, at most 16,
+    that keep a slice's logits at 2**21 or more elements per device (8 MiB in float32).
+    Evaluation always forms the logits (it needs them for accuracy).
+    """
 
     z_loss: float = 1e-4
     label_smoothing: float = 0.0
+    chunks: int = 0
+
+    def num_chunks(self, length: int, logits_per_device: int) -> int:
+        """The number of slices for sequences of `length` whose logits have
+        `logits_per_device` elements on each device."""
+        if self.chunks < 0 or (self.chunks and length % self.chunks):
+            raise LayoutError(f"loss.chunks={self.chunks} must be 0 (automatic) or divide the "
+                              f"sequence length {length}")
+        if self.chunks:
+            return self.chunks
+        return max(c for c in range(1, min(16, length) + 1)
+                   if length % c == 0 and (c == 1 or logits_per_device // c >= 2**21))
 
 
 def _opt_state_names(opt_state, params, param_names):
@@ -131,6 +152,11 @@ class Trainer:
             step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
         )
         self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
+        logits_per_device = math.prod(  # of one microbatch
+            -(-size // layout.mesh_dims.get(layout.mesh_dim_for(name), 1)) for name, size in
+            [("batch", batch_size // num_microbatches), ("length", sequence_length),
+             ("vocab", model.config.vocab_size)])
+        self.loss_chunks = self.loss_config.num_chunks(sequence_length, logits_per_device)
         self._init_state = jax.jit(self._init_fn, out_shardings=self.state_shardings)
         self._train_step = jax.jit(
             self._train_step_fn,
@@ -150,12 +176,13 @@ class Trainer:
         ids = jnp.zeros(self.batch_shape, jnp.int32)
         return {name: ids for name in feature_names(self.model)}
 
-    def _apply(self, params, batch, deterministic, rngs=None):
+    def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False):
         """The model's logits for a packed batch (its `features`, each with segment ids and
-        positions)."""
+        positions); with `return_hidden` its final hidden states and output kernel."""
         args = [batch[name] for name in feature_names(self.model)]
+        kwargs = {"return_hidden": True} if return_hidden else {}
         return self.model.apply({"params": params}, *args, deterministic=deterministic,
-                                rngs=rngs)
+                                rngs=rngs, **kwargs)
 
     def _init_variables(self, key):
         with self.layout.activate(self.mesh):
@@ -180,14 +207,28 @@ class Trainer:
         )
         return loss, xent, weights, logits
 
+    def _loss_sums(self, params, batch, rngs):
+        """(loss, cross-entropy, tokens) summed over the training `batch`'s tokens: with
+        `loss_chunks` > 1 the logits are made a slice at a time (the cross-entropy then
+        carries no gradient)."""
+        weights = batch["targets_segment_ids"] > 0
+        tokens = weights.sum().astype(jnp.float32)
+        if self.loss_chunks == 1:
+            loss, xent, _, _ = self._losses(params, batch, False, rngs)
+            return loss.sum(), xent.sum(), tokens
+        hidden, kernel = self._apply(params, batch, False, rngs, return_hidden=True)
+        loss, xent = losses.chunked_cross_entropy(
+            hidden, kernel, batch["targets"], weights, chunks=self.loss_chunks,
+            z_loss=self.loss_config.z_loss, label_smoothing=self.loss_config.label_smoothing)
+        return loss, xent, tokens
+
     def _gradients(self, params, batch: Batch, rngs, normalize: bool):
         """(gradient, loss, cross-entropy, tokens) of `batch`: of the mean token loss with
         `normalize`, else of the summed loss (the sums add up over microbatches)."""
         def loss_fn(params):
-            loss, xent, weights, _ = self._losses(params, batch, False, rngs)
-            tokens = weights.sum().astype(jnp.float32)
+            loss, xent, tokens = self._loss_sums(params, batch, rngs)
             scale = 1.0 / jnp.maximum(tokens, 1.0) if normalize else 1.0
-            return loss.sum() * scale, (xent.sum() * scale, tokens)
+            return loss * scale, (xent * scale, tokens)
 
         (loss, (xent, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return grads, loss, xent, tokens

@@ -96,3 +96,39 @@ def test_split_vocab_loss_never_all_gathers_the_logits():
     expected_value, expected_grad = jax.value_and_grad(loss)(logits, targets)
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_loss_with_split_vocab_never_all_gathers():
+    """The slice-at-a-time loss on a vocab-split mesh keeps the logits and the output kernel
+    split: only [batch, length] and d_model-sized values are all-reduced."""
+    from mtrain.layout import Layout
+
+    layout = Layout("batch:2;model:4", "batch:batch;vocab:model")
+    mesh = layout.make_mesh()
+    shapes = {"hidden": ((8, 16, 32), ("batch", "length", "d_model")),
+              "kernel": ((32, 512), ("d_model", "vocab")),
+              "targets": ((8, 16), ("batch", "length"))}
+    shardings = [layout.sharding(mesh, names, shape) for shape, names in shapes.values()]
+
+    def loss(hidden, kernel, targets):
+        with layout.activate(mesh):
+            return losses.chunked_cross_entropy(hidden, kernel, targets, targets > 0, chunks=4,
+                                                z_loss=1e-4, label_smoothing=0.1)[0]
+
+    step = jax.jit(jax.value_and_grad(loss, (0, 1)), in_shardings=shardings)
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(8, 16, 32)).astype(np.float32)
+    kernel = rng.normal(size=(32, 512)).astype(np.float32) * 0.1
+    targets = rng.integers(0, 512, (8, 16)).astype(np.int32)
+    assert "all-gather" not in step.lower(hidden, kernel, targets).compile().as_text()
+
+    def whole(hidden, kernel, targets):
+        per_token, _ = losses.cross_entropy(hidden @ kernel, targets, targets > 0, z_loss=1e-4,
+                                            label_smoothing=0.1)
+        return per_token.sum()
+
+    (value, grads), (expected, expected_grads) = (
+        step(hidden, kernel, targets), jax.value_and_grad(whole, (0, 1))(hidden, kernel, targets))
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

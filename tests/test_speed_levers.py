@@ -1,6 +1,7 @@
 """The speed and memory levers change speed and memory, not results: bfloat16 activations,
-rematerialisation, a scanned layer stack, gradient accumulation over microbatches and
-jax.nn.dot_product_attention all train like the plain float32 path on an 8-device mesh."""
+rematerialisation, a scanned layer stack, gradient accumulation over microbatches, the loss
+computed a slice of the sequence at a time and jax.nn.dot_product_attention all train like
+the plain float32 path on an 8-device mesh."""
 
 import dataclasses
 
@@ -12,7 +13,8 @@ import pytest
 from mtrain import planner
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
-from mtrain.trainer import Trainer
+from mtrain.layout import LayoutError
+from mtrain.trainer import LossConfig, Trainer
 
 CONFIG = TransformerConfig(vocab_size=256, d_model=32, d_ff=64, num_heads=2, d_kv=16,
                            num_layers=3, max_length=32)
@@ -104,6 +106,53 @@ def test_microbatches_give_the_same_update_with_less_memory(reference, k):
         full = planner.compile_train_step(trainer()).memory_analysis().temp_size_in_bytes
         micro = planner.compile_train_step(t).memory_analysis().temp_size_in_bytes
         assert micro < 0.7 * full
+
+
+def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
+    chunked = trainer(loss_config=LossConfig(chunks=4))
+    assert (trainer().loss_chunks, chunked.loss_chunks) == (1, 4)
+    np.testing.assert_allclose(train_losses(chunked), reference, rtol=1e-5)
+    # The gradient itself, also for the encoder-decoder's shared embedding-softmax, with label
+    # smoothing, and in bfloat16.
+    both = ("inputs", "targets")
+    for config, model, features, smoothing, tol in [
+            (CONFIG, DecoderLM, ("targets",), 0.0, 1e-5),
+            (dataclasses.replace(CONFIG, shared_embedding_and_softmax=True), EncoderDecoder, both,
+             0.1, 1e-5),
+            (dataclasses.replace(CONFIG, activation_dtype="bfloat16"), DecoderLM, ("targets",),
+             0.1, 2e-2)]:
+        out = []
+        for chunks in (1, 8):
+            t = trainer(config, model,
+                        loss_config=LossConfig(chunks=chunks, label_smoothing=smoothing))
+            batch = t.place_batch(packed_batch(0, features))
+            out.append(jax.jit(lambda p, b: t._mean_gradients(p, b, t.dropout_key))(
+                t.init_state().params, batch))
+        (g1, loss1, xent1, n1), (g8, loss8, xent8, n8) = out
+        np.testing.assert_allclose([loss8, xent8, n8], [loss1, xent1, n1], rtol=tol)
+        for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g8)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(b, a, atol=tol * np.abs(a).max())
+
+
+def test_chunked_loss_needs_less_memory():
+    config = dataclasses.replace(CONFIG, vocab_size=4096)
+    whole = planner.compile_train_step(trainer(config, loss_config=LossConfig(chunks=1)))
+    chunked = planner.compile_train_step(trainer(config, loss_config=LossConfig(chunks=8)))
+    assert (chunked.memory_analysis().temp_size_in_bytes
+            < 0.6 * whole.memory_analysis().temp_size_in_bytes)
+
+
+def test_automatic_loss_chunks():
+    auto = LossConfig()
+    # The throughput benchmark's reference model on one device: 8 slices of 2**21 logits.
+    assert auto.num_chunks(128, 16 * 128 * 8192) == 8
+    assert auto.num_chunks(128, 2**21) == 1  # small enough already
+    assert auto.num_chunks(2048, 16 * 2048 * 32768) == 16  # at most 16
+    assert auto.num_chunks(127, 2**30) == 1  # a prime length cannot be sliced
+    assert LossConfig(chunks=4).num_chunks(32, 1) == 4
+    with pytest.raises(LayoutError, match="loss.chunks=3 must be 0"):
+        LossConfig(chunks=3).num_chunks(32, 2**30)
 
 
 def test_dot_product_attention_matches_the_einsum_path(reference):

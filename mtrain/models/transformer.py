@@ -141,8 +141,16 @@ def _softmax_table(module: nn.Module, c: TransformerConfig):
                         (c.d_model, c.vocab_size), ("d_model", "vocab"))
 
 
-def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x):
-    """Next-token logits [b, l, vocab] from the shared embedding table or `softmax`."""
+def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x, return_hidden: bool):
+    """Next-token logits [b, l, vocab] from the shared embedding table or `softmax`; with
+    `return_hidden`, ``(x, kernel)`` with logits = x @ kernel instead (for a loss that
+    computes the logits a slice at a time: `losses.chunked_cross_entropy`)."""
+    if return_hidden:
+        if softmax is None:  # the shared table, with attend's scale
+            kernel = (embed.embedding.astype(c.dtype) * c.d_model**-0.5).T
+        else:
+            kernel = softmax.astype(c.dtype)
+        return x, constrain(kernel, ("d_model", "vocab"))
     if softmax is None:
         return embed.attend(x)
     logits = jnp.einsum("bld,dv->blv", x, softmax.astype(c.dtype))
@@ -150,13 +158,15 @@ def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x):
 
 
 class DecoderLM(nn.Module):
-    """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]."""
+    """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]
+    (with `return_hidden`: the final hidden states and the output kernel, see `_logits`)."""
 
     config: TransformerConfig
     features = ("targets",)  # the packed features __call__ takes, in order
 
     @nn.compact
-    def __call__(self, targets, segment_ids, positions, deterministic: bool = True):
+    def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
+                 return_hidden: bool = False):
         c = self.config
         inputs = layers.shift_right(targets, segment_ids)
         embed = layers.Embed(c.vocab_size, c.d_model, c.dtype, name="token_embedding")
@@ -171,7 +181,7 @@ class DecoderLM(nn.Module):
         x = layer_stack(c, x, mask, deterministic)
         x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        return _logits(c, embed, _softmax_table(self, c), x)
+        return _logits(c, embed, _softmax_table(self, c), x, return_hidden)
 
 
 class DecodeIndex(nn.Module):
@@ -197,7 +207,8 @@ class EncoderDecoder(nn.Module):
     of the targets and to the encoder positions of the same segment.
 
     - `__call__(inputs, inputs_segment_ids, inputs_positions, targets, targets_segment_ids,
-      targets_positions)`: teacher-forced logits [b, l, vocab] (training and eval).
+      targets_positions)`: teacher-forced logits [b, l, vocab] (training and eval), or with
+      `return_hidden` the final hidden states and the output kernel (see `_logits`).
     - `encode(...)` then `decode_step(encoded, inputs_segment_ids, ids)` one token at a time
       with a key/value cache (the "cache" collection; see `decoding.py`).
     """
@@ -238,20 +249,23 @@ class EncoderDecoder(nn.Module):
         x = self.dropout(self.encoder_norm(x), deterministic=deterministic)
         return constrain(x, ("batch", "memory_length", "d_model"))
 
-    def _decoder_stack(self, x, mask, encoded, memory_mask, deterministic, decode_index=None):
+    def _decoder_stack(self, x, mask, encoded, memory_mask, deterministic, decode_index=None,
+                       return_hidden=False):
         for layer in self.decoder:
             x = layer(x, mask, deterministic, encoded, memory_mask, decode_index)
         x = self.dropout(self.decoder_norm(x), deterministic=deterministic)
-        return _logits(self.config, self.embed, self.softmax, x)
+        return _logits(self.config, self.embed, self.softmax, x, return_hidden)
 
     def __call__(self, inputs, inputs_segment_ids, inputs_positions, targets,
-                 targets_segment_ids, targets_positions, deterministic: bool = True):
+                 targets_segment_ids, targets_positions, deterministic: bool = True,
+                 return_hidden: bool = False):
         encoded = self.encode(inputs, inputs_segment_ids, inputs_positions, deterministic)
         decoder_inputs = layers.shift_right(targets, targets_segment_ids)
         x = self._embed(decoder_inputs, self.decoder_positions, targets_positions, deterministic)
         mask = layers.causal_segment_mask(targets_segment_ids)
         memory_mask = layers.segment_mask(targets_segment_ids, inputs_segment_ids)
-        return self._decoder_stack(x, mask, encoded, memory_mask, deterministic)
+        return self._decoder_stack(x, mask, encoded, memory_mask, deterministic,
+                                   return_hidden=return_hidden)
 
     def decode_step(self, encoded, inputs_segment_ids, ids):
         """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token; 0 first).
