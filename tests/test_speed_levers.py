@@ -4,6 +4,7 @@ computed a slice of the sequence at a time and jax.nn.dot_product_attention all 
 the plain float32 path on an 8-device mesh."""
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.layout import LayoutError
 from mtrain.trainer import LossConfig, Trainer
+from mtrain.translation import DecodingConfig, Translator
 
 CONFIG = TransformerConfig(vocab_size=256, d_model=32, d_ff=64, num_heads=2, d_kv=16,
                            num_layers=3, max_length=32)
@@ -69,30 +71,61 @@ def test_remat_gives_the_same_losses(reference, policy):
     np.testing.assert_allclose(got, reference, rtol=1e-5)
 
 
-def test_scanned_layers_compute_what_the_unrolled_ones_do(reference):
-    plain = trainer()
-    params = plain.init_state().params
-    scanned = trainer(dataclasses.replace(CONFIG, scan_layers=True, remat_policy="full"))
-    layers = [params[f"layer_{i}"] for i in range(CONFIG.num_layers)]
-    stacked = {k: v for k, v in params.items() if not k.startswith("layer_")}
-    stacked["layers"] = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *layers)
-    assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(
+def stacked_params(plain, scanned, **stacks):
+    """`plain`'s initial parameters in `scanned`'s structure: each ``name=[layer names]`` of
+    `stacks` stacks those unrolled layers into the scanned stack `name`."""
+    params = dict(plain.init_state().params)
+    for name, layer_names in stacks.items():
+        layers = [params.pop(k) for k in layer_names]
+        params[name] = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *layers)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(
         scanned.abstract_state.params)
-    stacked = jax.device_put(stacked, scanned.state_shardings.params)
+    return jax.device_put(params, scanned.state_shardings.params)
+
+
+def test_scanned_layers_compute_what_the_unrolled_ones_do(reference):
+    scanned = trainer(dataclasses.replace(CONFIG, scan_layers=True, remat_policy="full"))
+    stacked = stacked_params(trainer(), scanned, layers=[f"layer_{i}" for i in range(3)])
     np.testing.assert_allclose(train_losses(scanned, params=stacked), reference, rtol=1e-5)
 
 
+def test_scanned_encoder_decoder_computes_what_the_unrolled_one_does():
+    both = ("inputs", "targets")
+    config = dataclasses.replace(CONFIG, num_encoder_layers=2)  # 2 encoder, 3 decoder layers
+    plain = trainer(config, EncoderDecoder)
+    scanned = trainer(dataclasses.replace(config, scan_layers=True, remat_policy="full"),
+                      EncoderDecoder)
+    stacked = stacked_params(plain, scanned, encoder=[f"encoder_{i}" for i in range(2)],
+                             decoder=[f"decoder_{i}" for i in range(3)])
+    assert stacked["encoder"]["mlp"]["wi"].shape == (2, CONFIG.d_model, CONFIG.d_ff)
+    assert stacked["decoder"]["encoder_decoder_attention"]["q"].shape[0] == 3
+    # Incremental decoding with the key/value cache: greedy and beam search, sharded as in
+    # translation (the scanned cache keeps its rows first for beam search to reorder).
+    vocab = types.SimpleNamespace(vocab_size=CONFIG.vocab_size, eos_id=1)
+    inputs = packed_batch(1, both)["inputs"]
+    for beam_size in (1, 2):
+        decoding = DecodingConfig(beam_size=beam_size, max_decode_length=8)
+        expected = Translator(plain, vocab, decoding)._decode(plain.init_state().params, inputs)
+        got = Translator(scanned, vocab, decoding)._decode(stacked, inputs)
+        assert np.asarray(expected).any()
+        np.testing.assert_array_equal(got, expected)
+    # Training (last: a train step donates the parameters it is given).
+    np.testing.assert_allclose(train_losses(scanned, params=stacked, features=both),
+                               train_losses(plain, features=both), rtol=1e-5)
+
+
 def test_scan_keeps_the_program_the_same_size_at_any_depth():
-    def hlo_size(layers, scan):
+    def hlo_size(layers, scan, model=DecoderLM):
         config = dataclasses.replace(CONFIG, num_layers=layers, scan_layers=scan)
-        t = trainer(config)
+        t = trainer(config, model)
         state = t.sharded_abstract_state()
         ids = jax.ShapeDtypeStruct((BATCH, LENGTH), np.int32, sharding=t.batch_sharding)
-        batch = {k: ids for k in packed_batch()}
+        batch = {k: ids for k in packed_batch(features=model.features)}
         return len(t._train_step.lower(state, batch).as_text())
 
     assert hlo_size(12, True) < 1.1 * hlo_size(2, True)
     assert hlo_size(12, False) > 3 * hlo_size(2, False)
+    assert hlo_size(12, True, EncoderDecoder) < 1.1 * hlo_size(2, True, EncoderDecoder)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -169,5 +202,5 @@ def test_bad_lever_settings_are_refused():
         TransformerConfig(remat_policy="some")
     with pytest.raises(ValueError, match="activation_dtype must be"):
         TransformerConfig(activation_dtype="float16")
-    with pytest.raises(ValueError, match="scan_layers is for the decoder-only LM"):
-        trainer(dataclasses.replace(CONFIG, scan_layers=True), EncoderDecoder)
+    with pytest.raises(ValueError, match="attention must be"):
+        TransformerConfig(attention="flash")

@@ -44,7 +44,7 @@ class TransformerConfig:
     max_length: int = 512
     activation_dtype: str = "float32"  # 'bfloat16': activations and matmuls (params stay f32)
     remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
-    scan_layers: bool = False  # one scanned layer (decoder-only LM): compile time flat in depth
+    scan_layers: bool = False  # each layer stack one scanned Block: compile time flat in depth
     attention: str = "auto"  # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'auto'
 
     @property
@@ -105,8 +105,9 @@ class ScannedBlock(Block):
     """A Block as the body of `nn.scan`: (carry, per-layer output)."""
 
     @nn.compact
-    def __call__(self, x, mask, deterministic: bool):
-        return super().__call__(x, mask, deterministic), None
+    def __call__(self, x, mask, deterministic: bool, memory=None, memory_mask=None,
+                 decode_index=None):
+        return super().__call__(x, mask, deterministic, memory, memory_mask, decode_index), None
 
 
 def block_class(c: TransformerConfig, scanned: bool = False):
@@ -118,19 +119,38 @@ def block_class(c: TransformerConfig, scanned: bool = False):
     return nn.remat(cls, policy=REMAT_POLICIES[c.remat_policy], static_argnums=(3,))
 
 
-def layer_stack(c: TransformerConfig, x, mask, deterministic: bool):
-    """The decoder-only LM's layers: `num_layers` Blocks, or one Block scanned over a
-    stacked ``layers`` parameter dimension."""
-    if not c.scan_layers:
-        for i in range(c.num_layers):
-            x = block_class(c)(c, name=f"layer_{i}")(x, mask, deterministic)
-        return x
-    scanned = nn.scan(
-        block_class(c, scanned=True), variable_axes={"params": 0},
-        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast, nn.broadcast),
-        length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-    x, _ = scanned(c, name="layers")(x, mask, deterministic)
+def scanned_blocks(c: TransformerConfig, num_layers: int, cross_attention: bool = False,
+                   **kwargs):
+    """One (remat) Block scanned `num_layers` times; run it with `run_layers`.
+
+    Its parameters are stacked on a leading ``layers`` dimension (a logical axis that the
+    layout leaves whole). Its decoding cache is stacked on axis 1, after the rows: beam search
+    reorders every cache leaf along axis 0. Every argument after `x` (masks, `deterministic`,
+    memory, `decode_index`) is the same for all layers.
+    """
+    scan = nn.scan(block_class(c, scanned=True), variable_axes={"params": 0, "cache": 1},
+                   split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
+                   length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    return scan(c, cross_attention, **kwargs)
+
+
+def run_layers(stack, x, *args):
+    """x through a sequence of Blocks, or through `scanned_blocks`."""
+    if isinstance(stack, nn.Module):
+        return stack(x, *args)[0]
+    for layer in stack:
+        x = layer(x, *args)
     return x
+
+
+def layer_stack(c: TransformerConfig, x, mask, deterministic: bool):
+    """The decoder-only LM's layers: `num_layers` Blocks ``layer_{i}``, or with `scan_layers`
+    one Block ``layers`` scanned over a stacked ``layers`` parameter dimension."""
+    if c.scan_layers:
+        stack = scanned_blocks(c, c.num_layers, name="layers")
+    else:
+        stack = [block_class(c)(c, name=f"layer_{i}") for i in range(c.num_layers)]
+    return run_layers(stack, x, mask, deterministic)
 
 
 def _softmax_table(module: nn.Module, c: TransformerConfig):
@@ -211,6 +231,15 @@ class EncoderDecoder(nn.Module):
       `return_hidden` the final hidden states and the output kernel (see `_logits`).
     - `encode(...)` then `decode_step(encoded, inputs_segment_ids, ids)` one token at a time
       with a key/value cache (the "cache" collection; see `decoding.py`).
+
+    Parameters: ``embed``, the two position tables, ``encoder_norm``, ``decoder_norm`` (and
+    ``softmax``), and the layers ``encoder_0``, ``encoder_1``, ... and ``decoder_0``, ... (each
+    a Block's ``attention_norm``, ``self_attention``, ..., ``mlp``). With `scan_layers` the
+    encoder and the decoder are each one scanned Block, ``encoder`` and ``decoder``, with the
+    same names inside and a leading ``layers`` dimension on every parameter
+    (``params["decoder"]["self_attention"]["q"]`` is [layers, d_model, heads, d_kv]); the
+    decoder's cache is then ``cache["decoder"]["self_attention"]["cached_key"]`` [batch,
+    layers, max_length, heads, d_kv].
     """
 
     config: TransformerConfig
@@ -224,12 +253,14 @@ class EncoderDecoder(nn.Module):
                                               layers.normal(1.0), (c.max_length, c.d_model), names)
         self.decoder_positions = layers.param(self, "decoder_position_embedding",
                                               layers.normal(1.0), (c.max_length, c.d_model), names)
+        encoder_layers = c.num_encoder_layers or c.num_layers
         if c.scan_layers:
-            raise ValueError("transformer.scan_layers is for the decoder-only LM; the "
-                             "encoder-decoder unrolls its layers (remat_policy still applies)")
-        self.encoder = [block_class(c)(c) for _ in range(c.num_encoder_layers or c.num_layers)]
+            self.encoder = scanned_blocks(c, encoder_layers)
+            self.decoder = scanned_blocks(c, c.num_layers, cross_attention=True)
+        else:
+            self.encoder = [block_class(c)(c) for _ in range(encoder_layers)]
+            self.decoder = [block_class(c)(c, cross_attention=True) for _ in range(c.num_layers)]
         self.encoder_norm = layers.RMSNorm(dtype=c.dtype)
-        self.decoder = [block_class(c)(c, cross_attention=True) for _ in range(c.num_layers)]
         self.decoder_norm = layers.RMSNorm(dtype=c.dtype)
         self.dropout = nn.Dropout(c.dropout_rate)
         self.softmax = _softmax_table(self, c)
@@ -244,15 +275,13 @@ class EncoderDecoder(nn.Module):
         """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
         x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
         mask = layers.segment_mask(inputs_segment_ids, inputs_segment_ids)
-        for layer in self.encoder:
-            x = layer(x, mask, deterministic)
+        x = run_layers(self.encoder, x, mask, deterministic)
         x = self.dropout(self.encoder_norm(x), deterministic=deterministic)
         return constrain(x, ("batch", "memory_length", "d_model"))
 
     def _decoder_stack(self, x, mask, encoded, memory_mask, deterministic, decode_index=None,
                        return_hidden=False):
-        for layer in self.decoder:
-            x = layer(x, mask, deterministic, encoded, memory_mask, decode_index)
+        x = run_layers(self.decoder, x, mask, deterministic, encoded, memory_mask, decode_index)
         x = self.dropout(self.decoder_norm(x), deterministic=deterministic)
         return _logits(self.config, self.embed, self.softmax, x, return_hidden)
 
