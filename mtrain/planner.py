@@ -151,9 +151,21 @@ def collectives(hlo_text: str, num_devices: int,
                 parameter_shapes: set[tuple[int, ...]] = frozenset()) -> dict[str, CollectiveStats]:
     """Every collective of a compiled (SPMD-partitioned) HLO module, by kind: how many, and
     the bytes each device sends. A buffer whose shape is that of a parameter (or its shard)
-    is counted as parameter-shaped: a gradient or a gathered weight, not an activation."""
-    stats = {kind: CollectiveStats() for kind in COLLECTIVES}
+    is counted as parameter-shaped: a gradient or a gathered weight, not an activation.
+    A conditional runs one of its branches, so only its costliest branch counts (SGP's step
+    compiles a collective-permute for each hop of its cycle, and one runs per step)."""
+    by_computation: dict[str, dict[str, CollectiveStats]] = {}
+    branch_groups, current = [], None
     for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line[:1].isspace():  # a computation begins
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            continue
+        groups = re.search(r"branch_computations=\{([^}]*)\}", line)
+        if groups:
+            branch_groups.append([b.strip().lstrip("%") for b in groups.group(1).split(",")])
+        pair = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line)
+        if pair:
+            branch_groups.append(list(pair.groups()))
         m = _OP.match(line)
         if not m:
             continue
@@ -164,6 +176,7 @@ def collectives(hlo_text: str, num_devices: int,
         factor = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
                   "all-to-all": (g - 1) / g, "reduce-scatter": g - 1,
                   "collective-permute": 1.0}[kind]
+        stats = by_computation.setdefault(current, {k: CollectiveStats() for k in COLLECTIVES})
         s = stats[kind]
         s.count += 1
         for itemsize, dims in _shapes(result):
@@ -171,7 +184,17 @@ def collectives(hlo_text: str, num_devices: int,
             s.bytes_sent += sent
             if dims and dims in parameter_shapes:
                 s.parameter_shaped_bytes += sent
-    return stats
+    empty = {k: CollectiveStats() for k in COLLECTIVES}
+    branches = {b for group in branch_groups for b in group}
+    counted = [stats for name, stats in by_computation.items() if name not in branches]
+    for group in branch_groups:
+        counted.append(max((by_computation.get(b, empty) for b in group),
+                           key=lambda stats: sum(s.bytes_sent for s in stats.values())))
+    return {k: CollectiveStats(
+        count=sum(c[k].count for c in counted),
+        bytes_sent=sum(c[k].bytes_sent for c in counted),
+        parameter_shaped_bytes=sum(c[k].parameter_shaped_bytes for c in counted))
+        for k in COLLECTIVES}
 
 
 def _layer_parameters(c: TransformerConfig, kind: str) -> int:

@@ -34,19 +34,25 @@ def mix(ctx, x, w, phase, delivered=True):
     """One PushSum round: (x, w) after keeping half and receiving the half pushed by replica
     id - 2^phase. `phase` may be traced (0 .. num_phases - 1); every hop is compiled, one
     runs. Where `delivered` is False, this replica's message is lost and it keeps its mass."""
-    n = ctx.num_replicas
-    if n == 1:
-        return x, w
+    kept, received = push(ctx, (x, w), phase, delivered)
+    return jax.tree_util.tree_map(jnp.add, kept, received)
 
-    def at_hop(shift, x, w):
+
+def push(ctx, mass, phase, delivered=True):
+    """The two halves of a PushSum round of `mass` (a pytree, e.g. (x, w)): (what this
+    replica keeps, what it receives from replica id - 2^phase). Adding them is `mix`;
+    overlap SGP adds the received half some steps later."""
+    if ctx.num_replicas == 1:
+        return mass, jax.tree_util.tree_map(jnp.zeros_like, mass)
+
+    def at_hop(shift, mass):
         send = jnp.where(delivered, 0.5, 0.0)
-        pushed = jax.tree_util.tree_map(lambda v: v * send.astype(v.dtype), (x, w))
-        kept = jax.tree_util.tree_map(jnp.subtract, (x, w), pushed)
-        received = ctx.send_to(pushed, shift)
-        return jax.tree_util.tree_map(jnp.add, kept, received)
+        pushed = jax.tree_util.tree_map(lambda v: v * send.astype(v.dtype), mass)
+        kept = jax.tree_util.tree_map(jnp.subtract, mass, pushed)
+        return kept, ctx.send_to(pushed, shift)
 
-    hops = [functools.partial(at_hop, 2**k) for k in range(num_phases(n))]
-    return jax.lax.switch(phase % len(hops), hops, x, w)
+    hops = [functools.partial(at_hop, 2**k) for k in range(num_phases(ctx.num_replicas))]
+    return jax.lax.switch(phase % len(hops), hops, mass)
 
 
 def debias(x, w):

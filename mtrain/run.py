@@ -33,6 +33,7 @@ from mtrain.errors import ConfigError, TrainingDiverged
 from mtrain.layout import Layout
 from mtrain.metrics import MetricsWriter, log
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+from mtrain.sgp import SGPTrainer
 from mtrain.trainer import LossConfig, Trainer
 from mtrain.translation import DecodingConfig, Translator
 from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
@@ -118,6 +119,7 @@ class Experiment:
     translator: Translator | None = None  # translation tasks: decodes for BLEU and infer
     flops_per_step: float = 0.0  # model FLOPs of one train step (planner.analytic_flops)
     profile_steps: tuple[int, int] | None = None
+    sgp: SGPTrainer | None = None  # run.data_parallel='sgp': steps the trainer's model by SGP
 
     def train_batches(self):
         return self._batches("train", train=True)
@@ -171,6 +173,9 @@ def build(
     activation_dtype: str | None = None,
     num_microbatches: int = 1,
     profile_steps: tuple[int, int] | None = None,
+    data_parallel: str = "allreduce",
+    sgp_overlap: int = 0,
+    sgp_average_every: int = 0,
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
 
@@ -197,6 +202,13 @@ def build(
     slices of the batch (same update, less activation memory); with `profile_steps` (first,
     last) a jax.profiler trace of those steps goes to <model_dir>/profile. See also
     transformer.remat_policy and transformer.scan_layers.
+
+    Data parallelism: `data_parallel` 'allreduce' (default) averages the gradients over the
+    mesh's batch dimension every step; 'sgp' is Stochastic Gradient Push (`mtrain.sgp`): every
+    replica along it keeps its own parameters and mixes them with one peer per step
+    (`sgp_overlap` = tau: messages added tau steps late; `sgp_average_every` = H: an exact
+    average every H steps). Evaluation and checkpoints use the replicas' average, so
+    checkpoints of either kind restore into the other.
     """
     for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
                         ("train_steps", train_steps), ("log_every", log_every),
@@ -209,6 +221,9 @@ def build(
             len(profile_steps) == 2 and 0 < profile_steps[0] <= profile_steps[1]):
         raise ConfigError(f"run.profile_steps must be (first, last) steps with 0 < first <= "
                           f"last, got {profile_steps!r}")
+    if data_parallel not in ("allreduce", "sgp"):
+        raise ConfigError(f"run.data_parallel must be 'allreduce' or 'sgp', got "
+                          f"{data_parallel!r}")
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
@@ -249,9 +264,6 @@ def build(
             model_config = dataclasses.replace(model_config, activation_dtype=activation_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if model_config.scan_layers and task_obj.kind == "translation":
-        raise ConfigError("transformer.scan_layers is for the decoder-only LM (language "
-                          "modelling tasks); the encoder-decoder unrolls its layers")
     if model_config.max_length < sequence_length:
         raise ConfigError(
             f"run.sequence_length={sequence_length} is longer than "
@@ -264,6 +276,15 @@ def build(
     model = EncoderDecoder(model_config) if translation else DecoderLM(model_config)
     trainer = Trainer(model, opt, layout, mesh, batch_size, sequence_length, seed=seed,
                       loss_config=LossConfig(), num_microbatches=num_microbatches)
+    sgp = None
+    if data_parallel == "sgp":
+        try:
+            sgp = SGPTrainer(trainer, overlap=sgp_overlap, average_every=sgp_average_every)
+        except ValueError as e:
+            raise ConfigError(f"run.data_parallel='sgp': {e}") from None
+    elif sgp_overlap or sgp_average_every:
+        raise ConfigError("run.sgp_overlap and run.sgp_average_every need "
+                          "run.data_parallel='sgp'")
     exp = Experiment(
         model_dir=model_dir, task=task_obj, source=source, vocab=vocab, model_config=model_config,
         layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
@@ -277,6 +298,7 @@ def build(
         flops_per_step=planner.analytic_flops(model_config, task_obj.kind, batch_size,
                                               sequence_length),
         profile_steps=tuple(profile_steps) if profile_steps else None,
+        sgp=sgp,
     )
     log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
              layout, jax.device_count())
@@ -329,7 +351,9 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
                                  for c in results]}
         text = planner.format_auto_layout(results, devices, target, top)
     else:
-        result = planner.plan(exp.trainer, exp.model_config, kind, target_spec, analytic)
+        compiled = exp.sgp.compile_train_step() if exp.sgp else None
+        result = planner.plan(exp.trainer, exp.model_config, kind, target_spec, analytic,
+                              compiled=compiled)
         report = {"model": describe, **result.to_dict()}
         text = planner.format_plan(result, describe)
     out = out or sys.stdout
@@ -422,6 +446,15 @@ def train(exp: Experiment) -> dict:
 def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints,
                 writer: MetricsWriter) -> dict:
     trainer, pending, results = exp.trainer, [], {}
+    # With SGP the loop steps replicas of the state; evaluation and checkpoints get their
+    # average, a Trainer state.
+    stepper, as_trainer_state = exp.trainer, lambda state: state  # noqa: E731
+    if exp.sgp:
+        stepper, as_trainer_state = exp.sgp, exp.sgp.train_state
+        state = exp.sgp.init_state(state)
+        log.info("SGP over %d replicas (overlap %d, exact average every %s steps): each sends "
+                 "%.3g MB per step", exp.sgp.num_replicas, exp.sgp.overlap,
+                 exp.sgp.average_every or "no", exp.sgp.bytes_sent_per_step() / 1e6)
     peak, source = planner.device_peak_flops()
     log.info("model FLOPs per step %.3g; MFU against %.3g FLOP/s per device (%s)",
              exp.flops_per_step, peak, source)
@@ -430,7 +463,7 @@ def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkp
         for step in range(start + 1, exp.train_steps + 1):
             if exp.profile_steps and step == exp.profile_steps[0]:
                 jax.profiler.start_trace(os.path.join(exp.model_dir, "profile"))
-            state, metrics = trainer.train_step(state, trainer.place_batch(next(batches)))
+            state, metrics = stepper.train_step(state, trainer.place_batch(next(batches)))
             if exp.profile_steps and step == exp.profile_steps[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
@@ -445,29 +478,36 @@ def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkp
             pending.append(metrics)
             if step % exp.log_every == 0 or step == exp.train_steps:
                 _log_train(exp, step, jax.device_get(pending), time.time() - tick, guard, writer,
-                           peak)
+                           peak, state)
                 pending, tick = [], time.time()
             if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
-                results = evaluate(exp, state.params, step, writer)
+                results = evaluate(exp, _params(exp, state), step, writer)
                 tick = time.time()
             preempted = preemption.reached(step)
             if step % exp.checkpoint_every == 0 or step == exp.train_steps or preempted:
                 guard.check(until=step)  # never save a state that is about to be rejected
-                checkpoints.save(step, state, batches, exp.checkpoint_meta())
+                checkpoints.save(step, as_trainer_state(state), batches, exp.checkpoint_meta())
             if preempted:
                 log.warning("SIGTERM: stopped after step %d and saved its checkpoint; run the "
                             "same command to resume", step)
                 return results
     if start < exp.train_steps or not results:
-        results = evaluate(exp, state.params, exp.train_steps, writer)
+        results = evaluate(exp, _params(exp, state), exp.train_steps, writer)
     return results
 
 
+def _params(exp: Experiment, state):
+    """The parameters to evaluate: with SGP the replicas' average."""
+    return exp.sgp.average(state) if exp.sgp else state.params
+
+
 def _log_train(exp: Experiment, step: int, fetched: list[dict], elapsed: float,
-               guard: "_FiniteGuard", writer: MetricsWriter, peak_flops: float = 0.0) -> None:
+               guard: "_FiniteGuard", writer: MetricsWriter, peak_flops: float = 0.0,
+               state=None) -> None:
     """One record of training metrics, averaged over the steps since the last one (the
     skipped, non-finite ones left out), with the model FLOP/s each device achieved and its
-    MFU against `peak_flops`."""
+    MFU against `peak_flops`; with SGP, also how far the replicas of `state` are from
+    consensus and what each sends per step."""
     finite = [m for m in fetched if m["finite"]] or [{k: np.nan for k in fetched[0]}]
     flops = exp.flops_per_step * len(fetched) / max(elapsed, 1e-9) / jax.device_count()
     writer.write(step, {
@@ -480,7 +520,15 @@ def _log_train(exp: Experiment, step: int, fetched: list[dict], elapsed: float,
         "train/skipped_steps": guard.skipped,
         "train/model_flops_per_second_per_device": flops,
         "train/mfu": flops / peak_flops if peak_flops else np.nan,
+        **(_sgp_metrics(exp.sgp, state) if exp.sgp else {}),
     })
+
+
+def _sgp_metrics(sgp: SGPTrainer, state) -> dict:
+    distance = jax.device_get(sgp.consensus_distance(state))
+    return {"train/consensus_distance_max": float(distance["max"]),
+            "train/consensus_distance_mean": float(distance["mean"]),
+            "train/bytes_sent_per_replica_per_step": sgp.bytes_sent_per_step()}
 
 
 class _FiniteGuard:

@@ -21,12 +21,13 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtrain import pushsum
 from mtrain.layout import Layout
 from mtrain.replica import replicate
-from mtrain.trainer import Trainer
+from mtrain.trainer import Trainer, TrainState, feature_names
 
 
 @flax.struct.dataclass
@@ -35,13 +36,28 @@ class SGPState:
     params: Any  # every leaf stacked: [replicas, *shape]
     opt_state: Any
     weight: jax.Array  # [replicas]
+    # Overlap SGP: the (params, weight) messages received but not yet added, oldest first:
+    # [replicas, overlap, ...]; () without overlap.
+    inflight: Any = ()
 
 
 class SGPTrainer:
-    """Stochastic Gradient Push around a `Trainer` (its model, optimizer, layout, batch)."""
+    """Stochastic Gradient Push around a `Trainer` (its model, optimizer, layout, batch,
+    microbatches).
 
-    def __init__(self, trainer: Trainer):
+    `overlap` = tau > 0 is overlap SGP: a message is added tau steps after it was sent, so
+    its transfer can overlap tau steps of compute (the mass in flight is kept in the state,
+    so nothing is lost). `average_every` = H > 0 replaces the gossip of every H-th step by an
+    exact average over all replicas (an all-reduce of the parameters), which brings them
+    back to consensus.
+    """
+
+    def __init__(self, trainer: Trainer, overlap: int = 0, average_every: int = 0):
         self.trainer = t = trainer
+        if overlap < 0 or average_every < 0:
+            raise ValueError(f"SGP overlap ({overlap}) and average_every ({average_every}) "
+                             f"must be >= 0")
+        self.overlap, self.average_every = overlap, average_every
         self.axis = t.layout.mesh_dim_for("batch")
         if self.axis is None:
             raise ValueError("SGP needs the batch split over a mesh dimension (batch:batch)")
@@ -52,64 +68,122 @@ class SGPTrainer:
         self.inner = Layout(t.layout.mesh_shape,
                             [r for r in t.layout.layout_rules if r[0] != "batch"])
 
-        def stacked(sharding):
-            return NamedSharding(t.mesh, PartitionSpec(self.axis, *sharding.spec))
+        def stacked(sharding, extra=()):
+            return NamedSharding(t.mesh, PartitionSpec(self.axis, *extra, *sharding.spec))
 
+        params = jax.tree_util.tree_map(stacked, t.state_shardings.params)
+        weight = NamedSharding(t.mesh, PartitionSpec(self.axis))
+        inflight = () if not overlap else (
+            jax.tree_util.tree_map(lambda s: stacked(s, (None,)), t.state_shardings.params),
+            NamedSharding(t.mesh, PartitionSpec(self.axis, None)))
         self.state_shardings = SGPState(
-            step=t.state_shardings.step,
-            params=jax.tree_util.tree_map(stacked, t.state_shardings.params),
+            step=t.state_shardings.step, params=params,
             opt_state=jax.tree_util.tree_map(stacked, t.state_shardings.opt_state),
-            weight=NamedSharding(t.mesh, PartitionSpec(self.axis)))
+            weight=weight, inflight=inflight)
         self._step = jax.jit(
             replicate(self._replica_step, t.mesh, self.axis, jit=False,
-                      split_inputs=(False, True, True, True, True),
-                      split_outputs=(False, True, True, True, False)),
-            donate_argnums=(1, 2, 3))
+                      split_inputs=(False, True, True, True, True, True),
+                      split_outputs=(False, True, True, True, True, False)),
+            donate_argnums=(1, 2, 3, 4))
 
-    def init_state(self, state=None) -> SGPState:
-        """Every replica starts from `state` (default: the trainer's fresh state), w = 1."""
+    def init_state(self, state: TrainState | None = None) -> SGPState:
+        """Every replica starts from `state` (a `Trainer` state, e.g. a restored checkpoint;
+        default: the trainer's fresh state) with weight 1 and nothing in flight."""
         state = state or self.trainer.init_state()
-        n = self.num_replicas
+        n, tau = self.num_replicas, self.overlap
 
         def copies(x, sharding):
             return jax.device_put(jnp.broadcast_to(x, (n, *x.shape)), sharding)
 
+        inflight = () if not tau else (
+            jax.tree_util.tree_map(lambda x, s: jax.device_put(
+                jnp.zeros((n, tau, *x.shape), x.dtype), s), state.params,
+                self.state_shardings.inflight[0]),
+            jax.device_put(jnp.zeros((n, tau)), self.state_shardings.inflight[1]))
         return SGPState(
             step=jnp.array(state.step),  # its own buffer: the trainer's step donates state
             params=jax.tree_util.tree_map(copies, state.params, self.state_shardings.params),
             opt_state=jax.tree_util.tree_map(copies, state.opt_state,
                                              self.state_shardings.opt_state),
-            weight=jax.device_put(jnp.ones(n), self.state_shardings.weight))
+            weight=jax.device_put(jnp.ones(n), self.state_shardings.weight), inflight=inflight)
 
-    def _replica_step(self, ctx, step, params, opt_state, weight, batch):
+    def _replica_step(self, ctx, step, params, opt_state, weight, inflight, batch):
         t = self.trainer
-        x = jax.tree_util.tree_map(lambda v: v[0], params)
-        opt = jax.tree_util.tree_map(lambda v: v[0], opt_state)
-        w = weight[0]
+        first = lambda tree: jax.tree_util.tree_map(lambda v: v[0], tree)  # noqa: E731
+        x, opt, w, inflight = first(params), first(opt_state), weight[0], first(inflight)
         z = pushsum.debias(x, w)
         with self.inner.activate(t.mesh):
-            rngs = {"dropout": jax.random.fold_in(jax.random.fold_in(t.dropout_key, step),
-                                                  ctx.replica_id)}
-
-            def loss_fn(z):
-                loss, _, tokens = t._loss_sums(z, batch, rngs)
-                return loss / jnp.maximum(tokens, 1.0)
-
-            loss, grads = jax.value_and_grad(loss_fn)(z)
+            key = jax.random.fold_in(jax.random.fold_in(t.dropout_key, step), ctx.replica_id)
+            grads, loss, xent, tokens = t._mean_gradients(z, batch, key)
             updates, opt = t.optimizer.update(grads, opt, z)
             # The update moves x; the de-biased value moves by it divided by w.
             x = jax.tree_util.tree_map(lambda v, u: v + u * w, x, updates)
-        x, w = pushsum.mix(ctx, x, w, step % pushsum.num_phases(ctx.num_replicas))
+        gossip = functools.partial(self._gossip, ctx, step)
+        if self.average_every:
+            x, w, inflight = jax.lax.cond((step + 1) % self.average_every == 0,
+                                          functools.partial(self._exact_average, ctx), gossip,
+                                          x, w, inflight)
+        else:
+            x, w, inflight = gossip(x, w, inflight)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # Only scalars are reduced: a metric must not cost the all-reduce SGP avoids.
-        metrics = {"loss": ctx.all_mean(loss)}
-        expand = lambda v: v[None]  # noqa: E731
-        return (step + 1, jax.tree_util.tree_map(expand, x), jax.tree_util.tree_map(expand, opt),
-                w[None], metrics)
+        metrics = {"loss": ctx.all_mean(loss), "cross_entropy": ctx.all_mean(xent),
+                   "num_tokens": ctx.all_sum(tokens), "grad_norm": ctx.all_mean(grad_norm),
+                   "finite": (ctx.all_sum(1.0 - finite.astype(jnp.float32)) == 0).astype(
+                       jnp.float32)}
+        expand = lambda tree: jax.tree_util.tree_map(lambda v: v[None], tree)  # noqa: E731
+        return step + 1, expand(x), expand(opt), w[None], expand(inflight), metrics
+
+    def _gossip(self, ctx, step, x, w, inflight):
+        """One PushSum round with this step's peer; with overlap the received half waits in
+        `inflight` and the one received `overlap` steps ago is added instead."""
+        kept, received = pushsum.push(ctx, (x, w), step % pushsum.num_phases(ctx.num_replicas))
+        if not self.overlap:
+            return (*jax.tree_util.tree_map(jnp.add, kept, received), inflight)
+        oldest = jax.tree_util.tree_map(lambda v: v[0], inflight)
+        x, w = jax.tree_util.tree_map(jnp.add, kept, oldest)
+        inflight = jax.tree_util.tree_map(lambda q, r: jnp.concatenate([q[1:], r[None]]),
+                                          inflight, received)
+        return x, w, inflight
+
+    def _exact_average(self, ctx, x, w, inflight):
+        """All replicas to the exact average of all the mass, in flight included: (sum of x)
+        / (sum of w) everywhere, w = 1, nothing in flight."""
+        if self.overlap:
+            x, w = jax.tree_util.tree_map(lambda v, q: v + q.sum(0), (x, w), inflight)
+        total_x, total_w = ctx.all_sum((x, w))
+        x = jax.tree_util.tree_map(lambda v: v / total_w.astype(v.dtype), total_x)
+        return x, jnp.ones_like(w), jax.tree_util.tree_map(jnp.zeros_like, inflight)
 
     def train_step(self, state: SGPState, batch) -> tuple[SGPState, dict]:
-        step, params, opt_state, weight, metrics = self._step(
-            state.step, state.params, state.opt_state, state.weight, batch)
-        return SGPState(step, params, opt_state, weight), metrics
+        """One SGP step; metrics as `Trainer.train_step`'s (loss, cross-entropy, gradient
+        norm: means over replicas; tokens: the sum; finite: on every replica)."""
+        step, params, opt_state, weight, inflight, metrics = self._step(
+            state.step, state.params, state.opt_state, state.weight, state.inflight, batch)
+        return SGPState(step, params, opt_state, weight, inflight), metrics
+
+    def compile_train_step(self):
+        """The SGP step compiled ahead of time from abstract shapes (for the planner)."""
+        t, n, tau, shardings = self.trainer, self.num_replicas, self.overlap, self.state_shardings
+        abstract = t.abstract_state
+
+        def spec(lead, x, sharding):
+            return jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=sharding)
+
+        def stacked(lead, tree, tree_shardings):
+            return jax.tree_util.tree_map(functools.partial(spec, lead), tree, tree_shardings)
+
+        weight = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        ids = jax.ShapeDtypeStruct(t.batch_shape, jnp.int32, sharding=t.batch_sharding)
+        return self._step.lower(
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step),
+            stacked((n,), abstract.params, shardings.params),
+            stacked((n,), abstract.opt_state, shardings.opt_state),
+            weight((n,), sharding=shardings.weight),
+            () if not tau else (stacked((n, tau), abstract.params, shardings.inflight[0]),
+                                weight((n, tau), sharding=shardings.inflight[1])),
+            {name: ids for name in feature_names(t.model)}).compile()
 
     def consensus_distance(self, state: SGPState) -> dict:
         """How far the replicas are from agreeing: the max and mean over replicas of
@@ -131,8 +205,21 @@ class SGPTrainer:
                                       _debias_stacked(state.params, state.weight),
                                       self.trainer.state_shardings.params)
 
+    def train_state(self, state: SGPState) -> TrainState:
+        """A `Trainer` state: the average parameters, the replicas' mean optimizer statistics
+        (integer leaves, i.e. counts, from replica 0). What checkpoints hold, so that an SGP
+        checkpoint restores into an all-reduce run and the other way round."""
+        def mean(x, sharding):
+            x = x.mean(0).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x[0]
+            return jax.device_put(x, sharding)
+
+        return TrainState(step=jnp.array(state.step), params=self.average(state),
+                          opt_state=jax.tree_util.tree_map(
+                              mean, state.opt_state, self.trainer.state_shardings.opt_state))
+
     def bytes_sent_per_step(self) -> int:
-        """What each replica sends per step: one copy of its parameters and its weight."""
+        """What each replica sends per gossip step: one copy of its parameters and its
+        weight (an exact-averaging step all-reduces the parameters instead)."""
         leaves = jax.tree_util.tree_leaves(self.trainer.abstract_state.params)
         return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) + 4
 

@@ -137,3 +137,33 @@ def test_speed_settings_profile_and_mfu_from_gin(data_dir, tmp_path):
     assert cli(tmp_path / "bad", "run.num_microbatches=3") == 2
     assert cli(tmp_path / "bad", "transformer.remat_policy='most'") == 2
     gin.clear_config()  # TransformerConfig is gin-configurable: leave no bad binding behind
+
+
+def test_sgp_from_gin_with_checkpoints_either_way(data_dir, tmp_path):
+    """run.data_parallel='sgp' trains on the mesh's 4 batch replicas, logs consensus and bytes,
+    and its checkpoints (of the average) continue an all-reduce run and the other way round."""
+    sgp = ("run.data_parallel='sgp'", "run.sgp_overlap=1", "run.sgp_average_every=4")
+    model_dir = tmp_path / "run"
+    assert cli(model_dir, *sgp, "run.train_steps=6", "run.log_every=3",
+               "run.checkpoint_every=3") == 0
+    logged = [r for r in records(model_dir) if "train/loss" in r]
+    assert [r["step"] for r in logged] == [3, 6]
+    assert all(r["train/consensus_distance_max"] >= r["train/consensus_distance_mean"] > 0
+               for r in logged)
+    assert logged[0]["train/bytes_sent_per_replica_per_step"] > 4 * 20_000  # the parameters
+    first_eval = [r for r in records(model_dir) if "eval/loss" in r][-1]
+    # The all-reduce run resumes from SGP's step 6 and trains on.
+    assert cli(model_dir, "run.train_steps=9", "run.log_every=3") == 0
+    after = [r for r in records(model_dir) if "eval/loss" in r][-1]
+    assert after["step"] == 9 and after["eval/loss"] < first_eval["eval/loss"]
+    assert "train/consensus_distance_max" not in records(model_dir)[-2]
+    # ... and SGP resumes from the all-reduce run's step 9.
+    assert cli(model_dir, *sgp, "run.train_steps=12", "run.log_every=3") == 0
+    assert [r["step"] for r in records(model_dir) if "train/loss" in r][-1] == 12
+    # SGP needs the batch split over the mesh, in a power of two.
+    assert cli(tmp_path / "bad", "run.data_parallel='sgp'", "run.mesh_shape='model:8'",
+               "run.layout_rules='heads:model'") == 2
+    assert cli(tmp_path / "bad", "run.data_parallel='gossip'") == 2
+    assert cli(tmp_path / "bad", "run.sgp_overlap=1") == 2
+    assert not (tmp_path / "bad").exists()
+    gin.clear_config()

@@ -78,19 +78,76 @@ def test_sgp_starts_in_consensus_and_averages_to_the_trainer_layout():
 
 
 def test_the_sgp_step_all_reduces_no_parameters():
-    # Its collectives: a collective-permute per hop (one runs per step) of the parameters,
-    # and all-reduces of scalars only, where data parallelism all-reduces every gradient.
+    # Its collectives: a collective-permute per hop (the planner counts the one that runs per
+    # step) of the parameters, and all-reduces of scalars only, where data parallelism
+    # all-reduces every gradient.
     from mtrain import planner
-    from mtrain.trainer import feature_names
 
     t = trainer("batch:8")
+    params = SGPTrainer(t).bytes_sent_per_step() - 4
+    for sgp in (SGPTrainer(t), SGPTrainer(t, overlap=1)):
+        stats = planner.collectives(sgp.compile_train_step().as_text(), 8)
+        assert stats["all-reduce"].bytes_sent < 100
+        assert stats["collective-permute"].bytes_sent == pytest.approx(params + 4, rel=0.01)
+    all_reduce = planner.collectives(planner.compile_train_step(t).as_text(), 8)
+    assert all_reduce["all-reduce"].bytes_sent == pytest.approx(2 * 7 / 8 * params, rel=0.01)
+    # Exact averaging every H steps: then (in a conditional) an all-reduce of the parameters.
+    averaging = planner.collectives(SGPTrainer(t, average_every=4).compile_train_step()
+                                    .as_text(), 8)
+    assert averaging["all-reduce"].bytes_sent == pytest.approx(2 * 7 / 8 * params, rel=0.01)
+
+
+def train_sgp(sgp, steps, state=None):
+    t = sgp.trainer
+    sgp_state = sgp.init_state(state)
+    for i in range(steps):
+        sgp_state, metrics = sgp.train_step(sgp_state, t.place_batch(batch(i)))
+        jax.block_until_ready(metrics)
+    return sgp_state, metrics
+
+
+def test_overlap_sgp_converges():
+    t = trainer("batch:8")
+    start = heldout_loss(t, t.init_state().params)
+    state, metrics = train_sgp(SGPTrainer(t), 40)
+    plain = heldout_loss(t, SGPTrainer(t).average(state))
+    sgp = SGPTrainer(t, overlap=1)
+    state, metrics = train_sgp(sgp, 40)
+    overlap = heldout_loss(t, sgp.average(state))
+    assert overlap < 0.7 * start
+    assert overlap == pytest.approx(plain, rel=0.1), (overlap, plain)
+    # One message per replica is in flight; the mass (params and weight) is all accounted.
+    assert state.inflight[1].shape == (8, 1)
+    total = np.asarray(state.weight).sum() + np.asarray(state.inflight[1]).sum()
+    assert total == pytest.approx(8.0, rel=1e-6)
+    assert set(metrics) == {"loss", "cross_entropy", "num_tokens", "grad_norm", "finite"}
+    assert float(metrics["finite"]) == 1.0 and float(metrics["num_tokens"]) == 16 * 32
+
+
+def test_exact_averaging_every_h_steps_restores_consensus():
+    t = trainer("batch:8")
+    sgp = SGPTrainer(t, average_every=5, overlap=1)
+    state, _ = train_sgp(sgp, 5)  # step 5 averaged exactly
+    assert float(sgp.consensus_distance(state)["max"]) < 1e-5
+    np.testing.assert_allclose(np.asarray(state.weight), 1.0)
+    assert float(np.abs(np.asarray(state.inflight[1])).max()) == 0.0
+    state, _ = train_sgp(sgp, 3, sgp.train_state(state))
+    assert float(sgp.consensus_distance(state)["max"]) > 1e-5  # gossip only since
+
+
+def test_sgp_state_converts_to_and_from_a_trainer_state():
+    t = trainer("batch:4;model:2")
     sgp = SGPTrainer(t)
-    state = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), sgp.init_state())
-    ids = jax.ShapeDtypeStruct((16, 32), np.int32, sharding=t.batch_sharding)
-    compiled = sgp._step.lower(state.step, state.params, state.opt_state, state.weight,
-                               {k: ids for k in feature_names(t.model)}).compile()
-    stats = planner.collectives(compiled.as_text(), 8)
-    params = sgp.bytes_sent_per_step() - 4
-    assert stats["all-reduce"].bytes_sent < 100
-    assert stats["collective-permute"].bytes_sent == pytest.approx(3 * (params + 4), rel=0.01)
+    state, _ = train_sgp(sgp, 3)
+    saved = sgp.train_state(state)  # what a checkpoint holds
+    assert int(saved.step) == 3
+    for a, b in zip(jax.tree_util.tree_leaves(saved), jax.tree_util.tree_leaves(
+            t.sharded_abstract_state())):
+        assert (a.shape, a.dtype, a.sharding.spec) == (b.shape, b.dtype, b.sharding.spec)
+    average = [np.asarray(x) for x in jax.tree_util.tree_leaves(saved.params)]
+    # An all-reduce run continues from it, and SGP restarts from it in consensus.
+    t.train_step(saved, t.place_batch(batch(3)))
+    again = sgp.init_state(sgp.train_state(state))
+    assert float(sgp.consensus_distance(again)["max"]) == 0.0
+    for a, b in zip(jax.tree_util.tree_leaves(sgp.average(again)), average):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6)
