@@ -1,1 +1,1 @@
-"""Flax modules: layers, the decoder-only LM and (later) the encoder-decoder."""
+"""Flax modules: layers, the decoder-only LM and the encoder-decoder."""
