@@ -139,6 +139,10 @@ class Layout:
         """The mesh dimension that splits `tensor_dim`, or None if it is replicated."""
         return None if tensor_dim is None else self.rules.get(tensor_dim)
 
+    def ways(self, tensor_dim: str | None) -> int:
+        """Into how many parts the mesh splits `tensor_dim` (1 if it is replicated)."""
+        return self.mesh_dims.get(self.mesh_dim_for(tensor_dim), 1)
+
     def partition_spec(
         self,
         names: Sequence[str | None],

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from mtrain.layout import Layout, LayoutError
 from mtrain.models.transformer import TransformerConfig
-from mtrain.trainer import Trainer, feature_names
+from mtrain.trainer import Trainer
 
 GiB = 2**30
 GB = 1e9
@@ -272,10 +272,8 @@ class Plan:
 
 def compile_train_step(trainer: Trainer):
     """The train step compiled ahead of time from abstract state and batch."""
-    state = trainer.sharded_abstract_state()
-    ids = jax.ShapeDtypeStruct(trainer.batch_shape, jnp.int32, sharding=trainer.batch_sharding)
-    batch = {name: ids for name in feature_names(trainer.model)}
-    return trainer._train_step.lower(state, batch).compile()
+    return trainer._train_step.lower(trainer.sharded_abstract_state(),
+                                     trainer.abstract_batch()).compile()
 
 
 def _format_layout(layout: Layout) -> tuple[str, str]:

@@ -240,7 +240,7 @@ def build(
                     tensor_dim, mesh_dim, mesh_shape, mesh_dim)
     planning = mode == "plan"
     mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
-    data_ways = layout.mesh_dims.get(layout.mesh_dim_for("batch"), 1)
+    data_ways = layout.ways("batch")
     if num_microbatches > 1 and batch_size % (num_microbatches * data_ways):
         raise ConfigError(f"run.batch_size={batch_size} must split into run.num_microbatches="
                           f"{num_microbatches} microbatches of a multiple of {data_ways} rows "

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mtrain import pushsum
 from mtrain.layout import Layout
 from mtrain.replica import replicate
-from mtrain.trainer import Trainer, TrainState, feature_names
+from mtrain.trainer import Trainer, TrainState, with_shardings
 
 
 @flax.struct.dataclass
@@ -165,25 +165,11 @@ class SGPTrainer:
 
     def compile_train_step(self):
         """The SGP step compiled ahead of time from abstract shapes (for the planner)."""
-        t, n, tau, shardings = self.trainer, self.num_replicas, self.overlap, self.state_shardings
-        abstract = t.abstract_state
-
-        def spec(lead, x, sharding):
-            return jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype, sharding=sharding)
-
-        def stacked(lead, tree, tree_shardings):
-            return jax.tree_util.tree_map(functools.partial(spec, lead), tree, tree_shardings)
-
-        weight = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
-        ids = jax.ShapeDtypeStruct(t.batch_shape, jnp.int32, sharding=t.batch_sharding)
-        return self._step.lower(
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step),
-            stacked((n,), abstract.params, shardings.params),
-            stacked((n,), abstract.opt_state, shardings.opt_state),
-            weight((n,), sharding=shardings.weight),
-            () if not tau else (stacked((n, tau), abstract.params, shardings.inflight[0]),
-                                weight((n, tau), sharding=shardings.inflight[1])),
-            {name: ids for name in feature_names(t.model)}).compile()
+        t = self.trainer
+        state = with_shardings(jax.eval_shape(self.init_state, t.sharded_abstract_state()),
+                               self.state_shardings)
+        return self._step.lower(state.step, state.params, state.opt_state, state.weight,
+                                state.inflight, t.abstract_batch()).compile()
 
     def consensus_distance(self, state: SGPState) -> dict:
         """How far the replicas are from agreeing: the max and mean over replicas of

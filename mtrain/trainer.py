@@ -35,6 +35,12 @@ def feature_names(model: nn.Module) -> list[str]:
     return [f"{f}{suffix}" for f in model.features for suffix in ("", "_segment_ids", "_positions")]
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """A tree of shapes (e.g. from `jax.eval_shape`) with each leaf's sharding attached."""
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
@@ -153,7 +159,7 @@ class Trainer:
         )
         self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
         logits_per_device = math.prod(  # of one microbatch
-            -(-size // layout.mesh_dims.get(layout.mesh_dim_for(name), 1)) for name, size in
+            -(-size // layout.ways(name)) for name, size in
             [("batch", batch_size // num_microbatches), ("length", sequence_length),
              ("vocab", model.config.vocab_size)])
         self.loss_chunks = self.loss_config.num_chunks(sequence_length, logits_per_device)
@@ -293,9 +299,12 @@ class Trainer:
     def sharded_abstract_state(self) -> TrainState:
         """The state as shapes with their shardings: what checkpoints restore into and
         ahead-of-time compilation takes, with nothing allocated."""
-        return jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.abstract_state, self.state_shardings)
+        return with_shardings(self.abstract_state, self.state_shardings)
+
+    def abstract_batch(self) -> Batch:
+        """A batch as shapes with its sharding (for ahead-of-time compilation)."""
+        ids = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return {name: ids for name in feature_names(self.model)}
 
     def with_layout(self, layout: Layout) -> "Trainer":
         """The same model, optimizer, batch, seed and settings on another layout (over the
