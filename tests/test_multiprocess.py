@@ -97,7 +97,13 @@ def test_when_one_process_dies_the_other_stops_with_an_error(data_dir, tmp_path)
     procs[1].communicate()
     assert procs[0].returncode != 0
     assert time.time() - killed < 60
-    assert "another task died" in err or "stopped sending heartbeats" in err, err[-2000:]
+    # Whichever notices first stops the survivor: the coordination service ("another task
+    # died", or missed heartbeats), or gloo itself, when the dead peer's socket closes in the
+    # middle of a collective (the connection reset, or a truncated message it then reports
+    # as a size mismatch).
+    signs = ["another task died", "stopped sending heartbeats", "gloo::", "Connection reset",
+             "Connection closed"]
+    assert any(sign in err for sign in signs), err[-2000:]
 
 
 def test_partial_multiprocess_flags_are_refused(capsys):
