@@ -7,10 +7,11 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
 - per-device bytes of parameters and optimizer state (from their shardings: exact), and
   XLA's temporary memory (its buffer assignment: activations kept for the backward pass,
   gradients, scratch);
-- FLOPs per device (XLA's cost analysis) beside the analytic count (6 x matmul parameters x
-  tokens + attention);
+- FLOPs per device (XLA's cost analysis, and the matmuls of the HLO counted per loop
+  iteration, which the cost analysis is not) beside the analytic count (6 x matmul
+  parameters x tokens + attention);
 - every collective the SPMD partitioner inserted, by kind, with the bytes each device
-  sends (ring algorithms: an all-reduce of B bytes over g devices sends 2 B (g-1)/g, an
+  sends per step (a loop's collectives once per iteration) (ring algorithms: an all-reduce of B bytes over g devices sends 2 B (g-1)/g, an
   all-gather or all-to-all producing B sends B (g-1)/g, a reduce-scatter producing B sends
   B (g-1), a collective-permute sends B);
 - a roofline step time for a `Target` accelerator: compute (FLOPs / peak) and memory traffic
@@ -115,7 +116,7 @@ def _cpu_matmul_flops(device, n: int = 1536, repeats: int = 4) -> float:
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?\S+ = (.*?) (" + "|".join(COLLECTIVES) + r")\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%?\S+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r"|f8\w*)\[([\d,]*)\]")
 
 
@@ -147,54 +148,126 @@ class CollectiveStats:
     parameter_shaped_bytes: float = 0.0  # of which buffers shaped like parameters (gradients)
 
 
-def collectives(hlo_text: str, num_devices: int,
-                parameter_shapes: set[tuple[int, ...]] = frozenset()) -> dict[str, CollectiveStats]:
+@dataclasses.dataclass
+class HloCost:
+    """What one execution of an HLO computation (and all it calls) does on one device."""
+
+    collectives: dict[str, CollectiveStats] = dataclasses.field(
+        default_factory=lambda: {k: CollectiveStats() for k in COLLECTIVES})
+    matmul_flops: float = 0.0  # 2 x multiply-adds of its dots
+
+    def add(self, other: "HloCost", times: float = 1) -> None:
+        self.matmul_flops += times * other.matmul_flops
+        for kind, s in other.collectives.items():
+            mine = self.collectives[kind]
+            mine.count += int(times * s.count)
+            mine.bytes_sent += times * s.bytes_sent
+            mine.parameter_shaped_bytes += times * s.parameter_shaped_bytes
+
+    @property
+    def collective_bytes(self) -> float:
+        return sum(s.bytes_sent for s in self.collectives.values())
+
+
+def hlo_cost(hlo_text: str, num_devices: int,
+             parameter_shapes: set[tuple[int, ...]] = frozenset()) -> HloCost:
     """Every collective of a compiled (SPMD-partitioned) HLO module, by kind: how many, and
-    the bytes each device sends. A buffer whose shape is that of a parameter (or its shard)
-    is counted as parameter-shaped: a gradient or a gathered weight, not an activation.
-    A conditional runs one of its branches, so only its costliest branch counts (SGP's step
-    compiles a collective-permute for each hop of its cycle, and one runs per step)."""
-    by_computation: dict[str, dict[str, CollectiveStats]] = {}
-    branch_groups, current = [], None
+    the bytes each device sends; and the FLOPs of its matmuls. A buffer whose shape is that
+    of a parameter (or its shard) is counted as parameter-shaped: a gradient or a gathered
+    weight, not an activation.
+
+    Counted per execution, as the program runs: a while loop's body as many times as its
+    known trip count (scanned layers, microbatches; XLA's own cost analysis counts it once),
+    and of a conditional's branches only the costliest (SGP's step compiles a
+    collective-permute for each hop of its cycle, and one runs per step)."""
+    # Instructions before any computation header (a bare listing) form the entry.
+    direct: dict[str, HloCost] = {"": HloCost()}
+    calls: dict[str, list[tuple[list[str], int]]] = {"": []}  # (callees, times); the
+    shapes: dict[str, str] = {}  # costliest callee runs. Instruction -> its result type.
+    entry = current = ""
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and not line[:1].isspace():  # a computation begins
             current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            entry = current if line.startswith("ENTRY") else entry
+            direct[current], calls[current], shapes = HloCost(), [], {}
             continue
-        groups = re.search(r"branch_computations=\{([^}]*)\}", line)
-        if groups:
-            branch_groups.append([b.strip().lstrip("%") for b in groups.group(1).split(",")])
-        pair = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line)
-        if pair:
-            branch_groups.append(list(pair.groups()))
-        m = _OP.match(line)
+        m = _INSTRUCTION.match(line)
         if not m:
             continue
-        result, kind, rest = m.groups()
-        g = _group_size(rest) or num_devices
-        if g <= 1 and kind != "collective-permute":
-            continue
-        factor = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
-                  "all-to-all": (g - 1) / g, "reduce-scatter": g - 1,
-                  "collective-permute": 1.0}[kind]
-        stats = by_computation.setdefault(current, {k: CollectiveStats() for k in COLLECTIVES})
-        s = stats[kind]
-        s.count += 1
-        for itemsize, dims in _shapes(result):
-            sent = itemsize * math.prod(dims) * factor
-            s.bytes_sent += sent
-            if dims and dims in parameter_shapes:
-                s.parameter_shaped_bytes += sent
-    empty = {k: CollectiveStats() for k in COLLECTIVES}
-    branches = {b for group in branch_groups for b in group}
-    counted = [stats for name, stats in by_computation.items() if name not in branches]
-    for group in branch_groups:
-        counted.append(max((by_computation.get(b, empty) for b in group),
-                           key=lambda stats: sum(s.bytes_sent for s in stats.values())))
-    return {k: CollectiveStats(
-        count=sum(c[k].count for c in counted),
-        bytes_sent=sum(c[k].bytes_sent for c in counted),
-        parameter_shaped_bytes=sum(c[k].parameter_shaped_bytes for c in counted))
-        for k in COLLECTIVES}
+        name, result, op, rest = m.groups()
+        shapes[name.lstrip("%")] = result
+        _note_calls(op, rest, calls[current])
+        if op == "dot":
+            direct[current].matmul_flops += _dot_flops(result, rest, shapes)
+        elif op in COLLECTIVES:
+            _add_collective(direct[current].collectives[op], op, result, rest, num_devices,
+                            parameter_shapes)
+
+    @functools.lru_cache(maxsize=None)
+    def total(name: str) -> HloCost:
+        cost = HloCost()
+        cost.add(direct.get(name, HloCost()))
+        for callees, times in calls.get(name, []):
+            cost.add(max((total(c) for c in callees),
+                         key=lambda c: (c.collective_bytes, c.matmul_flops)), times)
+        return cost
+
+    return total(entry)
+
+
+def _note_calls(op: str, rest: str, calls: list) -> None:
+    """The computations an instruction runs, and how many times."""
+    if op == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        calls.append(([body], int(trips.group(1)) if trips else 1))
+        return
+    branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+    if branches:
+        calls.append(([b.strip().lstrip("%") for b in branches.group(1).split(",")], 1))
+    pair = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", rest)
+    if pair:
+        calls.append((list(pair.groups()), 1))
+    # Fusions, calls and async wrappers run their computation once; reducers (to_apply of a
+    # reduce or an all-reduce) hold no matmul or collective, so once is as good as any.
+    for callee in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest):
+        calls.append(([callee], 1))
+
+
+def _dot_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
+    """2 x output elements x contracted elements of a dot."""
+    operands = rest.split(")")[0]
+    lhs_shapes = _shapes(operands)  # printed inline, or else defined earlier
+    if not lhs_shapes:
+        lhs_shapes = _shapes(shapes.get(operands.split(",")[0].strip().lstrip("%"), ""))
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    if not lhs_shapes or not contracting:
+        return 0.0
+    dims = lhs_shapes[0][1]
+    k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d)
+    return 2.0 * sum(math.prod(d) for _, d in _shapes(result)) * k
+
+
+def _add_collective(s: CollectiveStats, kind: str, result: str, rest: str, num_devices: int,
+                    parameter_shapes) -> None:
+    g = _group_size(rest) or num_devices
+    if g <= 1 and kind != "collective-permute":
+        return
+    factor = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
+              "all-to-all": (g - 1) / g, "reduce-scatter": g - 1,
+              "collective-permute": 1.0}[kind]
+    s.count += 1
+    for itemsize, dims in _shapes(result):
+        sent = itemsize * math.prod(dims) * factor
+        s.bytes_sent += sent
+        if dims and dims in parameter_shapes:
+            s.parameter_shaped_bytes += sent
+
+
+def collectives(hlo_text: str, num_devices: int,
+                parameter_shapes: set[tuple[int, ...]] = frozenset()) -> dict[str, CollectiveStats]:
+    """The collectives of `hlo_cost`, by kind."""
+    return hlo_cost(hlo_text, num_devices, parameter_shapes).collectives
 
 
 def _layer_parameters(c: TransformerConfig, kind: str) -> int:
@@ -253,7 +326,8 @@ class Plan:
     total_bytes: int
     hbm_bytes: float
     fits: bool
-    xla_flops: float  # per device
+    xla_flops: float  # per device, XLA's cost analysis (a loop's body counted once)
+    matmul_flops: float  # per device, the dots of the HLO (a loop's body per iteration)
     analytic_flops: float  # whole step, all devices
     collectives: dict  # kind -> {count, bytes_sent, parameter_shaped_bytes}
     compute_seconds: float
@@ -294,7 +368,8 @@ def plan(trainer: Trainer, config: TransformerConfig, kind: str, target: Target,
     for leaf, s in zip(jax.tree_util.tree_leaves(abstract.params),
                        jax.tree_util.tree_leaves(shardings.params)):
         parameter_shapes |= {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape))}
-    comms = collectives(compiled.as_text(), n, parameter_shapes)
+    hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
+    comms = hlo.collectives
     batch, length = trainer.batch_shape
     param_bytes = _bytes(abstract.params, shardings.params)
     opt_bytes = _bytes(abstract.opt_state, shardings.opt_state)
@@ -303,7 +378,9 @@ def plan(trainer: Trainer, config: TransformerConfig, kind: str, target: Target,
              - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
     flops = float(cost.get("flops", 0.0))
     analytic = analytic_flops(config, kind, batch, length)
-    compute = flops / target.peak_flops
+    # XLA's cost analysis counts a loop's body once; the matmuls, counted per iteration,
+    # are the floor for a scanned or microbatched step.
+    compute = max(flops, hlo.matmul_flops) / target.peak_flops
     traffic = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                + 2 * memory.temp_size_in_bytes)
     hbm = traffic / target.hbm_bandwidth
@@ -316,7 +393,8 @@ def plan(trainer: Trainer, config: TransformerConfig, kind: str, target: Target,
         analytic_parameters=analytic_parameters, batch_size=batch, sequence_length=length,
         parameter_bytes=param_bytes, optimizer_bytes=opt_bytes, batch_bytes=batch_bytes,
         temp_bytes=memory.temp_size_in_bytes, total_bytes=total, hbm_bytes=target.hbm_bytes,
-        fits=total <= target.hbm_bytes, xla_flops=flops, analytic_flops=analytic,
+        fits=total <= target.hbm_bytes, xla_flops=flops, matmul_flops=hlo.matmul_flops,
+        analytic_flops=analytic,
         collectives={k: dataclasses.asdict(v) for k, v in comms.items()},
         compute_seconds=compute, memory_seconds=hbm, communication_seconds=comm,
         step_seconds=step, tokens_per_second=batch * length / step,
@@ -436,7 +514,8 @@ def format_plan(p: Plan, describe: str = "") -> str:
         f"  total             {_size(p.total_bytes):>12}   of {_size(p.hbm_bytes)} on {p.target}",
         "FLOPs per step:",
         f"  XLA, per device   {p.xla_flops:.3e}   (x {p.num_devices} devices = "
-        f"{p.xla_flops * p.num_devices:.3e})",
+        f"{p.xla_flops * p.num_devices:.3e}; a loop's body counted once)",
+        f"  HLO matmuls       {p.matmul_flops:.3e}   (per device, loops counted per iteration)",
         f"  analytic          {p.analytic_flops:.3e}   (6 x matmul params x tokens + attention; "
         f"{p.analytic_flops / p.num_devices:.3e} per device)",
         "collectives per step (bytes each device sends):",

@@ -59,6 +59,64 @@ def test_collectives_are_parsed_from_hlo_text():
     assert stats["collective-permute"].bytes_sent == 40 and stats["all-to-all"].count == 0
 
 
+def test_loops_count_per_iteration_and_conditionals_once():
+    hlo = "\n".join([
+        "%fused_dot (param_0: f32[16,64], param_1: f32[64,32]) -> f32[16,32] {",
+        "  %param_0 = f32[16,64]{1,0} parameter(0)",
+        "  %param_1 = f32[64,32]{1,0} parameter(1)",
+        "  ROOT %dot.1 = f32[16,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}",
+        "}",
+        "%body (p: (s32[], f32[16,32])) -> (s32[], f32[16,32]) {",
+        "  %x = f32[16,64]{1,0} parameter(0)",
+        "  %w = f32[64,32]{1,0} constant({...})",
+        "  %f = f32[16,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot",
+        "  %ar = f32[16,32]{1,0} all-reduce(%f), replica_groups=[4,2]<=[8], to_apply=%add",
+        "}",
+        "%hop_a (p: f32[10]) -> f32[10] {",
+        "  ROOT %cp = f32[10]{0} collective-permute(%p), source_target_pairs={{0,1}}",
+        "}",
+        "%hop_b (p: f32[10]) -> f32[10] {",
+        "  ROOT %cp.1 = f32[10]{0} collective-permute(%p), source_target_pairs={{0,2}}",
+        "}",
+        "ENTRY %main (a: f32[16,64]) -> f32[16,32] {",
+        "  %while.1 = (s32[], f32[16,32]{1,0}) while(%t), condition=%cond, body=%body, "
+        'backend_config={"known_trip_count":{"n":"3"}}',
+        "  %c = f32[10]{0} conditional(%i, %p, %p), branch_computations={%hop_a, %hop_b}",
+        "  ROOT %dot.2 = f32[16,16]{1,0} dot(f32[16,64]{1,0} %a, f32[64,16]{1,0} %b), "
+        "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "}",
+    ])
+    cost = planner.hlo_cost(hlo, num_devices=8)
+    ar = cost.collectives["all-reduce"]
+    # The loop's all-reduce (groups of 2: sends its bytes once) runs 3 times; one hop runs.
+    assert (ar.count, ar.bytes_sent) == (3, 3 * 16 * 32 * 4)
+    assert cost.collectives["collective-permute"].count == 1
+    # 2 x 16 x 32 x 64 per loop iteration, plus the entry's dot (operand shapes inline).
+    assert cost.matmul_flops == 3 * 2 * 16 * 32 * 64 + 2 * 16 * 16 * 64
+
+
+def test_scanned_and_microbatched_steps_are_planned_per_iteration():
+    _, plain = make_plan("batch:4;model:2")
+    _, scanned = make_plan("batch:4;model:2", config=dataclasses.replace(
+        CONFIG, scan_layers=True))
+    # XLA's cost analysis sees the scanned layer once; the planner counts every layer.
+    assert scanned.xla_flops < 0.8 * plain.xla_flops
+    for p in (plain, scanned):
+        assert p.matmul_flops == pytest.approx(p.analytic_flops / 8, rel=1e-6)
+        assert p.compute_seconds >= p.matmul_flops / V3.peak_flops
+    assert scanned.collectives["all-reduce"]["bytes_sent"] == pytest.approx(
+        plain.collectives["all-reduce"]["bytes_sent"], rel=1e-3)
+    # Four microbatches: the same matmuls, and no less gradient traffic than one batch.
+    layout = Layout("batch:4;model:2", RULES, drop_unused_rules=True)
+    trainer = Trainer(DecoderLM(CONFIG), optax.adafactor(1e-3), layout,
+                      layout.make_mesh(jax.devices()[:8]), 16, 64, num_microbatches=4)
+    micro = planner.plan(trainer, CONFIG, "lm", V3)
+    assert micro.matmul_flops == pytest.approx(plain.matmul_flops, rel=1e-6)
+    assert micro.collectives["all-reduce"]["parameter_shaped_bytes"] >= \
+        plain.collectives["all-reduce"]["parameter_shaped_bytes"]
+
+
 def test_data_parallel_plan_all_reduces_the_gradients():
     trainer, p = make_plan("batch:8")
     params = jax.tree_util.tree_leaves(trainer.abstract_state.params)
