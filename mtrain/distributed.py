@@ -8,8 +8,10 @@ same names) or, on Cloud TPU pods and under Slurm, from what JAX detects itself.
 Hang-proofing comes from JAX's coordination service: every process sends it heartbeats, and
 when one stops (it crashed, was killed, or its host died) all the others are terminated
 after `heartbeat_timeout` seconds with "the JAX distributed service detected fatal errors
-... another task died", instead of waiting in a collective forever. A process that never
-joins makes the others stop after `timeout` seconds with an mtrain error saying so.
+... another task died", instead of waiting in a collective forever. Sooner, when a
+collective was in flight: its transport fails on the closed connection (on CPU, gloo
+aborts with its own error). A process that never joins makes the others stop after
+`timeout` seconds with an mtrain error saying so.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
   iteration, which the cost analysis is not) beside the analytic count (6 x matmul
   parameters x tokens + attention);
 - every collective the SPMD partitioner inserted, by kind, with the bytes each device
-  sends per step (a loop's collectives once per iteration) (ring algorithms: an all-reduce of B bytes over g devices sends 2 B (g-1)/g, an
-  all-gather or all-to-all producing B sends B (g-1)/g, a reduce-scatter producing B sends
-  B (g-1), a collective-permute sends B);
+  sends per step, a loop's collectives once per iteration (ring algorithms: an all-reduce
+  of B bytes over g devices sends 2 B (g-1)/g, an all-gather or all-to-all producing B
+  sends B (g-1)/g, a reduce-scatter producing B sends B (g-1), a collective-permute sends
+  B);
 - a roofline step time for a `Target` accelerator: compute (FLOPs / peak) and memory traffic
   (each argument and output moved once, each temporary written and read once, over HBM
   bandwidth) overlap; collectives (bytes sent / interconnect bandwidth) do not.
@@ -156,11 +157,11 @@ class HloCost:
         default_factory=lambda: {k: CollectiveStats() for k in COLLECTIVES})
     matmul_flops: float = 0.0  # 2 x multiply-adds of its dots
 
-    def add(self, other: "HloCost", times: float = 1) -> None:
+    def add(self, other: "HloCost", times: int = 1) -> None:
         self.matmul_flops += times * other.matmul_flops
         for kind, s in other.collectives.items():
             mine = self.collectives[kind]
-            mine.count += int(times * s.count)
+            mine.count += times * s.count
             mine.bytes_sent += times * s.bytes_sent
             mine.parameter_shaped_bytes += times * s.parameter_shaped_bytes
 
@@ -180,10 +181,12 @@ def hlo_cost(hlo_text: str, num_devices: int,
     known trip count (scanned layers, microbatches; XLA's own cost analysis counts it once),
     and of a conditional's branches only the costliest (SGP's step compiles a
     collective-permute for each hop of its cycle, and one runs per step)."""
-    # Instructions before any computation header (a bare listing) form the entry.
+    # Per computation: what its own instructions do, and what it calls, as (callees of
+    # which the costliest runs, times). Instructions before any computation header (a bare
+    # listing) form the entry, "".
     direct: dict[str, HloCost] = {"": HloCost()}
-    calls: dict[str, list[tuple[list[str], int]]] = {"": []}  # (callees, times); the
-    shapes: dict[str, str] = {}  # costliest callee runs. Instruction -> its result type.
+    calls: dict[str, list[tuple[list[str], int]]] = {"": []}
+    shapes: dict[str, str] = {}  # instruction -> its result type, in the current computation
     entry = current = ""
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and not line[:1].isspace():  # a computation begins
