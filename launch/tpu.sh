@@ -25,6 +25,8 @@ Options:
   --queued               create through queued-resources (waits for capacity)
   --spot                 use Spot capacity
   --keep                 do not delete the slice at the end
+  --allow_dirty          ship the last commit even though the checkout has uncommitted
+                         changes or untracked files (they are not shipped)
   --dry_run              print the commands instead of running them
   --help                 this text
 EOF
@@ -34,7 +36,7 @@ EOF
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PROJECT="" ZONE="" ACCELERATOR="" RUNTIME="" MODEL_DIR="" NAME="mtrain-${USER:-user}"
-QUEUED=0 SPOT=0 KEEP=0 DRY_RUN=0
+QUEUED=0 SPOT=0 KEEP=0 DRY_RUN=0 ALLOW_DIRTY=0
 GIN_ARGS=()
 for arg in "$@"; do
   case "$arg" in
@@ -48,6 +50,7 @@ for arg in "$@"; do
     --queued) QUEUED=1 ;;
     --spot) SPOT=1 ;;
     --keep) KEEP=1 ;;
+    --allow_dirty) ALLOW_DIRTY=1 ;;
     --dry_run) DRY_RUN=1 ;;
     --help | -h) usage; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
@@ -60,6 +63,21 @@ done
 [[ "$MODEL_DIR" == gs://* ]] || die "--model_dir must be a gs:// path that every worker can write, got '$MODEL_DIR'"
 [[ " ${GIN_ARGS[*]-} " == *" --gin_file="* ]] || die "at least one --gin_file is required"
 [[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name '$NAME' must be lowercase letters, digits and dashes"
+
+# The workers get `git archive HEAD`: what is not committed (a new my_run.gin, an edit) is not
+# there. Refuse rather than start a slice that runs other code or lacks a gin file.
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DIRTY="$(git -C "$REPO" status --porcelain --untracked-files=normal)"
+if [[ -n "$DIRTY" ]]; then
+  COUNT="$(echo "$DIRTY" | wc -l | tr -d ' ')"
+  FILES="$(echo "$DIRTY" | head -n 3 | cut -c4- | paste -sd ' ' -)"
+  ((COUNT > 3)) && FILES="$FILES and $((COUNT - 3)) more"
+  if ((ALLOW_DIRTY)); then
+    echo "launch/tpu.sh: warning: not shipping what is not committed: $FILES" >&2
+  else
+    die "not committed, so the workers would not get them: $FILES; commit them, or pass --allow_dirty to ship the last commit without them"
+  fi
+fi
 
 ACCELERATOR="${ACCELERATOR/#v5e-/v5litepod-}"
 if [[ ! "$ACCELERATOR" =~ ^(v2|v3|v4|v5litepod|v5p|v6e)-([0-9]+)$ ]]; then
@@ -107,7 +125,6 @@ fi
 ((KEEP)) || trap delete EXIT  # the slice goes away even if a step below fails
 
 # 2. The code, on every worker: this checkout's committed tree.
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TARBALL="${TMPDIR:-/tmp}/mtrain-$NAME.tar.gz"
 run git -C "$REPO" archive --format=tar.gz --output="$TARBALL" HEAD
 run gcloud compute tpus tpu-vm scp "$TARBALL" "$NAME":mtrain.tar.gz --worker=all "${LOCATION[@]}"

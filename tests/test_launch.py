@@ -32,7 +32,32 @@ def test_shellcheck_finds_nothing():
 
 
 TPU = ["--project=my-proj", "--zone=us-central2-b", "--model_dir=gs://bucket/lm5",
-       "--gin_file=paper/lm_size_5.gin", "--gin_param=run.train_steps=1000", "--name=lm5"]
+       "--gin_file=paper/lm_size_5.gin", "--gin_param=run.train_steps=1000", "--name=lm5",
+       "--allow_dirty"]  # a developer's checkout may have uncommitted files: see below
+
+
+def test_tpu_refuses_a_checkout_with_files_it_would_not_ship(tmp_path):
+    """The workers get `git archive HEAD`: an uncommitted my_run.gin (the README's example)
+    would be missing there while the command line names it."""
+    repo = tmp_path / "repo"
+    shutil.copytree(LAUNCH, repo / "launch")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "launch"], check=True)
+    script = str(repo / "launch" / "tpu.sh")
+    args = [a for a in TPU if a != "--allow_dirty"] + ["--accelerator_type=v4-8", "--dry_run"]
+    clean = subprocess.run([script, *args], capture_output=True, text=True)
+    assert clean.returncode == 0 and clean.stderr == "", clean.stderr
+    (repo / "my_run.gin").write_text("run.train_steps = 10\n")
+    dirty = subprocess.run([script, *args], capture_output=True, text=True)
+    assert dirty.returncode == 2 and dirty.stdout == ""  # nothing was created
+    assert "my_run.gin" in dirty.stderr and "--allow_dirty" in dirty.stderr
+    assert len(dirty.stderr.strip().splitlines()) == 1
+    allowed = subprocess.run([script, *args, "--allow_dirty"], capture_output=True, text=True)
+    assert allowed.returncode == 0 and allowed.stdout == clean.stdout
+    assert allowed.stderr.strip() == ("launch/tpu.sh: warning: not shipping what is not "
+                                      "committed: my_run.gin")
 
 
 def test_tpu_dry_run_prints_the_gcloud_commands():
