@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 
 def _env_int(name: str) -> int | None:
@@ -31,6 +32,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where checkpoints, metrics.jsonl, TensorBoard events and config.gin go; "
                         "a run on a dir with checkpoints resumes from the latest one "
                         "(default: run.model_dir from gin, else ./runs/default)")
+    p.add_argument("--restart", action="store_true",
+                   help="train from step 0 in a --model_dir whose checkpoints cannot be resumed "
+                        "(damaged, or of a run with other settings): its checkpoints, metrics and "
+                        "config are first moved to <model_dir>/before-restart-<n>/, nothing is "
+                        "deleted")
     p.add_argument("--data_source", default=None, metavar="DIR",
                    help="TFDS tasks (lm1b, wmt14_enfr): run the real TFDS builder on raw files in "
                         "DIR, laid out as the official archives (make them with python -m "
@@ -79,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="multi-process runs: a process silent this long is taken for dead, "
                         "and the others stop")
     p.add_argument("--verbose", action="store_true",
-                   help="debug logging, and full tracebacks for configuration errors")
+                   help="debug logging, and full tracebacks for errors (by default an error is "
+                        "one line)")
     return p.parse_args(argv)
 
 
@@ -116,10 +123,48 @@ def _plan_devices(args: argparse.Namespace) -> int:
     return needed
 
 
+def _quiet_library_noise(verbose: bool) -> None:
+    """orbax restores arrays with asyncio coroutines and tensorstore callbacks. When one read
+    fails (a damaged checkpoint), the others are abandoned, and Python reports each of them
+    as it is collected: thousands of "Exception ignored in: <coroutine ...>" and "Event loop
+    is closed" tracebacks on stderr, and asyncio logs "Task exception was never retrieved"
+    for each, after mtrain has said in one line what happened. Unless `verbose`, those
+    reports go to the debug log instead (mtrain itself uses no asyncio)."""
+    if verbose:
+        return
+    import logging
+
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    debug = logging.getLogger("mtrain").debug
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def on_unraisable(report):
+        if isinstance(report.object, types.CoroutineType) or _loop_closed(report.exc_value):
+            debug("ignored: %s in %r", report.exc_value, report.object)
+        else:
+            unraisable(report)
+
+    def on_exception(kind, value, traceback):
+        if _loop_closed(value):
+            debug("ignored: %s", value)
+        else:
+            excepthook(kind, value, traceback)
+
+    sys.unraisablehook, sys.excepthook = on_unraisable, on_exception
+
+
+def _loop_closed(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    _quiet_library_noise(args.verbose)
     if args.mode != "plan" and (args.auto_layout or args.devices is not None):
         print("mtrain: error: --auto_layout and --devices go with --mode=plan", file=sys.stderr)
+        return 2
+    if args.restart and args.mode not in (None, "train"):
+        print("mtrain: error: --restart goes with --mode=train", file=sys.stderr)
         return 2
     if args.cpu_devices is not None:
         if args.cpu_devices < 1:
@@ -142,8 +187,18 @@ def main(argv=None) -> int:
             print(f"mtrain: error: {e}", file=sys.stderr)
             return 2
 
-    from mtrain import run as run_lib  # imports jax: only after the flags above
-    from mtrain.errors import UserError
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        print("mtrain: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mtrain import run as run_lib  # imports jax: only after the flags set in main
+    from mtrain.errors import Interrupted, UserError
     from mtrain.metrics import setup_logging
 
     try:
@@ -162,13 +217,18 @@ def main(argv=None) -> int:
             kwargs["data_source"] = args.data_source
         if args.mode == "infer":
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
+        if args.restart:
+            kwargs["restart"] = True
         if args.mode == "plan":
             kwargs["plan_options"] = {"target": args.target, "output_format": args.format,
                                       "auto_layout": args.auto_layout, "devices": plan_devices}
             if args.auto_layout:  # the search replaces the configured mesh and rules
                 kwargs.update(mesh_shape="", layout_rules="")
         run_lib.run(**kwargs)
-    except UserError as e:
+    except Interrupted as e:
+        print(f"mtrain: {e}", file=sys.stderr)
+        return 130
+    except (UserError, OSError) as e:  # OSError: a file system that fails us (full, gone)
         if args.verbose:
             raise
         # gin appends "In call to configurable ..." lines to errors raised inside a

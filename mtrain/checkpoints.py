@@ -1,4 +1,4 @@
-"""Checkpoints with orbax: the train state, the input position, and a little metadata.
+"""Checkpoints with orbax: the train state, the input position, and what run saved them.
 
 A checkpoint is one orbax step directory ``<model_dir>/checkpoints/<step>/`` with three items:
 
@@ -6,7 +6,12 @@ A checkpoint is one orbax step directory ``<model_dir>/checkpoints/<step>/`` wit
   shardings of the current run, so a checkpoint saved with one mesh and layout restores onto
   another.
 - ``data``: the input iterator's position, one file per process.
-- ``meta``: JSON (step, model config) used to refuse restoring a different model shape.
+- ``meta``: JSON describing the run that saved it (see `check_compatible`).
+
+A checkpoint that cannot be read (missing, truncated or corrupt files) is *damaged*: a
+resuming run moves it to ``<step>.damaged`` and tries the one before. One that reads but
+does not fit the run is an *incompatible run* (`IncompatibleRun`): an error naming each
+setting that differs, and nothing renamed.
 
 Saving is asynchronous: `save` returns once the arrays are copied off the devices, and the
 write to disk overlaps the following train steps.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -24,13 +30,21 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mtrain import distributed
-from mtrain.errors import UserError
+from mtrain.errors import IncompatibleRun, UserError
 
 log = logging.getLogger("mtrain")
 
 
 class CheckpointError(UserError):
-    """A checkpoint that cannot be restored into this run."""
+    """A checkpoint that cannot be saved or restored."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read."""
+
+    def __init__(self, where, reason: str):
+        super().__init__(f"checkpoint {where} cannot be read: {reason}")
+        self.reason = reason
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -56,28 +70,42 @@ class DataIteratorRestore(ocp.args.CheckpointArgs):
     iterator: Any
 
 
+def state_signature(abstract_state) -> dict[str, str]:
+    """Every leaf of a (train) state as ``{path: "dtype[shape]"}``: what a checkpoint of it
+    must hold for a restore into it."""
+    return {jax.tree_util.keystr(path): f"{leaf.dtype}{list(leaf.shape)}"
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+
+
 class Checkpoints:
     """Keeps the last `keep` checkpoints of a model dir."""
 
     def __init__(self, directory: str, keep: int = 3, keep_period: int | None = None,
-                 async_save: bool = True):
-        """Keeps the last `keep` checkpoints, and every step divisible by `keep_period`."""
+                 async_save: bool = True, cleanup_tmp: bool = False):
+        """Keeps the last `keep` checkpoints, and every step divisible by `keep_period`.
+        `cleanup_tmp`: delete the temporary directories of saves that never finished (only
+        for the one run that writes the directory)."""
         # orbax's tensorstore writer needs an absolute path (a relative one fails in the
         # background save thread, after the step has moved on).
         self.directory = epath.Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_period or None, create=True,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data", "meta")
         )
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
+
+    def set_aside(self) -> list[str]:
+        """The names of the checkpoints moved aside (``<step>.damaged[.n]``,
+        ``<step>.diverged[.n]``)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p.name for p in self.directory.iterdir()
+                      if ".damaged" in p.name or ".diverged" in p.name)
 
     def save(self, step: int, state, iterator, meta: dict) -> None:
         """Starts saving `step` in the background (after checking that the previous save
@@ -101,51 +129,83 @@ class Checkpoints:
         except CheckpointError:
             raise
         except Exception as e:  # OSError (a full disk), or orbax's wrapping of it
-            reason = " ".join(str(e).split())[:300] or type(e).__name__
             raise CheckpointError(
                 f"could not save a checkpoint (step {step} or the one before it) in "
-                f"{self.directory}: {reason}; the checkpoints already there are intact "
+                f"{self.directory}: {_reason(e)}; the checkpoints already there are intact "
                 f"(steps {self.all_steps() or 'none'})") from None
 
     def restore(self, step: int, abstract_state, iterator, meta: dict):
-        """Restores `step` into the shardings of `abstract_state` and moves `iterator`."""
-        saved_meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        _check_meta(saved_meta["meta"], meta, self.directory / str(step))
+        """Restores `step` into the shardings of `abstract_state` and, if given, moves
+        `iterator` to the saved input position (resuming a run).
+
+        Raises `IncompatibleRun` if the checkpoint was saved by a run that `meta` (this
+        run's, as `save` takes it) cannot continue, `DamagedCheckpoint` if it cannot be read.
+        """
+        where = self.directory / str(step)
+        try:
+            saved = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax, tensorstore and the file system raise many kinds
+            raise DamagedCheckpoint(where, _reason(e)) from None
+        check_compatible(saved, meta, where, resume=iterator is not None)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if iterator is not None:
             items["data"] = DataIteratorRestore(iterator)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except IncompatibleRun:
+            raise
+        except Exception as e:
+            if "tree structures do not match" in str(e):  # a checkpoint without "state" meta
+                raise IncompatibleRun(
+                    f"checkpoint {where} holds a train state of another structure (a model or "
+                    f"optimizer setting differs); {_ADVICE}") from None
+            raise DamagedCheckpoint(where, _reason(e)) from None
         return restored["state"]
 
     def restore_intact(self, abstract_state, iterator, meta: dict):
         """(state, step) of the newest checkpoint that restores.
 
-        A checkpoint that fails to restore (partly written, truncated, corrupted) is moved
-        aside to ``<step>.damaged`` with a warning, and the one before it is tried: a run
-        never silently starts from scratch over a model dir that has checkpoints. A
-        checkpoint of a different model shape is not damage: that is an error.
+        A checkpoint that cannot be read (partly written, truncated, corrupted) is moved
+        aside to ``<step>.damaged``, and the one before it is tried (one warning line says
+        which were moved): a run never silently starts from scratch over a model dir that
+        has checkpoints. A checkpoint of another run (`IncompatibleRun`) is not damage: that
+        is an error, and nothing is renamed.
         """
+        damaged, reasons = [], []
+
+        def report() -> str:
+            return (f"checkpoint{'s' * (len(damaged) > 1)} {', '.join(damaged)} in "
+                    f"{self.directory} cannot be read ({reasons[0]}) and "
+                    f"{'were' if len(damaged) > 1 else 'was'} moved to "
+                    f"{', '.join(f'{name}.damaged' for name in damaged)}")
+
         for step in self.all_steps()[::-1]:
             try:
-                return self.restore(step, abstract_state, iterator, meta), step
-            except CheckpointError:
+                state = self.restore(step, abstract_state, iterator, meta)
+            except DamagedCheckpoint as e:
+                self.move_aside(step, "damaged")
+                damaged.append(str(step))
+                reasons.append(e.reason)
+                continue
+            except IncompatibleRun:
+                if damaged:
+                    log.warning(report())
                 raise
-            except Exception as e:  # orbax, tensorstore and tf.data raise many kinds
-                reason = " ".join(str(e).split())[:300] or type(e).__name__
-                damaged = self._move_aside(step)
-                log.warning("checkpoint %d cannot be restored (%s); moved it to %s and trying "
-                            "the one before", step, reason, damaged)
-        raise CheckpointError(
-            f"no checkpoint in {self.directory} can be restored (damaged ones were moved to "
-            f"<step>.damaged); use a new --model_dir, or restore a good copy")
+            if damaged:
+                log.warning(report())
+            return state, step
+        raise CheckpointError(f"no checkpoint can be read: {report()}; restore a good copy, "
+                              f"or pass --restart to train from step 0")
 
-    def _move_aside(self, step: int) -> epath.Path:
-        """Renames a damaged step directory to <step>.damaged[.N] (keeping it for a human);
-        process 0 renames, the others wait for it."""
+    def move_aside(self, step: int, why: str) -> epath.Path:
+        """Renames the directory of checkpoint `step` to <step>.<why>[.N] (keeping it for a
+        human): `why` is "damaged" (it cannot be read) or "diverged" (its parameters make
+        every step non-finite). Process 0 renames, the others wait for it."""
         source = self.directory / str(step)
-        target, n = self.directory / f"{step}.damaged", 1
+        target, n = self.directory / f"{step}.{why}", 1
         while target.exists():
-            target, n = self.directory / f"{step}.damaged.{n}", n + 1
+            target, n = self.directory / f"{step}.{why}.{n}", n + 1
         if jax.process_index() == 0:
             source.rename(target)
         distributed.sync(f"mtrain_damaged_{step}")
@@ -162,15 +222,63 @@ class Checkpoints:
         self.manager.close()
 
 
-def _check_meta(saved: dict, current: dict, where) -> None:
-    saved_model, model = saved.get("model", {}), current.get("model", {})
-    diffs = [
-        f"{k}={saved_model.get(k)!r} there, {model.get(k)!r} here"
-        for k in sorted(set(saved_model) | set(model))
-        if saved_model.get(k) != model.get(k)
-    ]
+def _reason(error: BaseException) -> str:
+    """The root cause of `error` (orbax wraps tensorstore's), in one line of at most 250
+    characters."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 250 else text[:247] + "..."
+
+
+# --- what a checkpoint's run must share with the run that restores it -------------------
+
+_ADVICE = ("resume with the saved settings, or start a new run in another --model_dir "
+           "(with run.init_from to start from these parameters)")
+_NAMES = {"vocab_size": "the model's vocabulary size", "vocabulary": "the vocabulary",
+          "data": "the data"}
+
+
+def _name(key: str) -> str:
+    return _NAMES.get(key, key if "." in key else f"transformer.{key}")
+
+
+def _differences(saved: dict, current: dict) -> list[str]:
+    """'name=saved there, current here' for each key of `saved` whose value differs (keys
+    a checkpoint lacks, written by an older mtrain, are not compared)."""
+    current = json.loads(json.dumps(current))  # tuples -> lists, as the saved JSON has them
+    return [f"{_name(k)}={saved[k]!r} there, {current.get(k)!r} here"
+            for k in sorted(saved) if saved[k] != current.get(k)]
+
+
+def check_compatible(saved: dict, current: dict, where, resume: bool) -> None:
+    """Raises `IncompatibleRun` naming every setting that differs between the run that
+    saved a checkpoint (its ``meta``, `saved`) and this one (`current`).
+
+    ``meta`` holds ``model`` (shape settings and vocabulary: must match for any restore),
+    ``task``, ``run`` (what decides the data and its order: batch size, sequence length,
+    seed, data; must match to resume training), ``state`` (`state_signature` of the train
+    state) and ``optimizer`` (its settings, to name the one that changed the state).
+    Everything else (steps, schedules, mesh and layout, learning rate, ...) may change.
+    """
+    diffs = []
+    if "task" in saved and saved["task"] != current.get("task"):
+        diffs.append(f"run.task={saved['task']!r} there, {current.get('task')!r} here")
+    diffs += _differences(saved.get("model", {}), current.get("model", {}))
+    model_differs = bool(diffs)
+    if resume:
+        diffs += _differences(saved.get("run", {}), current.get("run", {}))
+    if not model_differs and "state" in saved and saved["state"] != current.get("state"):
+        named = _differences(saved.get("optimizer", {}), current.get("optimizer", {}))
+        if not named:
+            here = current.get("state", {})
+            path = next(p for p in [*saved["state"], *here]
+                        if saved["state"].get(p) != here.get(p))
+            named = [f"train state {path}: {saved['state'].get(path) or 'absent'} there, "
+                     f"{here.get(path) or 'absent'} here"]
+        diffs += named
     if diffs:
-        raise CheckpointError(
-            f"checkpoint {where} holds a model of a different shape ({'; '.join(diffs)}); "
-            f"use a new --model_dir or the same model settings"
-        )
+        advice = ("resume with the saved settings, or train a new model in another --model_dir"
+                  if model_differs else _ADVICE)
+        raise IncompatibleRun(f"checkpoint {where} is of a run with other settings: "
+                              f"{'; '.join(diffs)}; {advice}")

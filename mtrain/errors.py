@@ -9,6 +9,16 @@ class ConfigError(UserError, ValueError):
     """A gin file or binding that cannot be used."""
 
 
+class IncompatibleRun(UserError):
+    """A checkpoint (or input state) that reads fine but was saved by a run with other
+    settings: another model shape, vocabulary, data, batch size, seed or optimizer state.
+    Never taken for damage: nothing is renamed."""
+
+
 class TrainingDiverged(UserError):
     """Too many steps in a row with a non-finite loss or gradient (usually a learning rate
     that is too high for the model)."""
+
+
+class Interrupted(Exception):
+    """The run was stopped by Ctrl-C after saving a checkpoint (exit code 130)."""

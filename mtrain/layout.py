@@ -63,10 +63,19 @@ def _check_unique(names: Sequence[str], what: str, text: Any) -> None:
         seen.add(name)
 
 
+def _given_pairs(value: Any, what: str, example: str) -> list[tuple[Any, Any]]:
+    """A sequence of (name, value) pairs given instead of a string, checked."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        raise LayoutError(f"{what} must be a string like {example!r}, got {value!r}")
+    return list(value)
+
+
 def parse_mesh_shape(mesh_shape: str | Sequence[tuple[str, int]]) -> MeshShape:
     """``"batch:16;model:32"`` -> ``[("batch", 16), ("model", 32)]``; ``""`` is one device."""
     if not isinstance(mesh_shape, str):
-        pairs = [(str(n), s) for n, s in mesh_shape]
+        pairs = [(str(n), s) for n, s in _given_pairs(mesh_shape, "run.mesh_shape",
+                                                      "batch:4;model:2")]
     else:
         pairs = _pairs(mesh_shape, "mesh shape", "batch:4;model:2")
     result = []
@@ -87,7 +96,8 @@ def parse_mesh_shape(mesh_shape: str | Sequence[tuple[str, int]]) -> MeshShape:
 def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]]) -> LayoutRules:
     """``"batch:batch;d_ff:model"`` -> ``[("batch", "batch"), ("d_ff", "model")]``."""
     if not isinstance(layout_rules, str):
-        pairs = [(str(t), str(m)) for t, m in layout_rules]
+        pairs = [(str(t), str(m)) for t, m in _given_pairs(layout_rules, "run.layout_rules",
+                                                           "batch:batch;d_ff:model")]
     else:
         pairs = _pairs(layout_rules, "layout rules", "batch:batch;d_ff:model")
     for tensor_dim, mesh_dim in pairs:
@@ -125,6 +135,19 @@ class Layout:
                     f"(it has {sorted(self.mesh_dims) or 'none'})"
                 )
         self.rules = dict(self.layout_rules)
+        self.seen_names: set[str] = set()  # every dimension name laid out so far
+
+    def check_rules_used(self) -> None:
+        """Raises `LayoutError` if a rule (dropped ones included) names a tensor dimension
+        that nothing laid out so far has: a typo such as ``dff:model`` would otherwise leave
+        d_ff replicated without a word. Call it once the model's parameters and activations
+        have been laid out (`Trainer` does)."""
+        for tensor_dim, mesh_dim in [*self.layout_rules, *self.dropped_rules]:
+            if tensor_dim not in self.seen_names:
+                raise LayoutError(
+                    f"layout rule '{tensor_dim}:{mesh_dim}' names tensor dimension "
+                    f"{tensor_dim!r}, which no parameter or activation of the model has; "
+                    f"its dimensions are {', '.join(sorted(self.seen_names))}")
 
     @property
     def size(self) -> int:
@@ -155,6 +178,7 @@ class Layout:
         dimension, or if a split dimension is not divisible by its mesh dimension.
         """
         names = tuple(names)
+        self.seen_names.update(n for n in names if n is not None)
         if shape is not None and len(shape) != len(names):
             raise LayoutError(
                 f"{tensor}: {len(names)} dimension names {names} for a tensor of rank {len(shape)}"

@@ -1,36 +1,39 @@
-"""A whole run from a gin config: build the experiment, then train or evaluate.
+"""A whole run from a gin config: build the experiment, then train, evaluate, translate or
+plan.
 
 `run` is the gin configurable that Mesh-TF users know (``run.mesh_shape``,
 ``run.layout_rules``, ``run.train_steps``, ...). Everything a run needs is built and checked
 by `build` before anything is written to the model dir, so a bad config never touches it.
+The training loop is `training.train`, the metrics `evaluation.evaluate`.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import hashlib
+import inspect
 import json
 import logging
 import math
 import os
-import signal
 import sys
-import time
+import tempfile
 
 import gin
 import jax
-import numpy as np
 import optax
 
 from mtrain import distributed
 from mtrain import optimizer as optimizer_lib
 from mtrain import planner
 from mtrain import tasks as tasks_lib
-from mtrain.bleu import corpus_bleu
-from mtrain.checkpoints import Checkpoints, CheckpointError
+from mtrain import training
+from mtrain.checkpoints import state_signature
 from mtrain.data.pipeline import batches
-from mtrain.errors import ConfigError, TrainingDiverged
+from mtrain.errors import ConfigError, UserError
+from mtrain.evaluation import evaluate
 from mtrain.layout import Layout
+from mtrain.lock import check_writable
 from mtrain.metrics import MetricsWriter, log
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.sgp import SGPTrainer
@@ -45,6 +48,16 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layer
                 "scan_layers")
 MODES = ("train", "eval", "infer", "plan")
 DEFAULT_VOCAB_SIZE = 8192
+
+
+def optimizer_settings() -> dict:
+    """The optimizer's settings as the gin config gives them (its defaults, then bindings)."""
+    settings = {name: p.default for name, p in
+                inspect.signature(optimizer_lib.adafactor).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    settings.update(gin.get_bindings("adafactor"))
+    return {f"adafactor.{name}": value for name, value in sorted(settings.items())}
+
 
 def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
     """Parses gin files (searched in the working dir, then configs/) and bindings."""
@@ -138,8 +151,33 @@ class Experiment:
         )
 
     def checkpoint_meta(self) -> dict:
+        """What a checkpoint records of the run that saved it, and a resumed run must share
+        (`checkpoints.check_compatible`): the model's shape and vocabulary; the data, batch
+        size, sequence length and seed, which decide the data and its order; and the train
+        state's structure, with the optimizer settings that decide it. Everything else may
+        change between the runs of a model dir (README, "Runs that survive")."""
         config = dataclasses.asdict(self.model_config)
-        return {"model": {k: config[k] for k in SHAPE_FIELDS}, "task": self.task.name}
+        vocabulary = (f"{self.vocab.vocab_size} pieces, sha256 "
+                      f"{hashlib.sha256(self.vocab.model_proto).hexdigest()[:16]}")
+        return {
+            "model": {**{k: config[k] for k in SHAPE_FIELDS}, "vocabulary": vocabulary},
+            "task": self.task.name,
+            "run": {"run.batch_size": self.batch_size,
+                    "run.sequence_length": self.sequence_length,
+                    "run.seed": self.seed, "data": self.source.fingerprint()},
+            "optimizer": optimizer_settings(),
+            "state": state_signature(self.trainer.abstract_state),
+        }
+
+
+def _check_data_dir(data_dir: str) -> None:
+    """The data dir is a directory, or can be made one."""
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+        reason = "is not a directory" if os.path.exists(data_dir) else f"cannot be made: {e.strerror}"
+        raise ConfigError(f"the data dir {data_dir} (run.data_dir, or $MTRAIN_DATA_DIR) "
+                          f"{reason}") from None
 
 
 def _positive(name: str, value) -> None:
@@ -228,6 +266,8 @@ def build(
         raise ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
     task_obj = tasks_lib.get_task(task)
+    if mode != "plan":
+        _check_data_dir(data_dir)
     if mode == "infer" and task_obj.kind != "translation":
         raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
     if init_from and not os.path.isdir(init_from):
@@ -235,9 +275,11 @@ def build(
                           f"of the run to start from")
     eval_split = eval_split or task_obj.eval_split
     layout = Layout(mesh_shape, layout_rules, drop_unused_rules=True)
-    for tensor_dim, mesh_dim in layout.dropped_rules:
-        log.warning("layout rule '%s:%s' ignored: the mesh %r has no dimension %r",
-                    tensor_dim, mesh_dim, mesh_shape, mesh_dim)
+    if layout.dropped_rules:
+        missing = sorted({mesh_dim for _, mesh_dim in layout.dropped_rules})
+        log.warning("layout rules %s ignored: the mesh %r has no dimension %s",
+                    ", ".join(f"'{t}:{m}'" for t, m in layout.dropped_rules), mesh_shape,
+                    " or ".join(repr(m) for m in missing))
     planning = mode == "plan"
     mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
     data_ways = layout.ways("batch")
@@ -306,19 +348,35 @@ def build(
 
 
 def run(input_file: str | None = None, output_file: str | None = None,
-        plan_options: dict | None = None, **overrides):
-    """Trains (``run.mode='train'``), evaluates the latest checkpoint (``'eval'``),
-    translates `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout)
-    or plans (``'plan'``, with `plan_options` for `plan`), as the gin config and `overrides`
-    (e.g. model_dir from the command line) say."""
+        plan_options: dict | None = None, restart: bool = False, **overrides):
+    """Trains (``run.mode='train'``; `restart`: from step 0 whatever the model dir holds,
+    moved aside first), evaluates the latest checkpoint (``'eval'``), translates
+    `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout) or plans
+    (``'plan'``, with `plan_options` for `plan`), as the gin config and `overrides` (e.g.
+    model_dir from the command line) say."""
+    mode = overrides.get("mode") or _bound("run.mode", "train")
+    model_dir = overrides.get("model_dir") or _bound("run.model_dir", None)
+    # What can fail at once, before data and compilation: another run in the model dir, an
+    # output file that could not be written.
+    if mode == "train" and model_dir:
+        training.check_model_dir_free(model_dir)
+    if mode == "infer":
+        _check_output_file(output_file)
     exp = build(**overrides)
     if exp.mode == "train":
-        return train(exp)
+        return training.train(exp, restart=restart)
     if exp.mode == "eval":
         return evaluate_checkpoint(exp)
     if exp.mode == "plan":
         return plan(exp, **(plan_options or {}))
     return infer(exp, input_file, output_file)
+
+
+def _bound(name: str, default):
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
 
 
 def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
@@ -367,346 +425,60 @@ def _describe(c: TransformerConfig) -> str:
             f"vocab {c.vocab_size}")
 
 
-def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator):
-    """(state, step): resumed from the model dir's newest intact checkpoint, else started
-    from `init_from`'s parameters, else freshly initialised."""
-    if checkpoints.all_steps():
-        state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
-                                                 iterator, exp.checkpoint_meta())
-        log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
-        return state, step
-    state = exp.trainer.init_state()
-    if exp.init_from:
-        params, step, where = _params_from(exp)
-        log.info("starting from the parameters of step %d of %s", step, where)
-        state = state.replace(params=params)
-    return state, 0
-
-
-def _params_from(exp: Experiment):
-    """The parameters of checkpoint `init_step` (default: the latest) of run `init_from`."""
-    where = exp.init_from
-    if os.path.isdir(os.path.join(where, "checkpoints")):
-        where = os.path.join(where, "checkpoints")
-    state, step = _restore_from(exp, where, exp.init_step,
-                                missing="run.init_from must name the model dir of a run")
-    return state.params, step, where
-
-
-def _restore_from(exp: Experiment, directory: str, step: int | None = None,
-                  missing: str = "train first (--mode=train)"):
-    """(state, step) of checkpoint `step` (default: the latest) in `directory`, into this
-    run's shardings, without the input position: for eval, infer and init_from. Reads only;
-    `missing` says what to do when `directory` holds no checkpoint."""
-    if not os.path.isdir(directory):  # Checkpoints would create it
-        raise CheckpointError(f"no checkpoints in {directory}; {missing}")
-    checkpoints = Checkpoints(directory, exp.keep_checkpoints)
-    try:
-        steps = checkpoints.all_steps()
-        if not steps:
-            raise CheckpointError(f"no checkpoints in {directory}; {missing}")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
-        state = checkpoints.restore(step, exp.trainer.sharded_abstract_state(), None,
-                                    exp.checkpoint_meta())
-        return state, step
-    finally:
-        checkpoints.close()
-
-
-def train(exp: Experiment) -> dict:
-    """The training loop: log, evaluate and checkpoint on schedule; returns the last eval."""
-    try:
-        os.makedirs(exp.model_dir, exist_ok=True)
-        if not os.access(exp.model_dir, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as e:
-        raise ConfigError(f"cannot write the model dir {exp.model_dir}: {e.strerror}") from None
-    checkpoints = Checkpoints(os.path.join(exp.model_dir, "checkpoints"), exp.keep_checkpoints,
-                              exp.keep_checkpoint_every)
-    batches = exp.train_batches()
-    state, start = _restore_or_init(exp, checkpoints, batches)
-    if jax.process_index() == 0:
-        with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
-            f.write(gin.operative_config_str())
-    writer = MetricsWriter(exp.model_dir)
-    try:
-        results = _train_loop(exp, state, start, batches, checkpoints, writer)
-    finally:  # a run that stops on an error still completes the checkpoints it started
-        try:
-            checkpoints.wait()
-        finally:
-            checkpoints.close()
-            writer.close()
-    log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
-    return results
-
-
-def _train_loop(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints,
-                writer: MetricsWriter) -> dict:
-    trainer, pending, results = exp.trainer, [], {}
-    # With SGP the loop steps replicas of the state; evaluation and checkpoints get their
-    # average, a Trainer state.
-    stepper, as_trainer_state = exp.trainer, lambda state: state  # noqa: E731
-    if exp.sgp:
-        stepper, as_trainer_state = exp.sgp, exp.sgp.train_state
-        state = exp.sgp.init_state(state)
-        log.info("SGP over %d replicas (overlap %d, exact average every %s steps): each sends "
-                 "%.3g MB per step", exp.sgp.num_replicas, exp.sgp.overlap,
-                 exp.sgp.average_every or "no", exp.sgp.bytes_sent_per_step() / 1e6)
-    peak, source = planner.device_peak_flops()
-    log.info("model FLOPs per step %.3g; MFU against %.3g FLOP/s per device (%s)",
-             exp.flops_per_step, peak, source)
-    guard, tick, preempted = _FiniteGuard(exp.max_nonfinite_steps), time.time(), False
-    with _Preemption() as preemption:
-        for step in range(start + 1, exp.train_steps + 1):
-            if exp.profile_steps and step == exp.profile_steps[0]:
-                jax.profiler.start_trace(os.path.join(exp.model_dir, "profile"))
-            state, metrics = stepper.train_step(state, trainer.place_batch(next(batches)))
-            if exp.profile_steps and step == exp.profile_steps[1]:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                log.info("profile of steps %d-%d: %s", *exp.profile_steps,
-                         os.path.join(exp.model_dir, "profile"))
-            guard.add(step, metrics["finite"])
-            # At most two steps in flight: this one is queued behind the previous one, which
-            # we wait for here. More buys nothing (the devices are busy either way) and, with
-            # simulated CPU devices, a deep queue of multi-device programs can deadlock
-            # XLA's collectives.
-            guard.check(until=step - 1)
-            pending.append(metrics)
-            if step % exp.log_every == 0 or step == exp.train_steps:
-                _log_train(exp, step, jax.device_get(pending), time.time() - tick, guard, writer,
-                           peak, state)
-                pending, tick = [], time.time()
-            if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
-                results = evaluate(exp, _params(exp, state), step, writer)
-                tick = time.time()
-            preempted = preemption.reached(step)
-            if step % exp.checkpoint_every == 0 or step == exp.train_steps or preempted:
-                guard.check(until=step)  # never save a state that is about to be rejected
-                checkpoints.save(step, as_trainer_state(state), batches, exp.checkpoint_meta())
-            if preempted:
-                log.warning("SIGTERM: stopped after step %d and saved its checkpoint; run the "
-                            "same command to resume", step)
-                return results
-    if start < exp.train_steps or not results:
-        results = evaluate(exp, _params(exp, state), exp.train_steps, writer)
-    return results
-
-
-def _params(exp: Experiment, state):
-    """The parameters to evaluate: with SGP the replicas' average."""
-    return exp.sgp.average(state) if exp.sgp else state.params
-
-
-def _log_train(exp: Experiment, step: int, fetched: list[dict], elapsed: float,
-               guard: "_FiniteGuard", writer: MetricsWriter, peak_flops: float = 0.0,
-               state=None) -> None:
-    """One record of training metrics, averaged over the steps since the last one (the
-    skipped, non-finite ones left out), with the model FLOP/s each device achieved and its
-    MFU against `peak_flops`; with SGP, also how far the replicas of `state` are from
-    consensus and what each sends per step."""
-    finite = [m for m in fetched if m["finite"]] or [{k: np.nan for k in fetched[0]}]
-    flops = exp.flops_per_step * len(fetched) / max(elapsed, 1e-9) / jax.device_count()
-    writer.write(step, {
-        "train/loss": np.mean([m["loss"] for m in finite]),
-        "train/cross_entropy": np.mean([m["cross_entropy"] for m in finite]),
-        "train/grad_norm": np.mean([m["grad_norm"] for m in finite]),
-        # The schedule counts updates from 0: step s was produced by update s - 1.
-        "train/learning_rate": float(exp.schedule(step - 1)),
-        "train/tokens_per_second": sum(float(m["num_tokens"]) for m in fetched) / max(elapsed, 1e-9),
-        "train/skipped_steps": guard.skipped,
-        "train/model_flops_per_second_per_device": flops,
-        "train/mfu": flops / peak_flops if peak_flops else np.nan,
-        **(_sgp_metrics(exp.sgp, state) if exp.sgp else {}),
-    })
-
-
-def _sgp_metrics(sgp: SGPTrainer, state) -> dict:
-    distance = jax.device_get(sgp.consensus_distance(state))
-    return {"train/consensus_distance_max": float(distance["max"]),
-            "train/consensus_distance_mean": float(distance["mean"]),
-            "train/bytes_sent_per_replica_per_step": sgp.bytes_sent_per_step()}
-
-
-class _FiniteGuard:
-    """Counts the steps whose loss or gradient was not finite (optax.apply_if_finite skipped
-    their updates), and stops the run after `limit` of them in a row."""
-
-    def __init__(self, limit: int):
-        self.limit, self.in_a_row, self.skipped = limit, 0, 0
-        self._unchecked: collections.deque = collections.deque()
-
-    def add(self, step: int, finite: jax.Array) -> None:
-        self._unchecked.append((step, finite))
-
-    def check(self, until: int) -> None:
-        """Waits for the steps up to `until` and counts them."""
-        while self._unchecked and self._unchecked[0][0] <= until:
-            step, finite = self._unchecked.popleft()
-            if float(finite):
-                self.in_a_row = 0
-                continue
-            self.in_a_row += 1
-            self.skipped += 1
-            log.warning("step %d: non-finite loss or gradient; its update was skipped (%d in "
-                        "a row)", step, self.in_a_row)
-            if self.in_a_row >= self.limit:
-                raise TrainingDiverged(
-                    f"training diverged: {self.limit} steps in a row, up to step {step}, had a "
-                    f"non-finite loss or gradient (run.max_nonfinite_steps); nothing after "
-                    f"the last checkpoint was saved. Lower the learning rate and resume")
-
-
-class _Preemption:
-    """Notes SIGTERM (what Cloud TPU, Kubernetes and Slurm send before they stop a job) so
-    that the loop can save a checkpoint and stop, instead of dying mid-step.
-
-    With several processes, JAX's coordination service catches the signal on whichever
-    processes get it and agrees with all of them on a step to stop at
-    (`reached_preemption_sync_point`), so that they all save the same one.
-    """
-
-    def reached(self, step: int) -> bool:
-        """Whether to save and stop after `step` (call it at every step, on every process)."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.requested
-
-    def __enter__(self):
-        self.requested = False
-        self._previous = None
-        if jax.process_count() > 1:
-            return self  # the coordination service owns SIGTERM
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._note)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
-        return self
-
-    def _note(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-def evaluate(exp: Experiment, params, step: int, writer: MetricsWriter) -> dict:
-    """Token-level loss, perplexity and accuracy over the whole held-out split, and for
-    language models the word-level perplexity and the unigram baseline."""
-    totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0}
-    for batch in exp.eval_batches():
-        sums = jax.device_get(exp.trainer.eval_step(params, exp.trainer.place_batch(batch)))
-        totals = {k: totals[k] + float(sums[k]) for k in totals}
-    n = max(totals["num_tokens"], 1.0)
-    loss = totals["xent_sum"] / n
-    results = {
-        "eval/loss": loss,
-        "eval/perplexity": math.exp(min(loss, 50.0)),
-        "eval/accuracy": totals["correct"] / n,
-        "eval/num_tokens": totals["num_tokens"],
-    }
-    if "word_perplexity" in exp.task.metrics:
-        stats = heldout_statistics(exp)
-        results["eval/word_perplexity"] = math.exp(min(totals["xent_sum"] / stats["words"], 50.0))
-        results["eval/num_words"] = stats["words"]
-        results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
-    if "bleu" in exp.task.metrics:
-        results.update(bleu(exp, params))
-    writer.write(step, results)
-    return results
-
-
-def bleu(exp: Experiment, params) -> dict:
-    """BLEU of the model's translations of (the first decoding.num_examples of) the eval split."""
-    limit = exp.translator.config.num_examples or None
-    examples = list(exp.source.examples(exp.eval_split, limit))
-    features = exp.task.features
-    inputs = [e[features["inputs"]] for e in examples]
-    references = [e[features["targets"]] for e in examples]
-    t0 = time.time()
-    hypotheses = exp.translator(params, inputs)
-    scores = corpus_bleu(hypotheses, references)
-    log.info("translated %d %s examples in %.0f s (beam %d, alpha %.1f); e.g. %r -> %r "
-             "(reference %r); BLEU signature %s", len(inputs), exp.eval_split, time.time() - t0,
-             exp.translator.config.beam_size, exp.translator.config.alpha, inputs[0],
-             hypotheses[0], references[0], scores["signature"])
-    return {"eval/bleu": scores["bleu"], "eval/bleu_intl": scores["bleu_intl"],
-            "eval/bleu_examples": len(inputs)}
-
-
-_HELDOUT_CACHE: dict = {}
-
-
-def heldout_statistics(exp: Experiment, max_texts: int = 200_000) -> dict:
-    """Counts over the held-out split of a language-modelling task, computed once per run.
-
-    - ``words``: the words whose tokens the evaluation scores: the whitespace-separated words
-      of each example plus one for the end of sentence, as LM1B's own evaluation counts
-      ``</S>``; of an example trimmed to the sequence length, the words of its kept tokens. Word-level
-      perplexity is exp(total token log-loss / words), the number T2T and the Mesh-TF paper
-      report for lm1b.
-    - ``unigram_perplexity``: perplexity of the held-out tokens under the (add-one) unigram
-      model of at most `max_texts` training texts: the baseline a language model must beat.
-    """
-    vocab = exp.vocab
-    key = (exp.source.description(), exp.eval_split, vocab.model_proto, exp.sequence_length)
-    if key not in _HELDOUT_CACHE:
-        def kept(text):
-            return (vocab.encode(text) + [vocab.eos_id])[: exp.sequence_length]
-
-        counts = np.ones(vocab.vocab_size)
-        for text in exp.source.texts("train", limit=max_texts):
-            np.add.at(counts, kept(text), 1)
-        log_p = np.log(counts / counts.sum())
-        log_loss, tokens, words = 0.0, 0, 0
-        for text in exp.source.texts(exp.eval_split):
-            ids = kept(text)
-            log_loss -= log_p[ids].sum()
-            tokens += len(ids)
-            if ids[-1] == vocab.eos_id:  # kept whole
-                words += len(text.split()) + 1
-            else:  # trimmed: the words (the last one perhaps in part) of the kept tokens
-                words += len(vocab.decode(ids).split())
-        _HELDOUT_CACHE[key] = {"words": max(words, 1),
-                               "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
-    return _HELDOUT_CACHE[key]
-
-
 def evaluate_checkpoint(exp: Experiment) -> dict:
     """``--mode=eval``: evaluates the latest checkpoint in the model dir."""
-    state, step = _restore_from(exp, os.path.join(exp.model_dir, "checkpoints"))
+    state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
+    log.info("evaluating the checkpoint of step %d", step)
     writer = MetricsWriter(exp.model_dir)
     results = evaluate(exp, state.params, step, writer)
     writer.close()
     return results
 
 
+def _check_output_file(output_file: str | None) -> None:
+    """An --output_file can be written: its directory exists and takes a new file."""
+    if output_file in (None, "-"):
+        return
+    if os.path.isdir(output_file):
+        raise ConfigError(f"--output_file {output_file} is a directory")
+    directory = os.path.dirname(os.path.abspath(output_file))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--output_file {output_file}: the directory {directory} does not exist")
+    try:
+        check_writable(directory, "the directory of --output_file")
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
 def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
     """``--mode=infer``: translates the lines of `input_file` (or stdin) with the latest
-    checkpoint, one line out per line in, to `output_file` (or stdout)."""
+    checkpoint, one line out per line in, to `output_file` (or stdout; a file is replaced
+    only once every line is translated)."""
     if input_file in (None, "-"):
         lines = sys.stdin.read().splitlines()
     else:
         try:
             with open(input_file, encoding="utf-8") as f:
                 lines = f.read().splitlines()
-        except OSError as e:
-            raise ConfigError(f"cannot read --input_file {input_file}: {e.strerror}") from None
-    state, step = _restore_from(exp, os.path.join(exp.model_dir, "checkpoints"))
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or "not UTF-8 text"
+            raise ConfigError(f"cannot read --input_file {input_file}: {reason}") from None
+    state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
     translations = exp.translator(state.params, lines) if lines else []
+    if exp.translator.truncated:
+        log.warning("%d of %d input lines were longer than %d tokens (run.sequence_length) "
+                    "and were cut to it before translating", exp.translator.truncated,
+                    len(lines), exp.translator.length)
     text = "".join(t + "\n" for t in translations)
     if output_file in (None, "-"):
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        with open(output_file, "w", encoding="utf-8") as f:
+        directory = os.path.dirname(os.path.abspath(output_file))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mtrain-infer-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.replace(tmp, output_file)
     log.info("translated %d lines with the checkpoint of step %d", len(lines), step)
     return len(lines)
 

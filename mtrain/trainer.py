@@ -158,6 +158,7 @@ class Trainer:
             step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
         )
         self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
+        layout.check_rules_used()  # every parameter and activation has been laid out above
         logits_per_device = math.prod(  # of one microbatch
             -(-size // layout.ways(name)) for name, size in
             [("batch", batch_size // num_microbatches), ("length", sequence_length),

@@ -51,6 +51,7 @@ class Translator:
         self.trainer, self.vocab, self.config = trainer, vocab, config
         self.batch_size, self.length = trainer.batch_shape
         self.max_decode_length = config.max_decode_length or self.length
+        self.truncated = 0  # how many texts `encode_batch` cut to the sequence length
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._decode = jax.jit(
             self._decode_fn,
@@ -97,11 +98,13 @@ class Translator:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
-        """[batch_size, length] input ids: EOS appended, trimmed, 0-padded (also the rows)."""
+        """[batch_size, length] input ids: EOS appended, trimmed (counted in `truncated`),
+        0-padded (also the rows)."""
         ids = np.zeros((self.batch_size, self.length), np.int32)
         for row, text in enumerate(texts):
-            tokens = (self.vocab.encode(text) + [self.vocab.eos_id])[: self.length]
-            ids[row, : len(tokens)] = tokens
+            tokens = self.vocab.encode(text) + [self.vocab.eos_id]
+            self.truncated += len(tokens) > self.length
+            ids[row, : min(len(tokens), self.length)] = tokens[: self.length]
         return ids
 
     def __call__(self, params, texts: Sequence[str]) -> list[str]:

@@ -41,6 +41,11 @@ def test_train_then_eval(data_dir, tmp_path):
     assert "run.mesh_shape = 'batch:4;model:2'" in config and "transformer.d_model = 32" in config
     assert sorted(os.listdir(model_dir / "checkpoints"))[:2] == ["12", "6"]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(model_dir))
+    # The README's `tensorboard --logdir runs/` is installed and reads them.
+    tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+    proc = subprocess.run([tensorboard, "--inspect", f"--logdir={model_dir}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "train/loss" in proc.stdout and "eval/perplexity" in proc.stdout
 
     # --mode=eval restores the latest checkpoint and reproduces the final evaluation.
     assert cli(model_dir, "run.train_steps=12", mode="eval") == 0

@@ -197,7 +197,26 @@ def test_translation_cli_train_eval_and_infer(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO("Amen.\nAnd God said,\n"))
     assert main(argv + ["--mode=infer"]) == 0
-    assert capsys.readouterr().out == f"{lines[3]}\n{lines[1]}\n"  # as from the file
+    out = capsys.readouterr()
+    assert out.out == f"{lines[3]}\n{lines[1]}\n"  # as from the file
+    assert "were longer than" not in out.err  # no input was too long
+    # An input longer than the model's 32 tokens is cut, with one warning that counts them.
+    monkeypatch.setattr("sys.stdin", io.StringIO(" ".join(SENTENCES * 3) + "\nAmen.\n"))
+    assert main(argv + ["--mode=infer"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 2
+    assert "1 of 2 input lines were longer than 32 tokens" in out.err
+    # The output file is checked before anything is read or translated: its directory must
+    # exist, and the file that is there stays as it was.
+    assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'in.txt'}",
+                        f"--output_file={tmp_path / 'no' / 'out.txt'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mtrain: error: --output_file {tmp_path / 'no' / 'out.txt'}: the directory "
+                   f"{tmp_path / 'no'} does not exist"]
+    assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'no_such.txt'}",
+                        f"--output_file={tmp_path / 'out.txt'}"]) == 2
+    assert "cannot read --input_file" in capsys.readouterr().err
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n") == lines
     # An LM task cannot translate: one clear error.
     assert main(["--gin_file=tasks/bible_lm.gin", "--gin_file=layouts/dp4_mp2.gin",
                  f"--model_dir={tmp_path / 'lm'}", "--mode=infer"]) == 2

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from mtrain import run as run_lib
+from mtrain import evaluation
 from mtrain import tasks
 from mtrain.data import make_offline, sources
 from mtrain.data.pipeline import batches
@@ -49,6 +49,13 @@ def en_vocab(lm1b, tmp_path_factory):
 
 def test_tfds_sources_read_the_prepared_splits_by_index(lm1b, wmt, data_dir, raw):
     assert lm1b.features == ("text",) and set(lm1b.splits) == {"train", "test"}
+    # The source that built the dataset and one that loads it describe it alike, in plain
+    # strings (a checkpoint's input fingerprint is compared across processes and machines).
+    loaded = tasks.get_task("lm1b").source(data_dir, raw)
+    assert all(type(split) is str for split in (*lm1b.splits, *loaded.splits))
+    assert loaded.fingerprint() == lm1b.fingerprint() == (
+        f"TFDS lm1b:1.1.0 from local raw files (test {lm1b.num_examples('test')}, train "
+        f"{MAX_TRAIN} examples)")
     assert lm1b.num_examples("train") == MAX_TRAIN
     assert lm1b.num_examples("test") == len(sources.bible_split_verses("test"))
     assert sorted(lm1b.texts("train")) == sorted(v.en for v in sources.bible_split_verses("train")[:MAX_TRAIN])
@@ -121,12 +128,12 @@ def test_tfds_batches_shard_by_host_and_resume_exactly(lm1b, en_vocab, tmp_path)
 def test_word_count_is_words_plus_end_of_sentence(lm1b, en_vocab):
     exp = types.SimpleNamespace(source=lm1b, eval_split="test", vocab=en_vocab,
                                 sequence_length=100_000)  # nothing trimmed
-    stats = run_lib.heldout_statistics(exp)
+    stats = evaluation.heldout_statistics(exp)
     texts = list(lm1b.texts("test"))
     assert stats["words"] == sum(len(t.split()) + 1 for t in texts)
     assert 1 < stats["unigram_perplexity"] < en_vocab.vocab_size
     short = types.SimpleNamespace(**{**vars(exp), "sequence_length": 8})
-    assert run_lib.heldout_statistics(short)["words"] < stats["words"] / 3  # trimmed away
+    assert evaluation.heldout_statistics(short)["words"] < stats["words"] / 3  # trimmed away
 
 
 def test_cli_trains_lm1b_offline_from_the_shipped_corpus(tmp_path, monkeypatch):

@@ -49,6 +49,7 @@ import tensorflow as tf
 from mtrain.data import packing
 from mtrain.data.packing import no_autograph
 from mtrain.data.sources import DataError, TextSource
+from mtrain.errors import IncompatibleRun
 from mtrain.vocabulary import Vocabulary
 
 LM_FEATURES = {"targets": "text"}  # packed key <- source feature
@@ -71,7 +72,7 @@ def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[st
         return make_dataset(source, vocab, split, features, sequence_length, batch_size,
                             seed, train=train, shard=shard, window=window, skip=skip)
 
-    config = dict(source=source.description(), split=split, features=features,
+    config = dict(data=source.fingerprint(), split=split, features=features,
                   vocabulary=hashlib.sha256(vocab.model_proto).hexdigest()[:16],
                   sequence_length=sequence_length, batch_size=batch_size, seed=seed,
                   train=train, window=window)
@@ -252,12 +253,16 @@ class BatchIterator:
             saved = json.load(f)
         position, start = saved.pop("position", None), saved.pop("start", 0)
         saved_shard = tuple(saved.pop("shard", ()))
-        differences = {key: (saved.get(key), self.config.get(key))
-                       for key in saved.keys() | self.config.keys()
-                       if saved.get(key) != self.config.get(key)}
+        config = dict(self.config)
+        if "data" not in saved:  # saved by an older mtrain, whose "source" was not canonical
+            saved.pop("source", None)
+            config.pop("data", None)
+        differences = [f"{key}={saved.get(key)!r} there, {config.get(key)!r} here"
+                       for key in sorted(saved.keys() | config.keys())
+                       if saved.get(key) != config.get(key)]
         if differences:
-            raise DataError(f"cannot restore the input pipeline from {directory}: it was saved "
-                            f"by a different pipeline (saved vs now: {differences})")
+            raise IncompatibleRun(f"the input pipeline state under {directory} was saved by "
+                                  f"another pipeline: {'; '.join(differences)}")
         if own in saved_files and saved_shard == self.shard:
             if start != self.start:
                 self._start(start)  # the saved state is of a dataset built to start there

@@ -89,6 +89,11 @@ class TextSource(abc.ABC):
                              if not k.startswith("_"))
         return f"{type(self).__name__}({settings})"
 
+    def fingerprint(self) -> str:
+        """What decides the examples and their order, as plain text that is the same in
+        every process and on every machine (saved with checkpoints, compared on resume)."""
+        return self.description()
+
     def _indices(self, split: str, shard: tuple[int, int] | None) -> tf.Tensor:
         """The example indices of a split, or of shard `index` of `count`: every `count`-th
         example from `index` on. `index` may be a scalar tensor (one shard per batch row)."""
@@ -307,11 +312,22 @@ class TfdsSource(TextSource):
         raw = _shipped_raw_tree(name, data_dir) if data_source == SHIPPED else data_source
         self._builder = tfds_prepare.prepare(name, str(self._dir), raw)
         self.features = tuple(self._builder.info.features.keys())
-        self.splits = tuple(self._builder.info.splits.keys())
+        self.splits = tuple(str(split) for split in self._builder.info.splits.keys())
         self._readers = {}
 
     def cache_dir(self, data_dir: str) -> str:
         return str(self._dir / "mtrain")  # beside the prepared dataset, as it depends on it
+
+    def description(self) -> str:
+        return f"TfdsSource(name={self.name!r}, data_source={self.data_source!r})"
+
+    def fingerprint(self) -> str:
+        """The dataset, where its raw files came from (the web, the shipped corpus, local
+        files wherever they lie) and the size of each split."""
+        origin = {None: "the web", SHIPPED: "the shipped corpus"}.get(self.data_source,
+                                                                       "local raw files")
+        sizes = ", ".join(f"{split} {self.num_examples(split)}" for split in sorted(self.splits))
+        return f"TFDS {self.name} from {origin} ({sizes} examples)"
 
     def num_examples(self, split: str) -> int:
         return self._builder.info.splits[self.check_split(split)].num_examples

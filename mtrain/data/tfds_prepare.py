@@ -124,11 +124,14 @@ def _prepare_offline(builder, name, source: epath.Path, download_config, file_fo
             builder.download_and_prepare(download_dir=download_dir,
                                          download_config=download_config,
                                          file_format=file_format)
-    except (OSError, AssertionError) as e:
-        # A raw file that _check_raw_tree did not know of (the wmt builder asserts that
-        # its files exist).
+    except DataError:
+        raise
+    except Exception as e:
+        # A raw file that _check_raw_tree did not know of (the wmt builder asserts that its
+        # files exist), or one that is not what the builder reads (not UTF-8 text, not gzip).
+        kind = "" if isinstance(e, (OSError, AssertionError)) else f"{type(e).__name__}: "
         raise DataError(f"could not build {name} from the raw tree {source}: "
-                        f"{_first_line(e)}") from None
+                        f"{kind}{_first_line(e)}") from None
 
 
 # download_and_prepare prints two lines of its own (with termcolor, not through absl): the

@@ -1,0 +1,96 @@
+"""Evaluation of a model's parameters on the run's held-out split: token loss, perplexity
+and accuracy; word perplexity and the unigram baseline for language models; BLEU of beam
+search translations for translation tasks."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import numpy as np
+
+from mtrain.bleu import corpus_bleu
+from mtrain.metrics import MetricsWriter, log
+
+
+def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
+    """Token-level loss, perplexity and accuracy over the whole held-out split, and for
+    language models the word-level perplexity and the unigram baseline."""
+    totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0}
+    for batch in exp.eval_batches():
+        sums = jax.device_get(exp.trainer.eval_step(params, exp.trainer.place_batch(batch)))
+        totals = {k: totals[k] + float(sums[k]) for k in totals}
+    n = max(totals["num_tokens"], 1.0)
+    loss = totals["xent_sum"] / n
+    results = {
+        "eval/loss": loss,
+        "eval/perplexity": math.exp(min(loss, 50.0)),
+        "eval/accuracy": totals["correct"] / n,
+        "eval/num_tokens": totals["num_tokens"],
+    }
+    if "word_perplexity" in exp.task.metrics:
+        stats = heldout_statistics(exp)
+        results["eval/word_perplexity"] = math.exp(min(totals["xent_sum"] / stats["words"], 50.0))
+        results["eval/num_words"] = stats["words"]
+        results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
+    if "bleu" in exp.task.metrics:
+        results.update(bleu(exp, params))
+    writer.write(step, results)
+    return results
+
+
+def bleu(exp, params) -> dict:
+    """BLEU of the model's translations of (the first decoding.num_examples of) the eval split."""
+    limit = exp.translator.config.num_examples or None
+    examples = list(exp.source.examples(exp.eval_split, limit))
+    features = exp.task.features
+    inputs = [e[features["inputs"]] for e in examples]
+    references = [e[features["targets"]] for e in examples]
+    t0 = time.time()
+    hypotheses = exp.translator(params, inputs)
+    scores = corpus_bleu(hypotheses, references)
+    log.info("translated %d %s examples in %.0f s (beam %d, alpha %.1f); e.g. %r -> %r "
+             "(reference %r); BLEU signature %s", len(inputs), exp.eval_split, time.time() - t0,
+             exp.translator.config.beam_size, exp.translator.config.alpha, inputs[0],
+             hypotheses[0], references[0], scores["signature"])
+    return {"eval/bleu": scores["bleu"], "eval/bleu_intl": scores["bleu_intl"],
+            "eval/bleu_examples": len(inputs)}
+
+
+_HELDOUT_CACHE: dict = {}
+
+
+def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
+    """Counts over the held-out split of a language-modelling task, computed once per run.
+
+    - ``words``: the words whose tokens the evaluation scores: the whitespace-separated words
+      of each example plus one for the end of sentence, as LM1B's own evaluation counts
+      ``</S>``; of an example trimmed to the sequence length, the words of its kept tokens. Word-level
+      perplexity is exp(total token log-loss / words), the number T2T and the Mesh-TF paper
+      report for lm1b.
+    - ``unigram_perplexity``: perplexity of the held-out tokens under the (add-one) unigram
+      model of at most `max_texts` training texts: the baseline a language model must beat.
+    """
+    vocab = exp.vocab
+    key = (exp.source.description(), exp.eval_split, vocab.model_proto, exp.sequence_length)
+    if key not in _HELDOUT_CACHE:
+        def kept(text):
+            return (vocab.encode(text) + [vocab.eos_id])[: exp.sequence_length]
+
+        counts = np.ones(vocab.vocab_size)
+        for text in exp.source.texts("train", limit=max_texts):
+            np.add.at(counts, kept(text), 1)
+        log_p = np.log(counts / counts.sum())
+        log_loss, tokens, words = 0.0, 0, 0
+        for text in exp.source.texts(exp.eval_split):
+            ids = kept(text)
+            log_loss -= log_p[ids].sum()
+            tokens += len(ids)
+            if ids[-1] == vocab.eos_id:  # kept whole
+                words += len(text.split()) + 1
+            else:  # trimmed: the words (the last one perhaps in part) of the kept tokens
+                words += len(vocab.decode(ids).split())
+        _HELDOUT_CACHE[key] = {"words": max(words, 1),
+                               "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
+    return _HELDOUT_CACHE[key]

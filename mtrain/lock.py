@@ -1,0 +1,150 @@
+"""One training run per model dir, and a model dir that can really be written.
+
+    lock = ModelDirLock(model_dir)
+    lock.check_free()   # read-only: fails at once if a live run holds the dir
+    lock.acquire()      # writes <model_dir>/mtrain.lock: {"host", "pid", "since", "command"}
+    ...
+    lock.release()
+
+Two runs training into one model dir would both write checkpoints and metrics, and the
+second to finish would delete the first one's checkpoints. The lock file names its holder,
+so the error says who holds it. A lock left by a run that died (SIGKILL, a crash) on this
+host, whose process no longer exists, is taken over with a warning; one held from another
+host cannot be checked from here, and stays until its run ends or a person deletes it.
+With several processes only process 0 takes the lock (see `acquire_on_process_0`).
+
+`check_writable` writes and deletes a file, so that an unwritable directory (read-only,
+full, no permission, whatever the user) fails before the first step instead of at the
+first checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+
+from mtrain.errors import UserError
+
+log = logging.getLogger("mtrain")
+LOCK_FILE = "mtrain.lock"
+
+
+class ModelDirInUse(UserError):
+    """Another run trains into the same model dir."""
+
+
+def check_writable(directory: str, what: str) -> None:
+    """Creates `directory` if needed and writes a file into it (then deletes it); raises a
+    UserError naming `what` (e.g. "the model dir") if either fails."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".mtrain-write-test-")
+        try:
+            os.write(fd, b"mtrain")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cannot write {what} {directory}: {e.strerror or e}") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, but belongs to someone else
+        return True
+    return True
+
+
+class ModelDirLock:
+    """The lock file of one model dir (see the module docstring)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.path = os.path.join(model_dir, LOCK_FILE)
+        self.held = False
+
+    def _holder(self) -> dict | None:
+        """The lock's contents, None if there is no lock ({} if it cannot be parsed)."""
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError):  # unreadable, or cut short by a crash: name no one
+            return {}
+
+    def _stale(self, holder: dict) -> bool:
+        """Whether `holder` is a process of this host that no longer runs."""
+        return (holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
+                and not _alive(holder["pid"]))
+
+    def _in_use(self, holder: dict) -> ModelDirInUse:
+        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since "
+               f"{holder.get('since', '?')}")
+        return ModelDirInUse(
+            f"the model dir {self.model_dir} is in use by another run ({who}); wait for it to "
+            f"end, or use another --model_dir (if that run is gone, delete {self.path})")
+
+    def check_free(self) -> None:
+        """Raises ModelDirInUse if a live run holds the lock; writes nothing."""
+        holder = self._holder()
+        if holder is not None and not self._stale(holder):
+            raise self._in_use(holder)
+
+    def acquire(self) -> None:
+        """Takes the lock (taking over a stale one with a warning), or raises ModelDirInUse."""
+        record = json.dumps({
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "since": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)})
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile: try again
+                if not self._stale(holder):
+                    raise self._in_use(holder) from None
+                # Rename before taking over: of two runs that find the same stale lock,
+                # only one renames it.
+                try:
+                    os.replace(self.path, f"{self.path}.stale-{os.getpid()}")
+                except FileNotFoundError:
+                    continue
+                os.unlink(f"{self.path}.stale-{os.getpid()}")
+                log.warning("took over the lock of a run that is no longer running (pid %s on "
+                            "this host, since %s)", holder["pid"], holder.get("since", "?"))
+                continue
+            except OSError as e:
+                raise UserError(f"cannot write the model dir {self.model_dir}: "
+                                f"{e.strerror or e}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(record + "\n")
+            self.held = True
+            return
+        raise self._in_use(self._holder() or {})
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()

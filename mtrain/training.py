@@ -1,0 +1,394 @@
+"""The training loop of a run, and what keeps its model dir safe.
+
+`train(exp)` trains the `run.Experiment` `exp`:
+
+- **One run per model dir**: process 0 holds `<model_dir>/mtrain.lock` for the whole run
+  (`mtrain.lock`), and the model dir and its checkpoints are written to once before the
+  first step, so that a directory that cannot be written fails in seconds.
+- **Resume**: from the newest checkpoint that can be read; damaged ones are moved to
+  ``<step>.damaged``; one of a run with other settings is an error (`checkpoints`). A model
+  dir with checkpoints or damaged ones that cannot resume is never trained from scratch
+  unless `restart` says so (then what it held is moved to ``before-restart-<n>/``).
+- **Divergence**: a step with a non-finite loss or gradient is skipped (optax's
+  apply_if_finite), no checkpoint is written while such steps are being skipped, and
+  ``run.max_nonfinite_steps`` of them in a row stop the run with an error that names the
+  checkpoint to resume from (one holding the very parameters they all ran from is moved to
+  ``<step>.diverged``).
+- **Signals**: on SIGTERM (preemption) and on Ctrl-C the run finishes its step, saves a
+  checkpoint and stops (SIGTERM: exit 0; Ctrl-C: `Interrupted`, exit 130); a second Ctrl-C
+  aborts at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import time
+
+import gin
+import jax
+import numpy as np
+
+from mtrain import distributed, planner
+from mtrain.checkpoints import CheckpointError, Checkpoints
+from mtrain.errors import Interrupted, TrainingDiverged, UserError
+from mtrain.evaluation import evaluate
+from mtrain.lock import ModelDirInUse, ModelDirLock, check_writable
+from mtrain.metrics import MetricsWriter, log
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.gin")  # moved aside by a restart
+
+
+def train(exp, restart: bool = False) -> dict:
+    """The training loop: log, evaluate and checkpoint on schedule; returns the last eval."""
+    check_writable(exp.model_dir, "the model dir")
+    lock = _lock(exp.model_dir)
+    with _closing(lock.release):
+        if restart:
+            _move_aside_for_restart(exp.model_dir)
+        check_writable(os.path.join(exp.model_dir, "checkpoints"), "checkpoints to")
+        checkpoints = Checkpoints(os.path.join(exp.model_dir, "checkpoints"),
+                                  exp.keep_checkpoints, exp.keep_checkpoint_every,
+                                  cleanup_tmp=True)  # no other run writes here: we hold the lock
+        # A run that stops on an error still completes the checkpoints it started.
+        with _closing(checkpoints.close), _closing(checkpoints.wait):
+            batches = exp.train_batches()
+            state, start = _restore_or_init(exp, checkpoints, batches)
+            if jax.process_index() == 0:
+                with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
+                    f.write(gin.operative_config_str())
+            writer = MetricsWriter(exp.model_dir)
+            with _closing(writer.close):
+                results = _train_loop(exp, state, start, batches, checkpoints, writer)
+    log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
+    return results
+
+
+@contextlib.contextmanager
+def _closing(close):
+    """Calls `close()` when the block ends. If the block raised, a `close()` that fails too
+    (a full disk fails both) is logged at debug level and the block's error is the one
+    reported."""
+    try:
+        yield
+    except BaseException:
+        try:
+            close()
+        except Exception as e:
+            log.debug("%s failed after an error: %s", getattr(close, "__qualname__", close), e)
+        raise
+    close()
+
+
+def check_model_dir_free(model_dir: str) -> None:
+    """Fails at once (writing nothing) if another live run trains into `model_dir`."""
+    _on_process_0(ModelDirLock(model_dir).check_free, model_dir)
+
+
+def _lock(model_dir: str) -> ModelDirLock:
+    """The model dir's lock, taken by process 0; every process fails if it could not."""
+    lock = ModelDirLock(model_dir)
+    _on_process_0(lock.acquire, model_dir)
+    return lock
+
+
+def _on_process_0(action, model_dir: str) -> None:
+    """Runs `action` on process 0 only; if it raises a UserError, every process raises one
+    (process 0 its own), so that none is left waiting for the others."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            action()
+        except UserError as e:
+            error = e
+    if not distributed.process_0_says(error is None):
+        if error is not None:
+            raise error
+        raise ModelDirInUse(f"process 0 cannot use the model dir {model_dir} (its error says why)")
+
+
+def _move_aside_for_restart(model_dir: str) -> None:
+    """--restart: moves the checkpoints, metrics, config and TensorBoard events of the model
+    dir into a new ``before-restart-<n>/`` inside it (nothing is deleted)."""
+    names = [n for n in sorted(os.listdir(model_dir))
+             if n in RUN_FILES or n.startswith("events.out.tfevents")]
+    if not names:
+        return
+    n = 1
+    while os.path.exists(os.path.join(model_dir, f"before-restart-{n}")):
+        n += 1
+    target = os.path.join(model_dir, f"before-restart-{n}")
+    if jax.process_index() == 0:
+        os.mkdir(target)
+        for name in names:
+            os.rename(os.path.join(model_dir, name), os.path.join(target, name))
+    distributed.sync("mtrain_restart")
+    log.warning("--restart: moved %s to %s; training from step 0", ", ".join(names), target)
+
+
+def _restore_or_init(exp, checkpoints: Checkpoints, iterator):
+    """(state, step): resumed from the model dir's newest intact checkpoint, else started
+    from `init_from`'s parameters, else freshly initialised."""
+    if checkpoints.all_steps():
+        state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
+                                                 iterator, exp.checkpoint_meta())
+        log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
+        return state, step
+    set_aside = checkpoints.set_aside()
+    if set_aside:
+        raise CheckpointError(
+            f"{checkpoints.directory} holds only checkpoints that were set aside "
+            f"({', '.join(set_aside)}); restore a good copy, or pass --restart to train from "
+            f"step 0 (they are kept)")
+    state = exp.trainer.init_state()
+    if exp.init_from:
+        params, step, where = _params_from(exp)
+        log.info("starting from the parameters of step %d of %s", step, where)
+        state = state.replace(params=params)
+    return state, 0
+
+
+def _params_from(exp):
+    """The parameters of checkpoint `init_step` (default: the latest) of run `init_from`."""
+    where = exp.init_from
+    if os.path.isdir(os.path.join(where, "checkpoints")):
+        where = os.path.join(where, "checkpoints")
+    state, step = restore_for_reading(exp, where, exp.init_step,
+                                      missing="run.init_from must name the model dir of a run")
+    return state.params, step, where
+
+
+def restore_for_reading(exp, directory: str, step: int | None = None,
+                        missing: str = "train first (--mode=train)"):
+    """(state, step) of checkpoint `step` (default: the latest) in `directory`, into this
+    run's shardings, without the input position: for eval, infer and init_from. Reads only;
+    `missing` says what to do when `directory` holds no checkpoint."""
+    if not os.path.isdir(directory):  # Checkpoints would create it
+        raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+    checkpoints = Checkpoints(directory, exp.keep_checkpoints)
+    try:
+        steps = checkpoints.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
+        state = checkpoints.restore(step, exp.trainer.sharded_abstract_state(), None,
+                                    exp.checkpoint_meta())
+        return state, step
+    finally:
+        checkpoints.close()
+
+
+def _train_loop(exp, state, start: int, batches, checkpoints: Checkpoints,
+                writer: MetricsWriter) -> dict:
+    trainer, pending, results = exp.trainer, [], {}
+    # With SGP the loop steps replicas of the state; evaluation and checkpoints get their
+    # average, a Trainer state.
+    stepper, as_trainer_state = exp.trainer, lambda state: state  # noqa: E731
+    if exp.sgp:
+        stepper, as_trainer_state = exp.sgp, exp.sgp.train_state
+        state = exp.sgp.init_state(state)
+        log.info("SGP over %d replicas (overlap %d, exact average every %s steps): each sends "
+                 "%.3g MB per step", exp.sgp.num_replicas, exp.sgp.overlap,
+                 exp.sgp.average_every or "no", exp.sgp.bytes_sent_per_step() / 1e6)
+    peak, source = planner.device_peak_flops()
+    log.info("model FLOPs per step %.3g; MFU against %.3g FLOP/s per device (%s)",
+             exp.flops_per_step, peak, source)
+    if start >= exp.train_steps:
+        log.info("the checkpoint of step %d is at or past run.train_steps=%d: nothing to "
+                 "train, evaluating it", start, exp.train_steps)
+    guard = _FiniteGuard(exp.max_nonfinite_steps, last_checkpoint=start or None)
+    tick = time.time()
+    with _StopSignals() as signals, _on_divergence(guard, checkpoints):
+        for step in range(start + 1, exp.train_steps + 1):
+            if exp.profile_steps and step == exp.profile_steps[0]:
+                jax.profiler.start_trace(os.path.join(exp.model_dir, "profile"))
+            state, metrics = stepper.train_step(state, trainer.place_batch(next(batches)))
+            if exp.profile_steps and step == exp.profile_steps[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                log.info("profile of steps %d-%d: %s", *exp.profile_steps,
+                         os.path.join(exp.model_dir, "profile"))
+            guard.add(step, metrics["finite"])
+            # At most two steps in flight: this one is queued behind the previous one, which
+            # we wait for here. More buys nothing (the devices are busy either way) and, with
+            # simulated CPU devices, a deep queue of multi-device programs can deadlock
+            # XLA's collectives.
+            guard.check(until=step - 1)
+            pending.append(metrics)
+            if step % exp.log_every == 0 or step == exp.train_steps:
+                _log_train(exp, step, jax.device_get(pending), time.time() - tick, guard, writer,
+                           peak, state)
+                pending, tick = [], time.time()
+            if exp.eval_every and step % exp.eval_every == 0 and step != exp.train_steps:
+                results = evaluate(exp, _params(exp, state), step, writer)
+                tick = time.time()
+            stop = signals.reached(step)
+            if step % exp.checkpoint_every == 0 or step == exp.train_steps or stop:
+                guard.check(until=step)
+                if guard.in_a_row:  # the state may be the one that made them non-finite
+                    log.warning("step %d: no checkpoint while non-finite steps are being "
+                                "skipped (the newest is of step %s)", step, guard.last_checkpoint)
+                else:
+                    checkpoints.save(step, as_trainer_state(state), batches, exp.checkpoint_meta())
+                    guard.last_checkpoint = step
+            if stop:
+                saved = ("saved its checkpoint" if guard.last_checkpoint == step else
+                         f"the newest checkpoint is of step {guard.last_checkpoint}")
+                if stop == "SIGTERM":
+                    log.warning("SIGTERM: stopped after step %d and %s; run the same command "
+                                "to resume", step, saved)
+                    return results
+                raise Interrupted(f"interrupted (Ctrl-C) after step {step}, and {saved}; run "
+                                  f"the same command to resume")
+    results = evaluate(exp, _params(exp, state), max(start, exp.train_steps), writer)
+    return results
+
+
+def _params(exp, state):
+    """The parameters to evaluate: with SGP the replicas' average."""
+    return exp.sgp.average(state) if exp.sgp else state.params
+
+
+def _log_train(exp, step: int, fetched: list[dict], elapsed: float, guard: "_FiniteGuard",
+               writer: MetricsWriter, peak_flops: float = 0.0, state=None) -> None:
+    """One record of training metrics, averaged over the steps since the last one (the
+    skipped, non-finite ones left out), with the model FLOP/s each device achieved and its
+    MFU against `peak_flops`; with SGP, also how far the replicas of `state` are from
+    consensus and what each sends per step."""
+    finite = [m for m in fetched if m["finite"]] or [{k: np.nan for k in fetched[0]}]
+    flops = exp.flops_per_step * len(fetched) / max(elapsed, 1e-9) / jax.device_count()
+    writer.write(step, {
+        "train/loss": np.mean([m["loss"] for m in finite]),
+        "train/cross_entropy": np.mean([m["cross_entropy"] for m in finite]),
+        "train/grad_norm": np.mean([m["grad_norm"] for m in finite]),
+        # The schedule counts updates from 0: step s was produced by update s - 1.
+        "train/learning_rate": float(exp.schedule(step - 1)),
+        "train/tokens_per_second": sum(float(m["num_tokens"]) for m in fetched) / max(elapsed, 1e-9),
+        "train/skipped_steps": guard.skipped,
+        "train/model_flops_per_second_per_device": flops,
+        "train/mfu": flops / peak_flops if peak_flops else np.nan,
+        **(_sgp_metrics(exp.sgp, state) if exp.sgp else {}),
+    })
+
+
+def _sgp_metrics(sgp, state) -> dict:
+    distance = jax.device_get(sgp.consensus_distance(state))
+    return {"train/consensus_distance_max": float(distance["max"]),
+            "train/consensus_distance_mean": float(distance["mean"]),
+            "train/bytes_sent_per_replica_per_step": sgp.bytes_sent_per_step()}
+
+
+class _FiniteGuard:
+    """Counts the steps whose loss or gradient was not finite (optax.apply_if_finite skipped
+    their updates), and raises `Diverged` after `limit` of them in a row. The loop keeps
+    `last_checkpoint` (the step of the newest checkpoint written) up to date."""
+
+    def __init__(self, limit: int, last_checkpoint: int | None = None):
+        self.limit, self.in_a_row, self.skipped = limit, 0, 0
+        self.last_checkpoint = last_checkpoint
+        self._unchecked: collections.deque = collections.deque()
+
+    def add(self, step: int, finite: jax.Array) -> None:
+        self._unchecked.append((step, finite))
+
+    def check(self, until: int) -> None:
+        """Waits for the steps up to `until` and counts them."""
+        while self._unchecked and self._unchecked[0][0] <= until:
+            step, finite = self._unchecked.popleft()
+            if float(finite):
+                self.in_a_row = 0
+                continue
+            self.in_a_row += 1
+            self.skipped += 1
+            log.warning("step %d: non-finite loss or gradient; its update was skipped (%d in "
+                        "a row)", step, self.in_a_row)
+            if self.in_a_row >= self.limit:
+                raise _Diverged(step - self.in_a_row + 1, step)
+
+
+class _Diverged(Exception):
+    def __init__(self, first: int, last: int):
+        super().__init__(first, last)
+        self.first, self.last = first, last
+
+
+@contextlib.contextmanager
+def _on_divergence(guard: _FiniteGuard, checkpoints: Checkpoints):
+    """Turns `_Diverged` into a `TrainingDiverged` that says where to resume from.
+
+    Every skipped step left the state as it was, so all of them ran from the parameters of
+    the step before the first: if a checkpoint holds exactly those (it was written at that
+    step), they made `limit` different batches non-finite, and resuming from it would
+    diverge again. That checkpoint is moved to ``<step>.diverged`` (kept), so that the
+    newest one is the one to resume from.
+    """
+    try:
+        yield
+    except _Diverged as e:
+        message = (f"training diverged: steps {e.first}-{e.last} had a non-finite loss or "
+                   f"gradient (run.max_nonfinite_steps={guard.limit} in a row), and no "
+                   f"checkpoint was written while they were skipped")
+        checkpoints.wait()
+        if guard.last_checkpoint == e.first - 1 and guard.last_checkpoint in checkpoints.all_steps():
+            moved = checkpoints.move_aside(guard.last_checkpoint, "diverged")
+            message += (f"; the checkpoint of step {guard.last_checkpoint} holds the parameters "
+                        f"they all ran from, and was moved to {moved.name}")
+        steps = checkpoints.all_steps()
+        if steps:
+            message += (f"; lower the learning rate (learning_rate_schedule.constant) and run "
+                        f"the same command to resume from the checkpoint of step {steps[-1]}")
+        else:
+            message += ("; no checkpoint is left to resume from: lower the learning rate and "
+                        "run the same command" + (" with --restart" if checkpoints.set_aside()
+                                                  else "") + " to train from step 0")
+        raise TrainingDiverged(message) from None
+
+
+class _StopSignals:
+    """Notes SIGTERM (what Cloud TPU, Kubernetes and Slurm send before they stop a job) and
+    Ctrl-C (SIGINT), so that the loop can save a checkpoint and stop instead of dying
+    mid-step. After the first Ctrl-C, a second one aborts at once (KeyboardInterrupt).
+
+    With several processes, JAX's coordination service catches SIGTERM on whichever
+    processes get it and agrees with all of them on a step to stop at
+    (`reached_preemption_sync_point`), so that they all save the same one; Ctrl-C keeps its
+    default there (it aborts).
+    """
+
+    def reached(self, step: int) -> str | None:
+        """Whether to save and stop after `step` ("SIGTERM", "SIGINT" or None); call it at
+        every step, on every process."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
+        return self.requested
+
+    def __enter__(self):
+        self.requested = None
+        self._previous = {}
+        if jax.process_count() > 1:
+            return self  # the coordination service owns SIGTERM
+        for signum, handler in [(signal.SIGTERM, self._term), (signal.SIGINT, self._interrupt)]:
+            try:
+                self._previous[signum] = signal.signal(signum, handler)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _term(self, signum, frame):
+        self.requested = self.requested or "SIGTERM"
+
+    def _interrupt(self, signum, frame):
+        self.requested = "SIGINT"
+        log.warning("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again "
+                    "to abort without saving)")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)

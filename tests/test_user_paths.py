@@ -1,0 +1,95 @@
+"""The user's paths, end to end, as `python -m mtrain` processes with an empty HOME: no
+fixture prepares data, so the first run builds the TFDS dataset and trains the vocabulary
+itself (as on a fresh machine), and every later run loads what it built.
+
+For the LM quickstart and for the WMT14 translation experiment: train 20 steps, run the
+same command again to 30, and end bit for bit where a run of 30 steps that was never
+stopped ends; then change a setting that the checkpoints cannot follow (refused in one
+line, nothing changed) and one that they can (it resumes)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from model_dirs import digest, saved_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EXPERIMENTS = {
+    # The quickstart as the README runs it, evaluated only at the end.
+    "quickstart": (["--gin_file=quickstart.gin"], ["run.eval_every=0"], "lm1b:1.1.0",
+                   "tfds_shipped"),
+    # The translation experiment with a smaller model and BLEU on a few sentences, so that
+    # CPU tests stay fast; the data, vocabulary and pipeline are the experiment's own.
+    "wmt14_enfr_tiny": (["--gin_file=experiments/wmt14_enfr_tiny.gin"],
+                        ["run.eval_every=0", "transformer.d_model=64", "transformer.d_ff=128",
+                         "transformer.num_heads=2", "decoding.num_examples=8",
+                         "decoding.beam_size=2", "decoding.max_decode_length=16"],
+                        "wmt14_translate/fr-en:1.0.0", "tfds_shipped"),
+}
+
+
+def mtrain(home, files, params, model_dir, *more):
+    """`python -m mtrain` on 8 CPU devices, with `home` as HOME and nothing else set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MTRAIN_", "XLA_"))}
+    env.update(HOME=str(home), XLA_FLAGS="--xla_backend_optimization_level=0")
+    args = [sys.executable, "-m", "mtrain", "--cpu_devices=8", *files,
+            *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}", *more]
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def records(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_first_run_rerun_and_changed_settings(name, tmp_path):
+    files, params, dataset, tfds_dir = EXPERIMENTS[name]
+    home = tmp_path / "home"
+    home.mkdir()
+    common = [*params, "run.checkpoint_every=10", "run.log_every=10"]
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+
+    first = mtrain(home, files, [*common, "run.train_steps=20"], stopped)
+    assert first.returncode == 0, first.stderr
+    cache = home / ".cache" / "mtrain"
+    assert f"preparing {dataset} in {cache / tfds_dir}" in first.stderr  # built here
+    assert "sentencepiece vocabulary" in first.stderr
+
+    again = mtrain(home, files, [*common, "run.train_steps=30"], stopped)
+    assert again.returncode == 0, again.stderr
+    assert "preparing" not in again.stderr and "sentencepiece vocabulary" not in again.stderr
+    assert "resuming from the checkpoint of step 20" in again.stderr
+    assert sorted(os.listdir(stopped / "checkpoints")) == ["10", "20", "30"]
+
+    whole = mtrain(home, files, [*common, "run.train_steps=30"], straight)
+    assert whole.returncode == 0, whole.stderr
+    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(stopped, 30),
+                           saved_state(straight, 30))
+    losses = [{r["step"]: r["train/loss"] for r in records(d) if "train/loss" in r}
+              for d in (stopped, straight)]
+    assert losses[0] == losses[1] and sorted(losses[0]) == [10, 20, 30]
+
+    # A setting that decides the data: refused in one line, the model dir untouched.
+    before = digest(stopped)
+    changed = mtrain(home, files, [*common, "run.train_steps=40", "run.batch_size=8"], stopped)
+    assert changed.returncode == 2
+    lines = changed.stderr.strip().splitlines()
+    assert len(lines) <= 3 and lines[-1].startswith("mtrain: error: checkpoint "), lines
+    assert "run.batch_size=16 there, 8 here" in lines[-1]
+    assert digest(stopped) == before
+
+    # The mesh, the layout and the learning rate may change: it resumes.
+    moved = mtrain(home, files, [*common, "run.train_steps=32", "run.mesh_shape='batch:8'",
+                                 "run.layout_rules='batch:batch'",
+                                 "learning_rate_schedule.constant=0.5"], stopped)
+    assert moved.returncode == 0, moved.stderr
+    assert "resuming from the checkpoint of step 30" in moved.stderr
+    assert records(stopped)[-1]["step"] == 32
