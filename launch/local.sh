@@ -78,11 +78,16 @@ for ((i = 0; i < NUM; i++)); do
   PIDS+=("$!")
 done
 
-# Wait for all; the first failure stops the rest.
+# Wait for all; the first failure stops the rest. (Each one waited for leaves PIDS: bash
+# says "no such job" for a pid it has already reaped.)
 STATUS=0
-for ((left = NUM; left > 0; left--)); do
+while ((${#PIDS[@]})); do
   code=0
-  wait -n "${PIDS[@]}" || code=$?
+  DONE=""
+  wait -n -p DONE "${PIDS[@]}" || code=$?
+  REMAINING=()
+  for pid in "${PIDS[@]}"; do [[ "$pid" == "$DONE" ]] || REMAINING+=("$pid"); done
+  PIDS=("${REMAINING[@]}")
   if ((code != 0 && STATUS == 0)); then
     STATUS=$code
     echo "launch/local.sh: a process exited with code $code; stopping the others" >&2

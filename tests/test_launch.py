@@ -148,6 +148,7 @@ def test_local_launcher_runs_two_processes(data_dir, tmp_path):
         *[f"--gin_param={p}" for p in TINY], "--gin_param=run.train_steps=3",
         f"--model_dir={tmp_path / 'run'}", env=env)
     assert code == 0, out[-3000:] + err[-3000:]
+    assert err == ""  # the processes' output is on stdout, tagged; the launcher says nothing
     assert "[0] " in out and "step 3" in out
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f][-1] == 3
