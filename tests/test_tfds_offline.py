@@ -228,7 +228,8 @@ def test_make_offline_refuses_to_overwrite(raw, capsys):
 def test_make_offline_cli_writes_into_a_new_directory(tmp_path, capsys):
     out = tmp_path / "new" / "raw"
     assert make_offline.main(["lm1b", str(out), "--max_train", "3"]) == 0
-    assert f"--gin_file=tasks/lm1b.gin ... --data_source={out}" in capsys.readouterr().out
+    assert (f"python -m mtrain --gin_file=quickstart.gin --cpu_devices=8 --data_source={out} "
+            f"--model_dir=runs/lm1b_raw") in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.joinpath("new").iterdir()) == ["raw"]
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
         make_offline.lm1b_files())
