@@ -130,8 +130,8 @@ def _quiet_library_noise(verbose: bool) -> None:
     is closed" tracebacks on stderr, and asyncio logs "Task exception was never retrieved"
     for each, after mtrain has said in one line what happened. Unless `verbose`, those
     reports go to the debug log instead (mtrain itself uses no asyncio)."""
-    if verbose:
-        return
+    if verbose or getattr(sys.unraisablehook, "mtrain_quiet", False):
+        return  # (installed once per process, however often main runs)
     import logging
 
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
@@ -150,6 +150,7 @@ def _quiet_library_noise(verbose: bool) -> None:
         else:
             excepthook(kind, value, traceback)
 
+    on_unraisable.mtrain_quiet = True
     sys.unraisablehook, sys.excepthook = on_unraisable, on_exception
 
 
