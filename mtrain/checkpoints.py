@@ -172,11 +172,11 @@ class Checkpoints:
         has checkpoints. A checkpoint of another run (`IncompatibleRun`) is not damage: that
         is an error, and nothing is renamed.
         """
-        damaged, reasons = [], []
+        damaged, first_reason = [], None
 
         def report() -> str:
             return (f"checkpoint{'s' * (len(damaged) > 1)} {', '.join(damaged)} in "
-                    f"{self.directory} cannot be read ({reasons[0]}) and "
+                    f"{self.directory} cannot be read ({first_reason}) and "
                     f"{'were' if len(damaged) > 1 else 'was'} moved to "
                     f"{', '.join(f'{name}.damaged' for name in damaged)}")
 
@@ -186,7 +186,7 @@ class Checkpoints:
             except DamagedCheckpoint as e:
                 self.move_aside(step, "damaged")
                 damaged.append(str(step))
-                reasons.append(e.reason)
+                first_reason = first_reason or e.reason
                 continue
             except IncompatibleRun:
                 if damaged:
@@ -208,7 +208,7 @@ class Checkpoints:
             target, n = self.directory / f"{step}.{why}.{n}", n + 1
         if jax.process_index() == 0:
             source.rename(target)
-        distributed.sync(f"mtrain_damaged_{step}")
+        distributed.sync(f"mtrain_{why}_{step}")
         self.manager.reload()
         return target
 

@@ -141,10 +141,3 @@ class ModelDirLock:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()

@@ -10,7 +10,6 @@ The training loop is `training.train`, the metrics `evaluation.evaluate`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import json
 import logging
@@ -30,7 +29,7 @@ from mtrain import tasks as tasks_lib
 from mtrain import training
 from mtrain.checkpoints import state_signature
 from mtrain.data.pipeline import batches
-from mtrain.errors import ConfigError, UserError
+from mtrain.errors import ConfigError
 from mtrain.evaluation import evaluate
 from mtrain.layout import Layout
 from mtrain.lock import check_writable
@@ -93,14 +92,17 @@ def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_
 def planned_vocab_size() -> int:
     """The vocabulary size a run would have, without data: that of ``vocabulary.path`` if
     bound, else ``vocabulary.size`` (sentencepiece trains exactly that many pieces)."""
-    def bound(name, default):
-        try:
-            return gin.query_parameter(f"vocabulary.{name}")
-        except ValueError:
-            return default
+    path = _bound("vocabulary.path", None)
+    return load_vocabulary(path).vocab_size if path else _bound("vocabulary.size",
+                                                                DEFAULT_VOCAB_SIZE)
 
-    path = bound("path", None)
-    return load_vocabulary(path).vocab_size if path else bound("size", DEFAULT_VOCAB_SIZE)
+
+def _bound(name: str, default):
+    """The value gin binds to `name`, or `default` if it binds none."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
 
 
 @dataclasses.dataclass
@@ -157,8 +159,7 @@ class Experiment:
         state's structure, with the optimizer settings that decide it. Everything else may
         change between the runs of a model dir (README, "Runs that survive")."""
         config = dataclasses.asdict(self.model_config)
-        vocabulary = (f"{self.vocab.vocab_size} pieces, sha256 "
-                      f"{hashlib.sha256(self.vocab.model_proto).hexdigest()[:16]}")
+        vocabulary = f"{self.vocab.vocab_size} pieces, sha256 {self.vocab.digest}"
         return {
             "model": {**{k: config[k] for k in SHAPE_FIELDS}, "vocabulary": vocabulary},
             "task": self.task.name,
@@ -372,13 +373,6 @@ def run(input_file: str | None = None, output_file: str | None = None,
     return infer(exp, input_file, output_file)
 
 
-def _bound(name: str, default):
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
-
-
 def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
          auto_layout: bool = False, devices: int | None = None, top: int = 5,
          out=None) -> dict:
@@ -444,10 +438,7 @@ def _check_output_file(output_file: str | None) -> None:
     directory = os.path.dirname(os.path.abspath(output_file))
     if not os.path.isdir(directory):
         raise ConfigError(f"--output_file {output_file}: the directory {directory} does not exist")
-    try:
-        check_writable(directory, "the directory of --output_file")
-    except UserError as e:
-        raise ConfigError(str(e)) from None
+    check_writable(directory, "the directory of --output_file")
 
 
 def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
@@ -484,8 +475,4 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
 
 
 def model_dir_is_bound() -> bool:
-    try:
-        gin.query_parameter("run.model_dir")
-        return True
-    except ValueError:
-        return False
+    return _bound("run.model_dir", None) is not None

@@ -8,6 +8,7 @@
 Inside tf.data, `encode_tf` tokenises a batch of strings with one SentencePiece call.
 """
 
+import hashlib
 import io
 import itertools
 import os
@@ -65,6 +66,11 @@ class Vocabulary:
     def model_proto(self) -> bytes:
         """The serialized SentencePiece model (the contents of the .model file)."""
         return self._proto
+
+    @property
+    def digest(self) -> str:
+        """The first 16 hex digits of the model's sha256: which vocabulary this is."""
+        return hashlib.sha256(self._proto).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without EOS."""

@@ -38,7 +38,6 @@ skipping n rows of each lane continues exactly where the saved run was.
 """
 
 import functools
-import hashlib
 import json
 import os
 from typing import Iterator
@@ -73,7 +72,7 @@ def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[st
                             seed, train=train, shard=shard, window=window, skip=skip)
 
     config = dict(data=source.fingerprint(), split=split, features=features,
-                  vocabulary=hashlib.sha256(vocab.model_proto).hexdigest()[:16],
+                  vocabulary=vocab.digest,
                   sequence_length=sequence_length, batch_size=batch_size, seed=seed,
                   train=train, window=window)
     return BatchIterator(make, shard, process or shard, config)
