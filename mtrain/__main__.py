@@ -127,14 +127,18 @@ def _quiet_library_noise(verbose: bool) -> None:
     """orbax restores arrays with asyncio coroutines and tensorstore callbacks. When one read
     fails (a damaged checkpoint), the others are abandoned, and Python reports each of them
     as it is collected: thousands of "Exception ignored in: <coroutine ...>" and "Event loop
-    is closed" tracebacks on stderr, and asyncio logs "Task exception was never retrieved"
-    for each, after mtrain has said in one line what happened. Unless `verbose`, those
-    reports go to the debug log instead (mtrain itself uses no asyncio)."""
+    is closed" tracebacks on stderr, asyncio logs "Task exception was never retrieved" and
+    Python warns "coroutine ... was never awaited" for some, after mtrain has said in one
+    line what happened. Unless `verbose`, those reports go to the debug log instead (mtrain
+    itself uses no asyncio)."""
     if verbose or getattr(sys.unraisablehook, "mtrain_quiet", False):
         return  # (installed once per process, however often main runs)
     import logging
+    import warnings
 
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                            category=RuntimeWarning)
     debug = logging.getLogger("mtrain").debug
     unraisable, excepthook = sys.unraisablehook, sys.excepthook
 
