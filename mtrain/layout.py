@@ -257,6 +257,11 @@ _ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.Contex
 )
 
 
+def active() -> tuple[Layout, Mesh] | None:
+    """The layout and mesh `Layout.activate` made active, or None."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrains activation `x`, whose dimensions are called `names`, to the active layout."""
     active = _ACTIVE.get()

@@ -205,4 +205,4 @@ def test_bad_lever_settings_are_refused():
     with pytest.raises(ValueError, match="activation_dtype must be"):
         TransformerConfig(activation_dtype="float16")
     with pytest.raises(ValueError, match="attention must be"):
-        TransformerConfig(attention="flash")
+        TransformerConfig(attention="fast")

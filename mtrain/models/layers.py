@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.layout import constrain
+from mtrain.models import attention
 
 Dtype = Any
-NEG_INF = -1e9
 
 
 def normal(stddev: float):
@@ -66,35 +66,45 @@ class DenseReluDense(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention; `mask` is boolean [batch, 1|heads, length, memory_length].
+    """Multi-head attention of `x` [batch, length, d_model] to `memory` [batch,
+    memory_length, d_model] (itself for self-attention), where `mask` (an
+    `attention.AttentionMask`) says which memory positions each position sees.
 
     Keys and values live on the ``memory_length`` dimension (Mesh-TF's name), so that query
     and key positions never collide in the layout even when ``length`` is split.
+
+    `implementation`: 'einsum' (the plain path, `attention.reference`), 'dot_product'
+    (`jax.nn.dot_product_attention` with the dense mask: cuDNN on GPU where it applies, XLA
+    elsewhere), 'flash' (`attention.flash` with `flash_kernel`: segment ids, no [length,
+    memory_length] logits) or 'auto' (flash on GPU and TPU, einsum on CPU). The fused paths
+    have no attention dropout: while training with dropout, 'auto' keeps the einsum path.
 
     Incremental decoding (`decode_index` given, self-attention only): `x` is one position
     [batch, 1, d_model]; its key and value are written at `decode_index` into the "cache"
     collection (``cached_key``/``cached_value`` [batch, max_length, heads, d_kv], made by an
     `init` with the full decoding length), and the query attends to the cached positions
-    <= `decode_index`. `mask` is then ignored.
+    <= `decode_index` by the einsum path. `mask` is then ignored.
     """
 
     num_heads: int
     d_kv: int
     dropout_rate: float = 0.0
     dtype: Dtype = jnp.float32
-    # 'einsum' (the plain path), 'dot_product' (jax.nn.dot_product_attention: cuDNN flash
-    # attention on GPU where it applies, XLA elsewhere) or 'auto' (dot_product on GPU).
     implementation: str = "einsum"
+    flash_kernel: str = "auto"
 
-    def _fused(self, deterministic: bool, decode_index) -> bool:
-        """Whether jax.nn.dot_product_attention can stand in: it has no attention dropout,
-        and incremental decoding keeps the plain path."""
-        use = self.implementation == "dot_product" or (
-            self.implementation == "auto" and jax.default_backend() == "gpu")
-        return use and decode_index is None and (deterministic or self.dropout_rate == 0.0)
+    def _path(self, deterministic: bool, decode_index) -> str:
+        """'einsum', 'dot_product' or 'flash' for this call."""
+        use = self.implementation
+        if use == "auto":
+            use = "einsum" if jax.default_backend() == "cpu" else "flash"
+        if decode_index is not None or (self.dropout_rate > 0.0 and not deterministic):
+            return "einsum"
+        return use
 
     @nn.compact
-    def __call__(self, x, memory, mask, deterministic: bool, decode_index=None):
+    def __call__(self, x, memory, mask: attention.AttentionMask, deterministic: bool,
+                 decode_index=None):
         d_model = x.shape[-1]
         h, k = self.num_heads, self.d_kv
         qkv_names = ("d_model", "heads", "d_kv")
@@ -109,20 +119,18 @@ class MultiHeadAttention(nn.Module):
         value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv.astype(dt)), kv_names)
         if decode_index is not None:
             key, value, mask = self._cached(key, value, decode_index)
-        if self._fused(deterministic, decode_index):
+        path = self._path(deterministic, decode_index)
+        if path == "flash":
+            out = attention.flash(q, key, value, mask, self.flash_kernel)
+        elif path == "dot_product":
+            dense = mask.dense()
             out = jax.nn.dot_product_attention(
-                q, key, value, mask=jnp.broadcast_to(mask, (q.shape[0], h, *mask.shape[2:])),
-                scale=1.0)  # the query initialiser absorbs 1/sqrt(d_kv), as below
-            out = constrain(out, ("batch", "length", "heads", "d_kv"))
-            y = jnp.einsum("blhk,hkd->bld", out, wo.astype(dt))
-            return constrain(y, ("batch", "length", "d_model"))
-        # Logits and softmax in float32 whatever the activation dtype.
-        logits = jnp.einsum("blhk,bmhk->bhlm", q, key, preferred_element_type=jnp.float32)
-        logits = jnp.where(mask, logits, NEG_INF)
-        logits = constrain(logits, ("batch", "heads", "length", "memory_length"))
-        weights = jax.nn.softmax(logits, axis=-1).astype(dt)
-        weights = nn.Dropout(self.dropout_rate)(weights, deterministic=deterministic)
-        out = jnp.einsum("bhlm,bmhk->blhk", weights, value)
+                q, key, value, mask=jnp.broadcast_to(dense, (q.shape[0], h, *dense.shape[2:])),
+                scale=1.0)  # the query initialiser absorbs 1/sqrt(d_kv)
+        else:
+            drop = nn.Dropout(self.dropout_rate)
+            out = attention.reference(q, key, value, mask,
+                                      lambda w: drop(w, deterministic=deterministic))
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = jnp.einsum("blhk,hkd->bld", out, wo.astype(dt))
         return constrain(y, ("batch", "length", "d_model"))
@@ -163,21 +171,6 @@ class Embed(nn.Module):
         """Logits of a shared softmax, scaled by d_model^-0.5 as in Mesh-TF."""
         logits = jnp.einsum("bld,vd->blv", x, self.embedding.astype(self.dtype))
         return constrain(logits * self.d_model**-0.5, ("batch", "length", "vocab"))
-
-
-def segment_mask(query_segment_ids: jax.Array, memory_segment_ids: jax.Array) -> jax.Array:
-    """[batch, 1, length, memory_length]: a position sees the real (segment > 0) positions of
-    its own packed segment. Used by the encoder and by encoder-decoder attention."""
-    same = query_segment_ids[:, :, None] == memory_segment_ids[:, None, :]
-    return (same & (memory_segment_ids > 0)[:, None, :])[:, None]
-
-
-def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """[batch, 1, length, length]: position i sees j <= i of its own packed segment."""
-    length = segment_ids.shape[-1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same)[:, None]
 
 
 def shift_right(targets: jax.Array, segment_ids: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.layout import constrain
-from mtrain.models import layers
+from mtrain.models import attention, layers
 
 
 @gin.configurable("transformer", denylist=["vocab_size"])
@@ -45,7 +45,10 @@ class TransformerConfig:
     activation_dtype: str = "float32"  # 'bfloat16': activations and matmuls (params stay f32)
     remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
     scan_layers: bool = False  # each layer stack one scanned Block: compile time flat in depth
-    attention: str = "auto"  # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'auto'
+    # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'flash' (packed flash
+    # attention; no attention dropout) or 'auto' (flash on GPU and TPU, einsum on CPU).
+    attention: str = "auto"
+    flash_kernel: str = "auto"  # 'auto' (cudnn on GPU, splash elsewhere), 'cudnn', 'splash', 'triton'
 
     @property
     def dtype(self):
@@ -55,9 +58,16 @@ class TransformerConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"transformer.remat_policy must be one of {sorted(REMAT_POLICIES)}, "
                              f"got {self.remat_policy!r}")
-        if self.attention not in ("auto", "einsum", "dot_product"):
-            raise ValueError(f"transformer.attention must be 'auto', 'einsum' or 'dot_product', "
-                             f"got {self.attention!r}")
+        if self.attention not in ("auto", "einsum", "dot_product", "flash"):
+            raise ValueError(f"transformer.attention must be 'auto', 'einsum', 'dot_product' or "
+                             f"'flash', got {self.attention!r}")
+        if self.flash_kernel not in attention.FLASH_KERNELS:
+            raise ValueError(f"transformer.flash_kernel must be one of "
+                             f"{', '.join(attention.FLASH_KERNELS)}, got {self.flash_kernel!r}")
+        if self.attention == "flash" and self.dropout_rate > 0:
+            raise ValueError("transformer.attention='flash' has no attention dropout, and "
+                             f"transformer.dropout_rate is {self.dropout_rate}: set it to 0, or "
+                             "use attention 'auto' (flash where no dropout is applied)")
         if self.activation_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"activation_dtype must be 'float32' or 'bfloat16', got "
                              f"{self.activation_dtype!r}")
@@ -84,16 +94,16 @@ class Block(nn.Module):
         c = self.config
         drop = nn.Dropout(c.dropout_rate)
 
-        def attention(name):
+        def attend(name):
             return layers.MultiHeadAttention(c.num_heads, c.d_kv, c.dropout_rate, c.dtype,
-                                             c.attention, name=name)
+                                             c.attention, c.flash_kernel, name=name)
 
         y = layers.RMSNorm(dtype=c.dtype, name="attention_norm")(x)
-        y = attention("self_attention")(y, y, mask, deterministic, decode_index)
+        y = attend("self_attention")(y, y, mask, deterministic, decode_index)
         x = x + drop(y, deterministic=deterministic)
         if self.cross_attention:
             y = layers.RMSNorm(dtype=c.dtype, name="encoder_decoder_attention_norm")(x)
-            y = attention("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
+            y = attend("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
             x = x + drop(y, deterministic=deterministic)
         y = layers.RMSNorm(dtype=c.dtype, name="mlp_norm")(x)
         y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, name="mlp")(y, deterministic)
@@ -197,7 +207,7 @@ class DecoderLM(nn.Module):
         x = embed(inputs) + jnp.take(pos_table, positions, axis=0).astype(c.dtype)
         x = constrain(x, ("batch", "length", "d_model"))
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        mask = layers.causal_segment_mask(segment_ids)
+        mask = attention.AttentionMask(segment_ids, segment_ids, causal=True)
         x = layer_stack(c, x, mask, deterministic)
         x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
@@ -274,7 +284,7 @@ class EncoderDecoder(nn.Module):
     def encode(self, inputs, inputs_segment_ids, inputs_positions, deterministic: bool = True):
         """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
         x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
-        mask = layers.segment_mask(inputs_segment_ids, inputs_segment_ids)
+        mask = attention.AttentionMask(inputs_segment_ids, inputs_segment_ids)
         x = run_layers(self.encoder, x, mask, deterministic)
         x = self.dropout(self.encoder_norm(x), deterministic=deterministic)
         return constrain(x, ("batch", "memory_length", "d_model"))
@@ -291,8 +301,8 @@ class EncoderDecoder(nn.Module):
         encoded = self.encode(inputs, inputs_segment_ids, inputs_positions, deterministic)
         decoder_inputs = layers.shift_right(targets, targets_segment_ids)
         x = self._embed(decoder_inputs, self.decoder_positions, targets_positions, deterministic)
-        mask = layers.causal_segment_mask(targets_segment_ids)
-        memory_mask = layers.segment_mask(targets_segment_ids, inputs_segment_ids)
+        mask = attention.AttentionMask(targets_segment_ids, targets_segment_ids, causal=True)
+        memory_mask = attention.AttentionMask(targets_segment_ids, inputs_segment_ids)
         return self._decoder_stack(x, mask, encoded, memory_mask, deterministic,
                                    return_hidden=return_hidden)
 
@@ -306,6 +316,6 @@ class EncoderDecoder(nn.Module):
         i = self.decode_index()
         positions = i + jnp.arange(ids.shape[1])[None, :]
         x = self._embed(ids, self.decoder_positions, positions, deterministic=True)
-        memory_mask = (inputs_segment_ids > 0)[:, None, None, :]
+        memory_mask = attention.AttentionMask(None, inputs_segment_ids)
         logits = self._decoder_stack(x, None, encoded, memory_mask, True, decode_index=i)
         return logits[:, -1]

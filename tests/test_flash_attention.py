@@ -1,0 +1,239 @@
+"""The flash attention kernels compute what the einsum reference computes, on packed rows.
+
+The Pallas kernels (splash: TPU; triton: GPU) run here in Pallas' interpret mode, which
+executes the kernels' own code (blocking, online softmax, segment masking, the custom
+backward) with XLA on the CPU. cuDNN cannot run on a CPU at all: for it, what mtrain adds
+(the mask it builds and the arguments it passes to `jax.nn.dot_product_attention`) is
+checked by running the same call with jax's XLA implementation.
+
+Tolerances: float32 throughout. The kernels sum the same products in another order (blocks
+of keys, rescaled by a running maximum); with unit-scale inputs, d_kv 16 and at most 256
+keys, each output and gradient element is a sum of a few hundred terms of size <= ~10, so
+float32 reordering moves it by well under 1e-5 (the observed difference is ~1e-6).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtrain.layout import Layout
+from mtrain.models import attention
+from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+
+import test_trainer
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def packed_ids(batch, length, segments, seed=0, padding=True):
+    """Segment ids [batch, length]: row r holds 1 + r % segments examples (1-4), then some
+    padding (0) on every other row."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((batch, length), np.int32)
+    for r in range(batch):
+        n = 1 + r % segments
+        end = length - (int(rng.integers(1, length // 4)) if padding and r % 2 else 0)
+        cuts = sorted(rng.choice(np.arange(1, end), size=n - 1, replace=False)) if n > 1 else []
+        for s, (a, b) in enumerate(zip([0, *cuts], [*cuts, end])):
+            ids[r, a:b] = s + 1
+    return jnp.asarray(ids)
+
+
+def qkv(batch, length, memory_length, heads=2, d=16, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (batch, length, heads, d)) / d**0.25
+    k = jax.random.normal(keys[1], (batch, memory_length, heads, d)) / d**0.25
+    v = jax.random.normal(keys[2], (batch, memory_length, heads, d))
+    return q, k, v
+
+
+def outputs_and_grads(fn, q, k, v, real):
+    """fn's output at real query positions and the gradients of a random projection of it."""
+    cot = jax.random.normal(jax.random.key(9), q.shape[:3] + (v.shape[-1],)) * real[..., None, None]
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v) * cot)
+
+    out = fn(q, k, v) * real[..., None, None]
+    return out, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def assert_same(fn, ref, q, k, v, real):
+    out, grads = outputs_and_grads(fn, q, k, v, real)
+    ref_out, ref_grads = outputs_and_grads(ref, q, k, v, real)
+    np.testing.assert_allclose(out, ref_out, **TOL)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(g, r, **TOL, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
+@pytest.mark.parametrize("length", [128, 256, 40])  # 40: a ragged length, padded inside
+def test_self_attention_kernels_match_the_reference(kernel, length):
+    ids = packed_ids(4, length, segments=4)
+    mask = attention.AttentionMask(ids, ids, causal=True)
+    q, k, v = qkv(4, length, length)
+    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, kernel),
+                lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, ids > 0)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
+def test_non_causal_self_attention_matches_the_reference(kernel):  # the encoder's
+    ids = packed_ids(4, 128, segments=3, seed=1)
+    mask = attention.AttentionMask(ids, ids)
+    q, k, v = qkv(4, 128, 128, seed=1)
+    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, kernel),
+                lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, ids > 0)
+
+
+def test_splash_cross_attention_matches_the_reference():
+    """Encoder-decoder attention: other lengths, other segment ids, padding on both sides,
+    and a row of targets longer than its inputs (padded queries with no padded key)."""
+    targets, inputs = packed_ids(4, 128, 3, seed=2), packed_ids(4, 256, 3, seed=3)
+    inputs = inputs.at[0].set(jnp.where(targets[0, :1] > 0, jnp.maximum(inputs[0], 1), 0))
+    mask = attention.AttentionMask(targets, inputs)
+    q, k, v = qkv(4, 128, 256, seed=2)
+    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, "splash"),
+                lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, targets > 0)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
+def test_segments_are_honoured(kernel):
+    """Two examples packed in one row: what the second computes must not depend on the
+    first. A kernel that ignored segment ids (attended across the packed examples, as one
+    path of a reference implementation was found to do) fails here."""
+    ids = jnp.asarray(np.repeat([[1] * 64 + [2] * 64], 2, axis=0), jnp.int32)
+    q, k, v = qkv(2, 128, 128, seed=4)
+    packed = attention.flash(q, k, v, attention.AttentionMask(ids, ids, causal=True), kernel)
+    # The second example alone, at the start of its own row.
+    alone = attention.flash(*(jnp.roll(x, -64, axis=1) for x in (q, k, v)),
+                            attention.AttentionMask(ids, ids, causal=True), kernel)
+    np.testing.assert_allclose(packed[:, 64:], alone[:, :64], **TOL)
+    # And across segments it would indeed differ: plain causal attention over the row.
+    unsegmented = attention.reference(q, k, v, attention.AttentionMask(ids * 0 + 1, ids * 0 + 1,
+                                                                       causal=True))
+    assert np.abs(packed[:, 64:] - unsegmented[:, 64:]).max() > 0.1
+
+
+def test_cudnn_call_is_the_packed_mask(monkeypatch):
+    """The cuDNN kernel needs a GPU; mtrain's part of it (the mask and the call of
+    `jax.nn.dot_product_attention`) runs here through jax's XLA implementation."""
+    calls = []
+    original = jax.nn.dot_product_attention
+
+    def on_xla(*args, implementation=None, **kwargs):
+        calls.append((implementation, kwargs["mask"].shape, str(kwargs["mask"].dtype)))
+        return original(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_xla)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention.default_kernel() == "cudnn"
+    targets, inputs = packed_ids(4, 64, 3, seed=5), packed_ids(4, 96, 2, seed=6)
+    for mask, length in [(attention.AttentionMask(targets, targets, causal=True), 64),
+                         (attention.AttentionMask(targets, inputs), 96)]:
+        q, k, v = qkv(4, 64, length, seed=length)
+        assert_same(lambda q, k, v: attention.flash(q, k, v, mask),
+                    lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, targets > 0)
+    assert {c[0] for c in calls} == {"cudnn"}
+    assert {(c[1], c[2]) for c in calls} == {((4, 1, 64, 64), "bool"),
+                                             ((4, 1, 64, 96), "bool")}
+
+
+def test_kernel_choice_and_errors(monkeypatch):
+    ids = packed_ids(2, 128, 2)
+    q, k, v = qkv(2, 128, 128)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        attention.flash(q, k, v, attention.AttentionMask(ids, ids), "cudnn")
+    with pytest.raises(ValueError, match="self-attention only"):
+        attention.flash(q, k[:, :64], v[:, :64],
+                        attention.AttentionMask(ids, ids[:, :64]), "triton")
+    with pytest.raises(ValueError, match="attention='flash' has no attention dropout"):
+        TransformerConfig(attention="flash", dropout_rate=0.1)
+    with pytest.raises(ValueError, match="flash_kernel must be one of"):
+        TransformerConfig(flash_kernel="fast")
+    assert attention.default_kernel() == "splash"  # on this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention.default_kernel() == "splash"
+
+
+FLASH = dataclasses.replace(test_trainer.CONFIG, dropout_rate=0.0, attention="flash")
+EINSUM = dataclasses.replace(FLASH, attention="einsum")
+
+
+def _losses(config, mesh_shape, rules, model=DecoderLM, steps=3):
+    trainer = test_trainer.make_trainer(mesh_shape, rules, config)
+    if model is not DecoderLM:
+        trainer = trainer.__class__(model(config), trainer.optimizer, trainer.layout,
+                                    trainer.mesh, *trainer.batch_shape, seed=3)
+    state, losses = trainer.init_state(), []
+    for batch in test_trainer.packed_batches(steps):
+        if model is not DecoderLM:  # the same packing for the inputs
+            batch |= {k.replace("targets", "inputs"): v for k, v in batch.items()}
+        state, metrics = trainer.train_step(state, trainer.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.mark.parametrize("mesh_shape,rules", [
+    ("batch:8", "batch:batch"),
+    ("model:8", test_trainer.SPLIT_MODEL),
+    ("batch:4;model:2", "batch:batch;" + test_trainer.SPLIT_MODEL),
+])
+def test_flash_trains_like_einsum_on_the_mesh(mesh_shape, rules):
+    """Tolerance: that of the layout-invariance tests (test_trainer), which compare the
+    same training under other summation orders."""
+    reference = _losses(EINSUM, "", "")
+    np.testing.assert_allclose(_losses(FLASH, mesh_shape, rules), reference, rtol=1e-5)
+
+
+def test_flash_encoder_decoder_trains_like_einsum():
+    layout = ("batch:4;model:2", "batch:batch;" + test_trainer.SPLIT_MODEL)
+    np.testing.assert_allclose(_losses(FLASH, *layout, model=EncoderDecoder),
+                               _losses(EINSUM, "", "", model=EncoderDecoder), rtol=1e-5)
+
+
+def test_auto_chooses_flash_off_the_cpu(monkeypatch):
+    from mtrain.models import layers
+
+    mha = layers.MultiHeadAttention(2, 16, implementation="auto")
+    assert mha._path(True, None) == "einsum"  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert mha._path(True, None) == "flash"
+    assert mha._path(True, decode_index=3) == "einsum"  # incremental decoding
+    dropping = layers.MultiHeadAttention(2, 16, dropout_rate=0.1, implementation="auto")
+    assert dropping._path(False, None) == "einsum"  # training with attention dropout
+    assert dropping._path(True, None) == "flash"  # evaluation
+
+
+def test_layout_unused_when_nothing_splits_batch_or_heads():
+    """A layout that splits neither batch nor heads runs the kernel unsharded."""
+    layout = Layout("model:8", "d_ff:model")
+    ids = packed_ids(2, 128, 2)
+    q, k, v = qkv(2, 128, 128)
+    mask = attention.AttentionMask(ids, ids, causal=True)
+    with layout.activate(layout.make_mesh(jax.devices()[:8])):
+        out = jax.jit(lambda q, k, v: attention.flash(q, k, v, mask))(q, k, v)
+    np.testing.assert_allclose(out * (ids > 0)[..., None, None],
+                               attention.reference(q, k, v, mask) * (ids > 0)[..., None, None],
+                               **TOL)
+
+
+def test_flash_inside_sgp_replicas():
+    """SGP runs each replica's step in a shard_map manual over the data axis; the kernel's
+    own shard_map then splits the remaining axes."""
+    import test_sgp
+    from mtrain.sgp import SGPTrainer
+
+    losses = {}
+    for name in ("einsum", "flash"):
+        config = dataclasses.replace(test_sgp.CONFIG, attention=name)
+        t = test_sgp.trainer("batch:4;model:2")
+        t = t.__class__(DecoderLM(config), t.optimizer, t.layout, t.mesh, *t.batch_shape)
+        sgp = SGPTrainer(t)
+        state, losses[name] = sgp.init_state(t.init_state()), []
+        for i in range(2):
+            state, metrics = sgp.train_step(state, t.place_batch(test_sgp.batch(i)))
+            losses[name].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["flash"], losses["einsum"], rtol=1e-5)
