@@ -189,6 +189,18 @@ def test_cli_plans_the_largest_paper_lm_on_its_512_cores():
     assert report["collectives"]["all-reduce"]["count"] > 0
 
 
+def test_the_1b_preset_fits_an_h100_at_16_x_2048():
+    """Issue 17's target: at most 40 GiB on one device, bf16, remat dots, flash attention."""
+    proc = run_plan("--gin_file=tasks/lm1b.gin", "--gin_file=models/lm_1b.gin",
+                    "--target=h100", "--format=json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["batch_size"], report["sequence_length"]) == (16, 2048)
+    assert report["memory_basis"] == "step model (GPU)"
+    assert report["step_model"]["attention"] == "flash"
+    assert report["fits"] and report["total_bytes"] < 40 * 2**30
+
+
 def test_cli_plan_text_report_and_bad_input(capsys):
     assert main(["--mode=plan", "--gin_file=quickstart.gin", "--target=h100"]) == 0
     out = capsys.readouterr().out
@@ -225,3 +237,35 @@ def test_auto_layout_ranks_the_legal_layouts_that_fit(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("auto-layout for 8 devices on tpu-v3: 9 candidates, 8 compiled")
     assert "#1  step ~" in printed and f'run.mesh_shape = "{best["mesh_shape"]}"' in printed
+
+
+# One H100, jax 0.11.2, the 1B decoder of benchmarks/throughput.py's GPU preset (issue 17):
+# (attention, batch rows of 2048, loss slices, measured peak GiB, measured step seconds).
+H100_MEASURED = [
+    ("flash", 16, 1, 28.2, 32768 / 95086),  # plain jax.jit + optax, cuDNN is_causal
+    ("flash", 4, 1, 10.0, 8192 / 77745),
+    ("dot_product", 4, 16, 26.2, 8192 / 45747),  # mtrain with the dense packed mask
+    ("dot_product", 16, 16, 93.0, None),  # XLA's out-of-memory report: the step needs 93 GiB
+]
+
+
+@pytest.mark.parametrize("attention,rows,chunks,peak_gib,seconds", H100_MEASURED)
+def test_step_model_is_within_reach_of_the_h100_measurements(attention, rows, chunks, peak_gib,
+                                                             seconds):
+    """The GPU plan's memory within 25% of the measured peak, its step within 50%."""
+    from mtrain import step_model
+
+    config = TransformerConfig(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16,
+                               d_kv=128, num_layers=16, max_length=2048, attention=attention,
+                               activation_dtype="bfloat16", remat_policy="dots")
+    params = 943_785_984 * 4
+    model = step_model.estimate(
+        config, "lm", Layout(), rows, 2048, 1, chunks, params + 10_789_000, params,
+        32768 * 2048 * 4, planner.analytic_flops(config, "lm", rows, 2048),
+        planner.TARGETS["h100"])
+    assert model.total_bytes / 2**30 == pytest.approx(peak_gib, rel=0.25)
+    if seconds:
+        assert model.step_seconds == pytest.approx(seconds, rel=0.5)
+    assert model.attention == ("flash" if attention == "flash" else "dense")
+    eval_config = dataclasses.replace(config, attention="auto", dropout_rate=0.1)
+    assert step_model.attention_kernel(eval_config) == "dense"  # training with dropout

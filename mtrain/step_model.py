@@ -1,0 +1,129 @@
+"""An analytic model of a train step's peak memory and time on an accelerator.
+
+`--mode=plan` compiles the step with XLA:CPU, whose buffer assignment is exact for the CPU
+but not for a GPU: there bfloat16 stays bfloat16, attention is a flash kernel, and XLA's
+scheduler frees activations as the backward pass goes. Measured on one H100 (issue 17: the
+1B decoder below, jax 0.11.2), XLA:CPU said 76 GiB where the GPU used 26 GiB. This model
+counts instead what a step keeps:
+
+- parameters, optimizer state and the batch (from their shardings: exact);
+- the activations each layer saves for the backward pass, by remat policy
+  (``none``: everything; ``dots``: the matmul outputs and the layer input; ``full``: the
+  layer input) and by attention kernel (a flash kernel saves its output and log-sum-exp and
+  recomputes the rest; the einsum path's logits are a matmul: [heads, memory_length] float32
+  per token, saved under ``dots``);
+- the gradients (float32, sharded like the parameters), which replace the saved
+  activations as the backward pass goes: the peak holds the larger of the two;
+- one layer's backward working set, the loss's logits (a slice of them with `loss.chunks`)
+  and the largest parameter's optimizer update.
+
+Time: model FLOPs (plus what remat recomputes) at the efficiency a well-written step
+reaches on the target, and the einsum path's [length, memory_length] attention matrices
+moved through HBM (softmax is memory-bound and does not overlap the matmuls).
+
+Checked against the four H100 measurements of issue 17 in docs/plan_vs_measured.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mtrain.layout import Layout
+from mtrain.models.transformer import TransformerConfig
+
+# The fraction of the target's peak bf16 FLOP/s that the model FLOPs of a large, well-fused
+# training step reach. h100/h200: 0.58, the plain jax.jit + optax 1B decoder of
+# benchmarks/throughput.py at 16 x 2048 with cuDNN flash attention and remat dots (95,086
+# tokens/s, issue 17; H200 assumed the same: same compute, more bandwidth). TPUs: not
+# measured by this project; 0.5, below what MaxText reports for its tuned Llama runs.
+EFFICIENCY = {"h100": 0.58, "h200": 0.58}
+DEFAULT_EFFICIENCY = 0.5
+
+
+@dataclasses.dataclass
+class StepModel:
+    attention: str  # 'flash' or 'dense' (einsum / dot_product with a [l, m] mask)
+    saved_activation_bytes: float
+    gradient_bytes: float
+    working_bytes: float  # one layer's backward working set
+    logits_bytes: float
+    update_bytes: float
+    total_bytes: float
+    compute_seconds: float
+    attention_traffic_seconds: float
+    step_seconds: float
+    efficiency: float
+
+
+def attention_kernel(c: TransformerConfig) -> str:
+    """'flash' or 'dense': what the model's attention is on an accelerator (see
+    `layers.MultiHeadAttention`): 'auto' is flash there unless training applies attention
+    dropout."""
+    if c.attention == "flash" or (c.attention == "auto" and c.dropout_rate == 0.0):
+        return "flash"
+    return "dense"
+
+
+def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, length: int,
+             num_microbatches: int, loss_chunks: int, fixed_bytes: float, gradient_bytes: float,
+             largest_parameter_bytes: float, model_flops: float, target) -> StepModel:
+    """Peak bytes and step time per device. `fixed_bytes`: parameters, optimizer state and
+    batch per device; `gradient_bytes`: the parameters' bytes per device (float32);
+    `model_flops`: the step's analytic FLOPs on all devices."""
+    a = 2 if c.activation_dtype == "bfloat16" else 4
+    kernel = attention_kernel(c)
+
+    def per(name: str, size: int) -> float:
+        return size / layout.ways(name)
+
+    d, f = per("d_model", c.d_model), per("d_ff", c.d_ff)
+    heads = per("heads", c.num_heads)
+    hk = heads * c.d_kv
+    tokens = batch_size * length / num_microbatches / layout.ways("batch") / layout.ways("length")
+
+    def layer(cross: bool) -> tuple[float, float]:
+        """(bytes saved for the backward pass, bytes of its working set) per token of one
+        layer: self-attention over `length` positions (and encoder-decoder attention over
+        as many), then the feed-forward block."""
+        attentions = 2 if cross else 1
+        matmul_outputs = attentions * (3 * hk + d) + 2 * d + f  # q k v, projections, wi, wo
+        residuals = attentions * (hk * a + heads * 4)  # a flash kernel's output and lse
+        if kernel == "dense":  # logits (float32) and weights @ values are matmuls too
+            matmul_outputs += attentions * hk
+            logits = attentions * heads * length * 4
+        else:
+            logits = 0.0
+        dots = d * a + matmul_outputs * a + logits  # with the layer's input
+        everything = dots + (1 + attentions) * d * 4 + f * a + residuals  # norms, relu
+        if kernel == "dense":
+            everything += attentions * heads * length * a  # the softmax weights
+        saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
+        return saved, everything + logits  # + the logits' gradient while it runs
+
+    if kind == "lm":
+        stack = [layer(False)] * c.num_layers
+    else:
+        encoder = c.num_encoder_layers or c.num_layers
+        stack = [layer(False)] * encoder + [layer(True)] * c.num_layers
+    saved = tokens * sum(s for s, _ in stack)
+    working = tokens * max(w for _, w in stack)
+    vocab = per("vocab", c.vocab_size)
+    # A slice of the logits and their gradient (the float32 softmax fuses into the reduction).
+    logits = tokens / loss_chunks * vocab * 2 * a
+    accumulator = gradient_bytes if num_microbatches > 1 else 0.0
+    update = 3 * largest_parameter_bytes
+    total = (fixed_bytes + max(saved, gradient_bytes) + accumulator + working + logits + update)
+
+    recompute = {"none": 0.0, "dots": 0.0, "full": 1 / 3}[c.remat_policy]
+    efficiency = EFFICIENCY.get(target.name, DEFAULT_EFFICIENCY)
+    compute = model_flops * (1 + recompute) / layout.size / (target.peak_flops * efficiency)
+    traffic = 0.0
+    if kernel == "dense":  # logits written and read, weights written and read, x3 for backward
+        rows = batch_size / layout.ways("batch") * heads * length * length
+        passes = 3 * (4 + 4 + a + a)
+        traffic = len(stack) * rows * passes / target.hbm_bandwidth
+    return StepModel(
+        attention=kernel, saved_activation_bytes=saved, gradient_bytes=gradient_bytes,
+        working_bytes=working, logits_bytes=logits, update_bytes=update, total_bytes=total,
+        compute_seconds=compute, attention_traffic_seconds=traffic,
+        step_seconds=compute + traffic, efficiency=efficiency)
