@@ -237,3 +237,18 @@ def test_flash_inside_sgp_replicas():
             state, metrics = sgp.train_step(state, t.place_batch(test_sgp.batch(i)))
             losses[name].append(float(metrics["loss"]))
     np.testing.assert_allclose(losses["flash"], losses["einsum"], rtol=1e-5)
+
+
+def test_cudnn_packed_layout_arguments():
+    """benchmarks/attention.py's candidate for cuDNN's packed layout (GPU only): its
+    per-segment lengths and start offsets, -1 after a row's last segment."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "attention.py")
+    spec = importlib.util.spec_from_file_location("attention_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths, offsets = bench.segment_table(np.array([[1, 1, 2, 2, 2, 0], [1] * 6]), 3)
+    np.testing.assert_array_equal(lengths, [[2, 3, -1], [6, -1, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1]])
