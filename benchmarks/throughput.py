@@ -31,7 +31,8 @@ jax.nn.dot_product_attention): tokens/s, median step time over `--table_steps` s
 compilation, model FLOP/s per device and MFU (against the device's peak: the table in
 mtrain/planner.py, or on CPU a float32 matmul measured at start), compile time, and peak
 memory per device (the device's own count where it keeps one, else XLA's memory analysis of
-the compiled step).
+the compiled step), and the seconds the parameter initialisation takes to compile and run
+(``init``).
 
     python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1] [--preset cpu]
     python benchmarks/throughput.py --cpu_devices 8 --mesh_shape batch:8 --layout_rules batch:batch
@@ -256,7 +257,9 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
     trainer = Trainer(DecoderLM(config), opt, layout, mesh, batch_size, length,
                       num_microbatches=microbatches)
-    state = trainer.init_state()
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(trainer.init_state())  # compile and run the initialisation
+    init_s = time.perf_counter() - t0
     batch = trainer.place_batch(packed_batch(batch_size, length, config.vocab_size))
     t0 = time.perf_counter()
     compiled = planner.compile_train_step(trainer)
@@ -283,7 +286,7 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     print(f"{label:<48} {params / 1e6:>7.1f}M {batch_size:>4}x{length:<5} "
           f"{batch_size * length / step:>10,.0f} {step * 1e3:>9.1f} {flops / 1e12:>8.3f} "
           f"{100 * flops / peak if peak else float('nan'):>5.1f}% {compile_s:>8.1f} "
-          f"{peak_mem / 2**30:>7.2f} GiB ({how})", flush=True)
+          f"{init_s:>6.1f} {peak_mem / 2**30:>7.2f} GiB ({how})", flush=True)
     del state, batch, compiled
 
 
@@ -300,7 +303,7 @@ def main(args):
     if preset != "none":
         print(f"\n{'model (preset ' + preset + ')':<48} {'params':>8} {'batch':>10} "
               f"{'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>6} {'compile':>8} "
-              f"{'peak memory':>11}")
+              f"{'init':>6} {'peak memory':>11}")
         for row in PRESETS[preset]:
             measure(*row, args, peak)
         print()

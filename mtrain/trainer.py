@@ -179,8 +179,8 @@ class Trainer:
 
     # ---- pure functions (traced under the layout) ----
 
-    def _dummy_batch(self):
-        ids = jnp.zeros(self.batch_shape, jnp.int32)
+    def _dummy_batch(self, shape=None):
+        ids = jnp.zeros(shape or self.batch_shape, jnp.int32)
         return {name: ids for name in feature_names(self.model)}
 
     def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False):
@@ -195,8 +195,14 @@ class Trainer:
         with self.layout.activate(self.mesh):
             return self.model.init(key, *self._dummy_batch().values())
 
-    def _init_fn(self):
-        params = nn.unbox(self._init_variables(self.init_key))["params"]
+    def _init_fn(self, key):
+        """The initial state. The model's forward pass, which `init` runs to create the
+        parameters, runs on one token (the parameters' shapes and values do not depend on
+        the batch; their shardings are the jit's `out_shardings`), so that compiling the
+        initialisation costs little whatever the model; the key is an argument, not a
+        constant folded into every parameter's random number generator."""
+        variables = self.model.init(key, *self._dummy_batch((1, 1)).values())
+        params = nn.unbox(variables)["params"]
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params)
         )
@@ -317,7 +323,7 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shards."""
-        return self._init_state()
+        return self._init_state(self.init_key)
 
     def local_rows(self) -> tuple[int, int]:
         """The rows [start, stop) of the global batch that this process's devices hold, and

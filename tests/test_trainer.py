@@ -104,3 +104,15 @@ def test_eval_step_counts_tokens():
     assert float(sums["num_tokens"]) == (batch["targets_segment_ids"] > 0).sum()
     mean = float(sums["xent_sum"]) / float(sums["num_tokens"])
     assert abs(mean - np.log(CONFIG.vocab_size)) < 1.0  # an untrained model is near uniform
+
+
+def test_initialisation_equals_the_models_own_init():
+    """`init_state` runs the model's forward pass on one token, with the key as an argument
+    (so that compiling it stays cheap): the parameters are exactly those of `model.init` on
+    a whole batch under the layout."""
+    import flax.linen as nn
+
+    trainer = make_trainer("batch:4;model:2", "batch:batch;" + SPLIT_MODEL)
+    full = jax.jit(lambda: nn.unbox(trainer._init_variables(trainer.init_key))["params"])()
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           jax.device_get(trainer.init_state().params), jax.device_get(full))
