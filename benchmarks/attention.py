@@ -72,7 +72,7 @@ def cudnn_packed(ids, max_segments):
 
 
 def candidates(ids, segments):
-    mask = attention.AttentionMask(ids, ids, causal=True)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
     out = {f"mtrain flash '{k}'": (lambda q, k_, v, k=k: attention.flash(q, k_, v, mask, k))
            for k in ("cudnn", "triton", "splash")}
     if jax.default_backend() != "gpu":
@@ -87,7 +87,7 @@ def candidates(ids, segments):
 def error(fn, ids, q, k, v):
     """Max |difference| from the float32 reference on real positions: output, gradients."""
     real = (ids > 0)[:, :, None, None]
-    mask = attention.AttentionMask(ids, ids, causal=True)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
     cot = jax.random.normal(jax.random.key(1), q.shape) * real
 
     def both(f):
@@ -139,7 +139,7 @@ def main():
           f"x {args.length}, {args.heads} heads x {args.d_kv}, bfloat16, forward + backward")
     print(f"{'kernel':<36} {'max |out diff|':>14} {'max |grad diff|':>15} {'ms':>9}")
     reference_ms = timing(lambda q, k, v: attention.reference(
-        q, k, v, attention.AttentionMask(ids, ids, causal=True)), q, k, v, args.repeats)
+        q, k, v, attention.AttentionMask.of_self(ids, causal=True)), q, k, v, args.repeats)
     print(f"{'XLA reference (dense packed mask)':<36} {'-':>14} {'-':>15} {reference_ms * 1e3:>9.2f}")
     for name, fn in candidates(check_ids, args.segments).items():
         try:

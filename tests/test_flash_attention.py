@@ -73,7 +73,7 @@ def assert_same(fn, ref, q, k, v, real):
 @pytest.mark.parametrize("length", [128, 256, 40])  # 40: a ragged length, padded inside
 def test_self_attention_kernels_match_the_reference(kernel, length):
     ids = packed_ids(4, length, segments=4)
-    mask = attention.AttentionMask(ids, ids, causal=True)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
     q, k, v = qkv(4, length, length)
     assert_same(lambda q, k, v: attention.flash(q, k, v, mask, kernel),
                 lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, ids > 0)
@@ -82,7 +82,7 @@ def test_self_attention_kernels_match_the_reference(kernel, length):
 @pytest.mark.parametrize("kernel", ["splash", "triton"])
 def test_non_causal_self_attention_matches_the_reference(kernel):  # the encoder's
     ids = packed_ids(4, 128, segments=3, seed=1)
-    mask = attention.AttentionMask(ids, ids)
+    mask = attention.AttentionMask.of_self(ids, causal=False)
     q, k, v = qkv(4, 128, 128, seed=1)
     assert_same(lambda q, k, v: attention.flash(q, k, v, mask, kernel),
                 lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, ids > 0)
@@ -106,14 +106,14 @@ def test_segments_are_honoured(kernel):
     path of a reference implementation was found to do) fails here."""
     ids = jnp.asarray(np.repeat([[1] * 64 + [2] * 64], 2, axis=0), jnp.int32)
     q, k, v = qkv(2, 128, 128, seed=4)
-    packed = attention.flash(q, k, v, attention.AttentionMask(ids, ids, causal=True), kernel)
+    packed = attention.flash(q, k, v, attention.AttentionMask.of_self(ids, causal=True), kernel)
     # The second example alone, at the start of its own row.
     alone = attention.flash(*(jnp.roll(x, -64, axis=1) for x in (q, k, v)),
-                            attention.AttentionMask(ids, ids, causal=True), kernel)
+                            attention.AttentionMask.of_self(ids, causal=True), kernel)
     np.testing.assert_allclose(packed[:, 64:], alone[:, :64], **TOL)
     # And across segments it would indeed differ: plain causal attention over the row.
-    unsegmented = attention.reference(q, k, v, attention.AttentionMask(ids * 0 + 1, ids * 0 + 1,
-                                                                       causal=True))
+    unsegmented = attention.reference(q, k, v, attention.AttentionMask.of_self(ids * 0 + 1,
+                                                                               causal=True))
     assert np.abs(packed[:, 64:] - unsegmented[:, 64:]).max() > 0.1
 
 
@@ -131,7 +131,7 @@ def test_cudnn_call_is_the_packed_mask(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert attention.default_kernel() == "cudnn"
     targets, inputs = packed_ids(4, 64, 3, seed=5), packed_ids(4, 96, 2, seed=6)
-    for mask, length in [(attention.AttentionMask(targets, targets, causal=True), 64),
+    for mask, length in [(attention.AttentionMask.of_self(targets, causal=True), 64),
                          (attention.AttentionMask(targets, inputs), 96)]:
         q, k, v = qkv(4, 64, length, seed=length)
         assert_same(lambda q, k, v: attention.flash(q, k, v, mask),
@@ -146,9 +146,12 @@ def test_kernel_choice_and_errors(monkeypatch):
     q, k, v = qkv(2, 128, 128)
     with pytest.raises(ValueError, match="needs a GPU"):
         attention.flash(q, k, v, attention.AttentionMask(ids, ids), "cudnn")
-    with pytest.raises(ValueError, match="self-attention only"):
-        attention.flash(q, k[:, :64], v[:, :64],
-                        attention.AttentionMask(ids, ids[:, :64]), "triton")
+    # triton takes one array of segment ids: given two (encoder-decoder attention, even of
+    # equal lengths), the default kernel runs instead.
+    other = packed_ids(2, 128, 3, seed=7)
+    cross = attention.AttentionMask(ids, other)
+    np.testing.assert_allclose(attention.flash(q, k, v, cross, "triton") * (ids > 0)[..., None, None],
+                               attention.reference(q, k, v, cross) * (ids > 0)[..., None, None], **TOL)
     with pytest.raises(ValueError, match="attention='flash' has no attention dropout"):
         TransformerConfig(attention="flash", dropout_rate=0.1)
     with pytest.raises(ValueError, match="flash_kernel must be one of"):
@@ -212,7 +215,7 @@ def test_layout_unused_when_nothing_splits_batch_or_heads():
     layout = Layout("model:8", "d_ff:model")
     ids = packed_ids(2, 128, 2)
     q, k, v = qkv(2, 128, 128)
-    mask = attention.AttentionMask(ids, ids, causal=True)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
     with layout.activate(layout.make_mesh(jax.devices()[:8])):
         out = jax.jit(lambda q, k, v: attention.flash(q, k, v, mask))(q, k, v)
     np.testing.assert_allclose(out * (ids > 0)[..., None, None],

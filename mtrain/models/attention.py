@@ -10,8 +10,9 @@ the [length, memory_length] logits:
   the TPU kernel, with segment ids. On CPU it runs in Pallas' interpret mode: slow, and what
   the tests use to check it against the reference.
 - ``triton``: the Pallas GPU (Triton) flash attention with segment ids
-  (`jax.experimental.pallas.ops.gpu.attention.mha`); self-attention only (one set of segment
-  ids), and interpret mode on CPU as well.
+  (`jax.experimental.pallas.ops.gpu.attention.mha`); self-attention only (it takes one set
+  of segment ids: encoder-decoder attention then uses the default kernel), and interpret
+  mode on CPU as well.
 - ``cudnn``: cuDNN's fused flash attention through `jax.nn.dot_product_attention`, given the
   packed mask (a [batch, 1, length, memory_length] boolean, not the float logits; cuDNN
   turns it into a bias). It needs a GPU.
@@ -45,11 +46,18 @@ FLASH_KERNELS = ("auto", "cudnn", "splash", "triton")
 class AttentionMask:
     """Who sees whom: `query` [batch, length] and `memory` [batch, memory_length] segment ids
     (0 = padding), and `causal` (query i sees memory j <= i). `query` None: every query sees
-    every real memory position (one decoding step's encoder-decoder attention)."""
+    every real memory position (one decoding step's encoder-decoder attention).
+    `self_attention`: query and memory are the same positions (`of_self`)."""
 
     query: jax.Array | None
     memory: jax.Array
     causal: bool = flax.struct.field(pytree_node=False, default=False)
+    self_attention: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def of_self(cls, segment_ids: jax.Array, causal: bool) -> "AttentionMask":
+        """Self-attention within the packed segments of `segment_ids`."""
+        return cls(segment_ids, segment_ids, causal, self_attention=True)
 
     def dense(self) -> jax.Array:
         """[batch, 1, length, memory_length]: the real positions of the query's own segment
@@ -94,9 +102,8 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto"):
         kernel = default_kernel()
     if kernel not in KERNELS:
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
-    if kernel == "triton" and (mask.query is None or q.shape[1] != k.shape[1]):
-        raise ValueError("the triton flash kernel does self-attention only; use 'splash' or "
-                         "'cudnn' for encoder-decoder attention")
+    if kernel == "triton" and not mask.self_attention:
+        kernel = default_kernel()  # it takes one array of segment ids: self-attention only
     fn = functools.partial(KERNELS[kernel], causal=mask.causal)
     # triton takes one array of ids for queries and keys: padding there sees padding.
     query_ids = mask.query if kernel == "triton" else mask.kernel_query_ids()
@@ -187,7 +194,9 @@ def _cudnn(q, k, v, query_ids, memory_ids, causal):
         raise ValueError("transformer.flash_kernel='cudnn' needs a GPU; use 'splash' or "
                          "'auto' here")
     mask = AttentionMask(query_ids, memory_ids, causal).dense()
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, implementation="cudnn")
+    # is_causal as well: cuDNN then skips the blocks above the diagonal.
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
+                                        implementation="cudnn")
 
 
 KERNELS = {"splash": _splash, "triton": _triton, "cudnn": _cudnn}

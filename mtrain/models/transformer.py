@@ -207,7 +207,7 @@ class DecoderLM(nn.Module):
         x = embed(inputs) + jnp.take(pos_table, positions, axis=0).astype(c.dtype)
         x = constrain(x, ("batch", "length", "d_model"))
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        mask = attention.AttentionMask(segment_ids, segment_ids, causal=True)
+        mask = attention.AttentionMask.of_self(segment_ids, causal=True)
         x = layer_stack(c, x, mask, deterministic)
         x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
@@ -284,7 +284,7 @@ class EncoderDecoder(nn.Module):
     def encode(self, inputs, inputs_segment_ids, inputs_positions, deterministic: bool = True):
         """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
         x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
-        mask = attention.AttentionMask(inputs_segment_ids, inputs_segment_ids)
+        mask = attention.AttentionMask.of_self(inputs_segment_ids, causal=False)
         x = run_layers(self.encoder, x, mask, deterministic)
         x = self.dropout(self.encoder_norm(x), deterministic=deterministic)
         return constrain(x, ("batch", "memory_length", "d_model"))
@@ -301,7 +301,7 @@ class EncoderDecoder(nn.Module):
         encoded = self.encode(inputs, inputs_segment_ids, inputs_positions, deterministic)
         decoder_inputs = layers.shift_right(targets, targets_segment_ids)
         x = self._embed(decoder_inputs, self.decoder_positions, targets_positions, deterministic)
-        mask = attention.AttentionMask(targets_segment_ids, targets_segment_ids, causal=True)
+        mask = attention.AttentionMask.of_self(targets_segment_ids, causal=True)
         memory_mask = attention.AttentionMask(targets_segment_ids, inputs_segment_ids)
         return self._decoder_stack(x, mask, encoded, memory_mask, deterministic,
                                    return_hidden=return_hidden)
