@@ -179,16 +179,20 @@ def _losses(config, mesh_shape, rules, model=DecoderLM, steps=3):
     return losses
 
 
+@pytest.fixture(scope="module")
+def einsum_losses():
+    return _losses(EINSUM, "", "")
+
+
 @pytest.mark.parametrize("mesh_shape,rules", [
     ("batch:8", "batch:batch"),
     ("model:8", test_trainer.SPLIT_MODEL),
     ("batch:4;model:2", "batch:batch;" + test_trainer.SPLIT_MODEL),
 ])
-def test_flash_trains_like_einsum_on_the_mesh(mesh_shape, rules):
+def test_flash_trains_like_einsum_on_the_mesh(einsum_losses, mesh_shape, rules):
     """Tolerance: that of the layout-invariance tests (test_trainer), which compare the
     same training under other summation orders."""
-    reference = _losses(EINSUM, "", "")
-    np.testing.assert_allclose(_losses(FLASH, mesh_shape, rules), reference, rtol=1e-5)
+    np.testing.assert_allclose(_losses(FLASH, mesh_shape, rules), einsum_losses, rtol=1e-5)
 
 
 def test_flash_encoder_decoder_trains_like_einsum():
