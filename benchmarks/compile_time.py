@@ -33,7 +33,6 @@ if ARGS is not None:
 
 
 def main(args):
-    from mtrain import planner
     from mtrain import run as run_lib
     from mtrain.metrics import setup_logging
 
@@ -46,7 +45,7 @@ def main(args):
                                                    f"transformer.scan_layers={scan}"])
             exp = run_lib.build(model_dir="unused", mode="plan")
             t0 = time.perf_counter()
-            compiled = planner.compile_train_step(exp.trainer)
+            compiled = exp.trainer.compile_train_step()
             seconds = time.perf_counter() - t0
             print(f"{depth:>6} {str(scan):>5} {seconds:>16.1f} {len(compiled.as_text()):>10,}",
                   flush=True)

@@ -29,7 +29,7 @@ Before the comparison, a table of mtrain alone on the models and settings of a p
 microbatches; `--preset gpu`: a ~1B-parameter decoder in bfloat16 with remat and
 jax.nn.dot_product_attention): tokens/s, median step time over `--table_steps` steps after
 compilation, model FLOP/s per device and MFU (against the device's peak: the table in
-mtrain/planner.py, or on CPU a float32 matmul measured at start), compile time, and peak
+mtrain/targets.py, or on CPU a float32 matmul measured at start), compile time, and peak
 memory per device (the device's own count where it keeps one, else XLA's memory analysis of
 the compiled step), and the seconds the parameter initialisation takes to compile and run
 (``init``).
@@ -246,7 +246,7 @@ def timed(fn):
 
 def measure(label, settings, batch_size, length, microbatches, args, peak):
     """One table row: mtrain alone, compiled once, timed over args.table_steps steps."""
-    from mtrain import optimizer, planner
+    from mtrain import optimizer
     from mtrain.layout import Layout
     from mtrain.models.transformer import DecoderLM, TransformerConfig
     from mtrain.trainer import Trainer
@@ -262,7 +262,7 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     init_s = time.perf_counter() - t0
     batch = trainer.place_batch(packed_batch(batch_size, length, config.vocab_size))
     t0 = time.perf_counter()
-    compiled = planner.compile_train_step(trainer)
+    compiled = trainer.compile_train_step()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
     state, metrics = compiled(state, batch)  # the first run also warms up
@@ -281,7 +281,7 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
         peak_mem = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                     - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
         how = "XLA"
-    flops = planner.analytic_flops(config, "lm", batch_size, length) / step / jax.device_count()
+    flops = trainer.model.analytic_flops(batch_size, length) / step / jax.device_count()
     params = sum(x.size for x in jax.tree_util.tree_leaves(trainer.abstract_state.params))
     print(f"{label:<48} {params / 1e6:>7.1f}M {batch_size:>4}x{length:<5} "
           f"{batch_size * length / step:>10,.0f} {step * 1e3:>9.1f} {flops / 1e12:>8.3f} "
@@ -291,12 +291,12 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
 
 
 def main(args):
-    from mtrain import optimizer, planner
+    from mtrain import optimizer, targets
     from mtrain.layout import Layout
     from mtrain.models.transformer import DecoderLM, TransformerConfig
     from mtrain.trainer import Trainer
 
-    peak, source = planner.device_peak_flops()
+    peak, source = targets.device_peak_flops()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices, "
           f"{jax.devices()[0].device_kind}); peak {peak / 1e12:.3f} TFLOP/s per device ({source})")
     preset = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
@@ -345,8 +345,8 @@ def main(args):
     matmul_params = n_params - lookup - norms
     attn_flops = 12 * config.num_layers * l * config.num_heads * config.d_kv
     flops_per_token = 6 * matmul_params + attn_flops
-    if planner.analytic_flops(config, "lm", b, l) != flops_per_token * tokens_per_step:
-        raise AssertionError("the benchmark's FLOP count disagrees with planner.analytic_flops")
+    if trainer.model.analytic_flops(b, l) != flops_per_token * tokens_per_step:
+        raise AssertionError("the benchmark's FLOP count disagrees with the model's")
     print(f"parameters: {n_params:,} ({matmul_params:,} in matmuls); model FLOPs/token ~ "
           f"6*{matmul_params:,} + {attn_flops:,} attention = {flops_per_token / 1e6:.1f} MFLOP")
 

@@ -1,3 +1,4 @@
 """mtrain: Mesh-TensorFlow rebuilt on JAX/Flax."""
 
 __version__ = "0.1.0"
+MODES = ("train", "eval", "infer", "plan")  # --mode / run.mode

@@ -11,6 +11,9 @@ import os
 import sys
 import types
 
+from mtrain import MODES
+from mtrain.errors import Interrupted, UserError  # neither imports jax
+
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
@@ -42,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "DIR, laid out as the official archives (make them with python -m "
                         "mtrain.data.make_offline), or 'shipped' to make them from the corpus in "
                         "data/; without it TFDS downloads (same as run.data_source)")
-    p.add_argument("--mode", choices=["train", "eval", "infer", "plan"], default=None,
+    p.add_argument("--mode", choices=MODES, default=None,
                    help="train (default); eval: evaluate the latest checkpoint of --model_dir "
                         "(loss, accuracy, perplexity or BLEU); infer: translate --input_file "
                         "with it; plan: compile the train step for the configured mesh on "
@@ -182,7 +185,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # and should not log about oneDNN
     if args.mode != "plan":  # a plan is one process however many devices it plans for
         from mtrain import distributed
-        from mtrain.errors import UserError
 
         try:  # before anything else touches jax
             distributed.initialize(args.coordinator_address, args.num_processes,
@@ -203,7 +205,6 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from mtrain import run as run_lib  # imports jax: only after the flags set in main
-    from mtrain.errors import Interrupted, UserError
     from mtrain.metrics import setup_logging
 
     try:

@@ -22,3 +22,8 @@ class TrainingDiverged(UserError):
 
 class Interrupted(Exception):
     """The run was stopped by Ctrl-C after saving a checkpoint (exit code 130)."""
+
+
+class DataError(UserError, ValueError):
+    """A data request that cannot work: an unknown split or language, too little data, an
+    input state saved by a different pipeline."""

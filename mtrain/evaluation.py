@@ -58,9 +58,6 @@ def bleu(exp, params) -> dict:
             "eval/bleu_examples": len(inputs)}
 
 
-_HELDOUT_CACHE: dict = {}
-
-
 def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     """Counts over the held-out split of a language-modelling task, computed once per run.
 
@@ -73,10 +70,10 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
       model of at most `max_texts` training texts: the baseline a language model must beat.
     """
     vocab = exp.vocab
-    key = (exp.source.description(), exp.eval_split, vocab.model_proto, exp.sequence_length)
-    if key not in _HELDOUT_CACHE:
+    key = ("heldout", exp.eval_split, exp.sequence_length)
+    if key not in exp.cache:
         def kept(text):
-            return (vocab.encode(text) + [vocab.eos_id])[: exp.sequence_length]
+            return vocab.encode_example(text, exp.sequence_length)[0]
 
         counts = np.ones(vocab.vocab_size)
         for text in exp.source.texts("train", limit=max_texts):
@@ -91,6 +88,6 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
                 words += len(text.split()) + 1
             else:  # trimmed: the words (the last one perhaps in part) of the kept tokens
                 words += len(vocab.decode(ids).split())
-        _HELDOUT_CACHE[key] = {"words": max(words, 1),
-                               "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
-    return _HELDOUT_CACHE[key]
+        exp.cache[key] = {"words": max(words, 1),
+                          "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
+    return exp.cache[key]

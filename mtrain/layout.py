@@ -108,10 +108,6 @@ def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]]) -> LayoutR
     return pairs
 
 
-def _format_mesh(mesh_shape: MeshShape) -> str:
-    return ";".join(f"{n}:{s}" for n, s in mesh_shape) or "(one device)"
-
-
 class Layout:
     """A mesh shape plus layout rules: logical dimension names -> `PartitionSpec`s and a `Mesh`."""
 
@@ -131,7 +127,7 @@ class Layout:
             if mesh_dim not in self.mesh_dims:
                 raise LayoutError(
                     f"layout rule '{tensor_dim}:{mesh_dim}' names mesh dimension {mesh_dim!r}, "
-                    f"but the mesh {_format_mesh(self.mesh_shape)!r} has no such dimension "
+                    f"but the mesh {self.mesh_text or '(one device)'!r} has no such dimension "
                     f"(it has {sorted(self.mesh_dims) or 'none'})"
                 )
         self.rules = dict(self.layout_rules)
@@ -154,9 +150,19 @@ class Layout:
         """The number of devices the mesh needs."""
         return math.prod(self.mesh_dims.values())
 
+    @property
+    def mesh_text(self) -> str:
+        """The mesh shape as a string (``"batch:4;model:2"``; ``""`` for one device)."""
+        return ";".join(f"{n}:{s}" for n, s in self.mesh_shape)
+
+    @property
+    def rules_text(self) -> str:
+        """The layout rules as a string (``"batch:batch;d_ff:model"``)."""
+        return ";".join(f"{t}:{m}" for t, m in self.layout_rules)
+
     def __repr__(self) -> str:
-        rules = ";".join(f"{t}:{m}" for t, m in self.layout_rules)
-        return f"Layout(mesh_shape={_format_mesh(self.mesh_shape)!r}, layout_rules={rules!r})"
+        return (f"Layout(mesh_shape={self.mesh_text or '(one device)'!r}, "
+                f"layout_rules={self.rules_text!r})")
 
     def mesh_dim_for(self, tensor_dim: str | None) -> str | None:
         """The mesh dimension that splits `tensor_dim`, or None if it is replicated."""
@@ -216,10 +222,8 @@ class Layout:
         devices = list(jax.devices() if devices is None else devices)
         if self.size != len(devices):
             raise LayoutError(
-                f"mesh shape {_format_mesh(self.mesh_shape)!r} needs {self.size} devices, but "
-                f"{len(devices)} are available — change run.mesh_shape (or, on CPU, "
-                f"--cpu_devices)"
-            )
+                f"mesh shape {self.mesh_text!r} needs {self.size} devices, but "
+                f"{len(devices)} are available")
         if not self.mesh_shape:  # the empty mesh: one device, everything replicated
             return Mesh(np.array(devices).reshape(()), ())
         names = tuple(n for n, _ in self.mesh_shape)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gin
 import jax.numpy as jnp
 import optax
 
 
-@gin.configurable
 def learning_rate_schedule(
     warmup_steps: int = 10_000,
     train_steps: int | None = None,
@@ -36,7 +34,6 @@ def learning_rate_schedule(
     return schedule
 
 
-@gin.configurable
 def adafactor(
     learning_rate: optax.ScalarOrSchedule,
     decay_rate: float = 0.8,

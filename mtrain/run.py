@@ -10,68 +10,34 @@ The training loop is `training.train`, the metrics `evaluation.evaluate`.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import logging
 import math
 import os
 import sys
-import tempfile
 
 import gin
 import jax
 import optax
 
+from mtrain import MODES, config
 from mtrain import distributed
-from mtrain import optimizer as optimizer_lib
 from mtrain import planner
 from mtrain import tasks as tasks_lib
 from mtrain import training
-from mtrain.checkpoints import state_signature
-from mtrain.data.pipeline import batches
 from mtrain.errors import ConfigError
 from mtrain.evaluation import evaluate
-from mtrain.layout import Layout
-from mtrain.lock import check_writable
+from mtrain.experiment import Experiment
+from mtrain.inference import check_output_file, infer
+from mtrain.layout import Layout, LayoutError
 from mtrain.metrics import MetricsWriter, log
-from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.sgp import SGPTrainer
-from mtrain.trainer import LossConfig, Trainer
-from mtrain.translation import DecodingConfig, Translator
+from mtrain.targets import TARGETS
+from mtrain.trainer import Trainer
+from mtrain.translation import Translator
 from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-# Model settings that change parameter shapes: a checkpoint must agree on all of them.
-SHAPE_FIELDS = ("vocab_size", "d_model", "d_ff", "num_heads", "d_kv", "num_layers",
-                "num_encoder_layers", "max_length", "shared_embedding_and_softmax",
-                "scan_layers")
-MODES = ("train", "eval", "infer", "plan")
+parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tests, benchmarks
 DEFAULT_VOCAB_SIZE = 8192
-
-
-def optimizer_settings() -> dict:
-    """The optimizer's settings as the gin config gives them (its defaults, then bindings)."""
-    settings = {name: p.default for name, p in
-                inspect.signature(optimizer_lib.adafactor).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    settings.update(gin.get_bindings("adafactor"))
-    return {f"adafactor.{name}": value for name, value in sorted(settings.items())}
-
-
-def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
-    """Parses gin files (searched in the working dir, then configs/) and bindings."""
-    gin.clear_config()
-    gin.add_config_file_search_path(os.getcwd())
-    gin.add_config_file_search_path(CONFIGS_DIR)
-    root = logging.getLogger()
-    level, root.level = root.level, logging.CRITICAL  # gin logs every search-path miss
-    try:
-        gin.parse_config_files_and_bindings(gin_files, gin_params, finalize_config=False)
-    except (ValueError, OSError, SyntaxError, KeyError, TypeError) as e:
-        message = " ".join(str(e).split())
-        raise ConfigError(f"bad gin config: {message}") from None
-    finally:
-        root.level = level
 
 
 @gin.configurable
@@ -92,83 +58,9 @@ def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_
 def planned_vocab_size() -> int:
     """The vocabulary size a run would have, without data: that of ``vocabulary.path`` if
     bound, else ``vocabulary.size`` (sentencepiece trains exactly that many pieces)."""
-    path = _bound("vocabulary.path", None)
-    return load_vocabulary(path).vocab_size if path else _bound("vocabulary.size",
-                                                                DEFAULT_VOCAB_SIZE)
-
-
-def _bound(name: str, default):
-    """The value gin binds to `name`, or `default` if it binds none."""
-    try:
-        return gin.query_parameter(name)
-    except ValueError:
-        return default
-
-
-@dataclasses.dataclass
-class Experiment:
-    """Everything `train` and `evaluate` need, built from the gin config by `build`."""
-
-    model_dir: str
-    task: tasks_lib.Task
-    source: object  # None when planning: a plan needs no data
-    vocab: Vocabulary | None
-    model_config: TransformerConfig
-    layout: Layout
-    trainer: Trainer
-    batch_size: int
-    sequence_length: int
-    train_steps: int
-    seed: int
-    log_every: int
-    eval_every: int
-    checkpoint_every: int
-    keep_checkpoints: int
-    keep_checkpoint_every: int
-    init_from: str | None
-    init_step: int | None
-    max_nonfinite_steps: int
-    eval_split: str
-    schedule: object
-    mode: str = "train"
-    translator: Translator | None = None  # translation tasks: decodes for BLEU and infer
-    flops_per_step: float = 0.0  # model FLOPs of one train step (planner.analytic_flops)
-    profile_steps: tuple[int, int] | None = None
-    sgp: SGPTrainer | None = None  # run.data_parallel='sgp': steps the trainer's model by SGP
-
-    def train_batches(self):
-        return self._batches("train", train=True)
-
-    def eval_batches(self):
-        return self._batches(self.eval_split, train=False)
-
-    def _batches(self, split: str, train: bool):
-        """This process's rows of each global batch (`Trainer.local_rows`)."""
-        start, stop = self.trainer.local_rows()
-        return batches(
-            self.source, self.vocab, split, self.task.features, self.sequence_length,
-            self.batch_size, self.seed, train=train,
-            shard=(start // (stop - start), self.batch_size // (stop - start)),
-            process=(jax.process_index(), jax.process_count()),
-        )
-
-    def checkpoint_meta(self) -> dict:
-        """What a checkpoint records of the run that saved it, and a resumed run must share
-        (`checkpoints.check_compatible`): the model's shape and vocabulary; the data, batch
-        size, sequence length and seed, which decide the data and its order; and the train
-        state's structure, with the optimizer settings that decide it. Everything else may
-        change between the runs of a model dir (README, "Runs that survive")."""
-        config = dataclasses.asdict(self.model_config)
-        vocabulary = f"{self.vocab.vocab_size} pieces, sha256 {self.vocab.digest}"
-        return {
-            "model": {**{k: config[k] for k in SHAPE_FIELDS}, "vocabulary": vocabulary},
-            "task": self.task.name,
-            "run": {"run.batch_size": self.batch_size,
-                    "run.sequence_length": self.sequence_length,
-                    "run.seed": self.seed, "data": self.source.fingerprint()},
-            "optimizer": optimizer_settings(),
-            "state": state_signature(self.trainer.abstract_state),
-        }
+    path = config.bound("vocabulary.path", None)
+    return load_vocabulary(path).vocab_size if path else config.bound("vocabulary.size",
+                                                                      DEFAULT_VOCAB_SIZE)
 
 
 def _check_data_dir(data_dir: str) -> None:
@@ -215,6 +107,8 @@ def build(
     data_parallel: str = "allreduce",
     sgp_overlap: int = 0,
     sgp_average_every: int = 0,
+    model=None,
+    optimizer=config.adafactor,
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
 
@@ -248,6 +142,11 @@ def build(
     (`sgp_overlap` = tau: messages added tau steps late; `sgp_average_every` = H: an exact
     average every H steps). Evaluation and checkpoints use the replicas' average, so
     checkpoints of either kind restore into the other.
+
+    `model` and `optimizer` are gin references (see `mtrain.config`): ``model(config)`` of
+    the ``transformer.*`` settings builds the model (default: `@DecoderLM` for LM tasks,
+    `@EncoderDecoder` for translation), ``optimizer(schedule)`` the optax optimizer
+    (default `@adafactor`), wrapped to skip non-finite updates.
     """
     for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
                         ("train_steps", train_steps), ("log_every", log_every),
@@ -282,7 +181,10 @@ def build(
                     ", ".join(f"'{t}:{m}'" for t, m in layout.dropped_rules), mesh_shape,
                     " or ".join(repr(m) for m in missing))
     planning = mode == "plan"
-    mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
+    try:
+        mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
+    except LayoutError as e:
+        raise ConfigError(f"{e} — change run.mesh_shape (or, on CPU, --cpu_devices)") from None
     data_ways = layout.ways("batch")
     if num_microbatches > 1 and batch_size % (num_microbatches * data_ways):
         raise ConfigError(f"run.batch_size={batch_size} must split into run.num_microbatches="
@@ -302,7 +204,7 @@ def build(
     # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
     # dimension up to 128; the extra ids never occur in the data.
     try:
-        model_config = TransformerConfig(vocab_size=128 * math.ceil(vocab_size / 128))
+        model_config = config.transformer(vocab_size=128 * math.ceil(vocab_size / 128))
         if activation_dtype is not None:
             model_config = dataclasses.replace(model_config, activation_dtype=activation_dtype)
     except ValueError as e:
@@ -312,13 +214,16 @@ def build(
             f"run.sequence_length={sequence_length} is longer than "
             f"transformer.max_length={model_config.max_length}"
         )
-    schedule = optimizer_lib.learning_rate_schedule(train_steps=train_steps)
+    schedule = config.learning_rate_schedule(train_steps=train_steps)
     # Updates with a non-finite gradient leave parameters and optimizer state as they were.
-    opt = optax.apply_if_finite(optimizer_lib.adafactor(schedule), max_nonfinite_steps)
+    opt = optax.apply_if_finite(optimizer(schedule), max_nonfinite_steps)
     translation = task_obj.kind == "translation"
-    model = EncoderDecoder(model_config) if translation else DecoderLM(model_config)
+    model = (model or config.MODELS[task_obj.kind])(model_config)
+    if model.features != ("inputs", "targets")[1 - translation:]:
+        raise ConfigError(f"run.model {type(model).__name__} takes {model.features}, but task "
+                          f"{task!r} gives {('inputs', 'targets')[1 - translation:]}")
     trainer = Trainer(model, opt, layout, mesh, batch_size, sequence_length, seed=seed,
-                      loss_config=LossConfig(), num_microbatches=num_microbatches)
+                      loss_config=config.loss(), num_microbatches=num_microbatches)
     sgp = None
     if data_parallel == "sgp":
         try:
@@ -336,10 +241,10 @@ def build(
         keep_checkpoint_every=keep_checkpoint_every, init_from=init_from, init_step=init_step,
         max_nonfinite_steps=max_nonfinite_steps,
         eval_split=eval_split, schedule=schedule, mode=mode,
-        translator=(Translator(trainer, vocab, DecodingConfig())
+        optimizer_settings=config.settings(optimizer), config_text=config.operative(),
+        translator=(Translator(trainer, vocab, config.decoding())
                     if translation and not planning else None),
-        flops_per_step=planner.analytic_flops(model_config, task_obj.kind, batch_size,
-                                              sequence_length),
+        flops_per_step=model.analytic_flops(batch_size, sequence_length),
         profile_steps=tuple(profile_steps) if profile_steps else None,
         sgp=sgp,
     )
@@ -355,14 +260,14 @@ def run(input_file: str | None = None, output_file: str | None = None,
     `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout) or plans
     (``'plan'``, with `plan_options` for `plan`), as the gin config and `overrides` (e.g.
     model_dir from the command line) say."""
-    mode = overrides.get("mode") or _bound("run.mode", "train")
-    model_dir = overrides.get("model_dir") or _bound("run.model_dir", None)
+    mode = overrides.get("mode") or config.bound("run.mode", "train")
+    model_dir = overrides.get("model_dir") or config.bound("run.model_dir", None)
     # What can fail at once, before data and compilation: another run in the model dir, an
     # output file that could not be written.
     if mode == "train" and model_dir:
         training.check_model_dir_free(model_dir)
     if mode == "infer":
-        _check_output_file(output_file)
+        check_output_file(output_file)
     exp = build(**overrides)
     if exp.mode == "train":
         return training.train(exp, restart=restart)
@@ -381,12 +286,11 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
     `auto_layout`, ranks every mesh and layout of `devices` (default: the mesh's size)
     devices instead. Prints text or, with `output_format` 'json', one JSON object to `out`
     (default stdout); returns that object."""
-    if target not in planner.TARGETS:
-        raise ConfigError(f"unknown --target {target!r}; use one of {', '.join(planner.TARGETS)}")
+    if target not in TARGETS:
+        raise ConfigError(f"unknown --target {target!r}; use one of {', '.join(TARGETS)}")
     if output_format not in ("text", "json"):
         raise ConfigError(f"unknown --format {output_format!r}; use text or json")
-    target_spec, kind = planner.TARGETS[target], exp.task.kind
-    analytic = planner.analytic_parameters(exp.model_config, kind)
+    target_spec = TARGETS[target]
     describe = f"task {exp.task.name}, {_describe(exp.model_config)}"
     if auto_layout:
         devices = devices or exp.layout.size
@@ -394,8 +298,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
             raise ConfigError(f"--auto_layout for {devices} devices, but only "
                               f"{jax.device_count()} are available to compile for")
         results = planner.auto_layout(
-            exp.trainer.with_layout, exp.model_config, kind, devices, target_spec, analytic,
-            progress=lambda message: log.info("auto-layout %s", message))
+            exp.trainer.with_layout, devices, target_spec, progress=lambda message: log.info("auto-layout %s", message))
         report = {"model": describe, "num_devices": devices, "target": target,
                   "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
                                   "rejected": c.rejected,
@@ -404,8 +307,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
         text = planner.format_auto_layout(results, devices, target, top)
     else:
         compiled = exp.sgp.compile_train_step() if exp.sgp else None
-        result = planner.plan(exp.trainer, exp.model_config, kind, target_spec, analytic,
-                              compiled=compiled)
+        result = planner.plan(exp.trainer, target_spec, compiled=compiled)
         report = {"model": describe, **result.to_dict()}
         text = planner.format_plan(result, describe)
     out = out or sys.stdout
@@ -414,7 +316,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
     return report
 
 
-def _describe(c: TransformerConfig) -> str:
+def _describe(c) -> str:
     return (f"{c.num_layers} layers d_model {c.d_model} d_ff {c.d_ff} heads {c.num_heads}x{c.d_kv} "
             f"vocab {c.vocab_size}")
 
@@ -429,50 +331,5 @@ def evaluate_checkpoint(exp: Experiment) -> dict:
     return results
 
 
-def _check_output_file(output_file: str | None) -> None:
-    """An --output_file can be written: its directory exists and takes a new file."""
-    if output_file in (None, "-"):
-        return
-    if os.path.isdir(output_file):
-        raise ConfigError(f"--output_file {output_file} is a directory")
-    directory = os.path.dirname(os.path.abspath(output_file))
-    if not os.path.isdir(directory):
-        raise ConfigError(f"--output_file {output_file}: the directory {directory} does not exist")
-    check_writable(directory, "the directory of --output_file")
-
-
-def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
-    """``--mode=infer``: translates the lines of `input_file` (or stdin) with the latest
-    checkpoint, one line out per line in, to `output_file` (or stdout; a file is replaced
-    only once every line is translated)."""
-    if input_file in (None, "-"):
-        lines = sys.stdin.read().splitlines()
-    else:
-        try:
-            with open(input_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            reason = getattr(e, "strerror", None) or "not UTF-8 text"
-            raise ConfigError(f"cannot read --input_file {input_file}: {reason}") from None
-    state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
-    translations = exp.translator(state.params, lines) if lines else []
-    if exp.translator.truncated:
-        log.warning("%d of %d input lines were longer than %d tokens (run.sequence_length) "
-                    "and were cut to it before translating", exp.translator.truncated,
-                    len(lines), exp.translator.length)
-    text = "".join(t + "\n" for t in translations)
-    if output_file in (None, "-"):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        directory = os.path.dirname(os.path.abspath(output_file))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mtrain-infer-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, output_file)
-    log.info("translated %d lines with the checkpoint of step %d", len(lines), step)
-    return len(lines)
-
-
 def model_dir_is_bound() -> bool:
-    return _bound("run.model_dir", None) is not None
+    return config.bound("run.model_dir", None) is not None

@@ -21,13 +21,12 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtrain import pushsum
 from mtrain.layout import Layout
 from mtrain.replica import replicate
-from mtrain.trainer import Trainer, TrainState, with_shardings
+from mtrain.trainer import Trainer, TrainState, step_metrics, with_shardings
 
 
 @flax.struct.dataclass
@@ -114,7 +113,7 @@ class SGPTrainer:
         z = pushsum.debias(x, w)
         with self.inner.activate(t.mesh):
             key = jax.random.fold_in(jax.random.fold_in(t.dropout_key, step), ctx.replica_id)
-            grads, loss, xent, tokens = t._mean_gradients(z, batch, key)
+            grads, loss, xent, tokens = t.gradients(z, batch, key)
             updates, opt = t.optimizer.update(grads, opt, z)
             # The update moves x; the de-biased value moves by it divided by w.
             x = jax.tree_util.tree_map(lambda v, u: v + u * w, x, updates)
@@ -125,13 +124,11 @@ class SGPTrainer:
                                           x, w, inflight)
         else:
             x, w, inflight = gossip(x, w, inflight)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # Only scalars are reduced: a metric must not cost the all-reduce SGP avoids.
-        metrics = {"loss": ctx.all_mean(loss), "cross_entropy": ctx.all_mean(xent),
-                   "num_tokens": ctx.all_sum(tokens), "grad_norm": ctx.all_mean(grad_norm),
-                   "finite": (ctx.all_sum(1.0 - finite.astype(jnp.float32)) == 0).astype(
-                       jnp.float32)}
+        # This replica's metrics; only scalars are reduced over the replicas: a metric must
+        # not cost the all-reduce SGP avoids. Tokens add up, `finite` holds on every replica.
+        metrics = {k: ctx.all_mean(v) for k, v in step_metrics(grads, loss, xent, tokens).items()}
+        metrics["num_tokens"] = ctx.all_sum(tokens)
+        metrics["finite"] = (metrics["finite"] == 1.0).astype(jnp.float32)
         expand = lambda tree: jax.tree_util.tree_map(lambda v: v[None], tree)  # noqa: E731
         return step + 1, expand(x), expand(opt), w[None], expand(inflight), metrics
 

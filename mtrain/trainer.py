@@ -15,7 +15,6 @@ from typing import Any
 
 import flax
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,16 +22,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain import losses
+from mtrain.errors import ConfigError
 from mtrain.layout import Layout, LayoutError, constrain, tree_shardings
+from mtrain.models.base import batch_keys
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
-
-
-def feature_names(model: nn.Module) -> list[str]:
-    """The batch arrays a model takes, in order: for each of its `features` (e.g. "inputs",
-    "targets"), the tokens, segment ids and positions."""
-    return [f"{f}{suffix}" for f in model.features for suffix in ("", "_segment_ids", "_positions")]
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -48,11 +43,10 @@ class TrainState:
     opt_state: Any
 
 
-@gin.configurable("loss")
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """``loss.z_loss`` (Mesh-TF's default 1e-4), ``loss.label_smoothing`` and ``loss.chunks``
-    in gin.
+    """The loss: `z_loss` (Mesh-TF's default 1e-4), `label_smoothing` and `chunks` (gin:
+    ``loss.z_loss``, ...).
 
     `chunks` > 1 computes the training loss and its gradient that many slices of the
     sequence at a time (`losses.chunked_cross_entropy`): the [batch, length, vocab] logits
@@ -69,7 +63,7 @@ class LossConfig:
         """The number of slices for sequences of `length` whose logits have
         `logits_per_device` elements on each device."""
         if self.chunks < 0 or (self.chunks and length % self.chunks):
-            raise LayoutError(f"loss.chunks={self.chunks} must be 0 (automatic) or divide the "
+            raise ConfigError(f"loss.chunks={self.chunks} must be 0 (automatic) or divide the "
                               f"sequence length {length}")
         if self.chunks:
             return self.chunks
@@ -113,6 +107,15 @@ def _opt_state_names(opt_state, params, param_names):
     return walk(opt_state)
 
 
+def step_metrics(grads, loss, xent, tokens) -> dict:
+    """A train step's metrics: loss, cross-entropy, tokens, gradient norm, and `finite`: 0
+    when the loss or a gradient is not finite (wrap the optimizer in optax.apply_if_finite
+    to skip such updates, as run.py does)."""
+    grad_norm = optax.tree.norm(grads)
+    return {"loss": loss, "cross_entropy": xent, "num_tokens": tokens, "grad_norm": grad_norm,
+            "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32)}
+
+
 class Trainer:
     """Builds the sharded state and the jitted steps for one model, optimizer and layout."""
 
@@ -134,7 +137,7 @@ class Trainer:
         self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
         self.loss_config = loss_config or LossConfig()
         if batch_size % num_microbatches:
-            raise LayoutError(f"batch_size {batch_size} is not divisible into "
+            raise ConfigError(f"batch_size {batch_size} is not divisible into "
                               f"{num_microbatches} microbatches")
         self.num_microbatches = num_microbatches
         self.batch_shape = (batch_size, sequence_length)
@@ -181,12 +184,12 @@ class Trainer:
 
     def _dummy_batch(self, shape=None):
         ids = jnp.zeros(shape or self.batch_shape, jnp.int32)
-        return {name: ids for name in feature_names(self.model)}
+        return {name: ids for name in batch_keys(self.model.features)}
 
     def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False):
         """The model's logits for a packed batch (its `features`, each with segment ids and
         positions); with `return_hidden` its final hidden states and output kernel."""
-        args = [batch[name] for name in feature_names(self.model)]
+        args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
         return self.model.apply({"params": params}, *args, deterministic=deterministic,
                                 rngs=rngs, **kwargs)
@@ -246,7 +249,7 @@ class Trainer:
         (loss, (xent, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return grads, loss, xent, tokens
 
-    def _mean_gradients(self, params, batch: Batch, dropout_key):
+    def gradients(self, params, batch: Batch, dropout_key):
         """The gradient of the mean token loss of `batch` (and the loss, cross-entropy and
         token count), accumulated over `num_microbatches` slices of it, one at a time.
         Microbatch j holds rows j, j + k, j + 2k, ... so that every device keeps working on
@@ -276,19 +279,10 @@ class Trainer:
     def _train_step_fn(self, state: TrainState, batch: Batch):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
-            grads, loss, xent, tokens = self._mean_gradients(state.params, batch, dropout_key)
+            grads, loss, xent, tokens = self.gradients(state.params, batch, dropout_key)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.tree.norm(grads)
-        metrics = {
-            "loss": loss,
-            "cross_entropy": xent,
-            "num_tokens": tokens,
-            "grad_norm": grad_norm,
-            # 0 when the loss or a gradient is not finite (wrap the optimizer in
-            # optax.apply_if_finite to skip such updates, as run.py does).
-            "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32),
-        }
+        metrics = step_metrics(grads, loss, xent, tokens)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def _eval_step_fn(self, params, batch: Batch):
@@ -311,7 +305,7 @@ class Trainer:
     def abstract_batch(self) -> Batch:
         """A batch as shapes with its sharding (for ahead-of-time compilation)."""
         ids = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-        return {name: ids for name in feature_names(self.model)}
+        return {name: ids for name in batch_keys(self.model.features)}
 
     def with_layout(self, layout: Layout) -> "Trainer":
         """The same model, optimizer, batch, seed and settings on another layout (over the
@@ -351,6 +345,15 @@ class Trainer:
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         return self._train_step(state, batch)
+
+    def lower_train_step(self):
+        """The train step lowered from abstract state and batch (nothing allocated): its
+        `.as_text()` is the HLO, its `.compile()` the program the planner measures."""
+        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch())
+
+    def compile_train_step(self):
+        """The train step compiled ahead of time from abstract shapes."""
+        return self.lower_train_step().compile()
 
     def eval_step(self, params, batch: Batch) -> dict:
         return self._eval_step(params, batch)

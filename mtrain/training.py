@@ -27,11 +27,10 @@ import os
 import signal
 import time
 
-import gin
 import jax
 import numpy as np
 
-from mtrain import distributed, planner
+from mtrain import distributed, targets
 from mtrain.checkpoints import CheckpointError, Checkpoints
 from mtrain.errors import Interrupted, TrainingDiverged, UserError
 from mtrain.evaluation import evaluate
@@ -58,7 +57,7 @@ def train(exp, restart: bool = False) -> dict:
             state, start = _restore_or_init(exp, checkpoints, batches)
             if jax.process_index() == 0:
                 with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
-                    f.write(gin.operative_config_str())
+                    f.write(exp.config_text)
             writer = MetricsWriter(exp.model_dir)
             with _closing(writer.close):
                 results = _train_loop(exp, state, start, batches, checkpoints, writer)
@@ -194,7 +193,7 @@ def _train_loop(exp, state, start: int, batches, checkpoints: Checkpoints,
         log.info("SGP over %d replicas (overlap %d, exact average every %s steps): each sends "
                  "%.3g MB per step", exp.sgp.num_replicas, exp.sgp.overlap,
                  exp.sgp.average_every or "no", exp.sgp.bytes_sent_per_step() / 1e6)
-    peak, source = planner.device_peak_flops()
+    peak, source = targets.device_peak_flops()
     log.info("model FLOPs per step %.3g; MFU against %.3g FLOP/s per device (%s)",
              exp.flops_per_step, peak, source)
     if start >= exp.train_steps:
@@ -367,6 +366,8 @@ class _StopSignals:
 
             return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
         return self.requested
+
+    requested: str | None = None  # "SIGTERM" or "SIGINT" once one arrived
 
     def __enter__(self):
         self.requested = None

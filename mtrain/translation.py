@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +26,6 @@ from mtrain.trainer import Trainer
 from mtrain.vocabulary import Vocabulary
 
 
-@gin.configurable("decoding")
 @dataclasses.dataclass(frozen=True)
 class DecodingConfig:
     """``decoding.beam_size = 4``, ``decoding.alpha = 0.6`` (the paper's setting) in gin.
@@ -102,9 +100,9 @@ class Translator:
         0-padded (also the rows)."""
         ids = np.zeros((self.batch_size, self.length), np.int32)
         for row, text in enumerate(texts):
-            tokens = self.vocab.encode(text) + [self.vocab.eos_id]
-            self.truncated += len(tokens) > self.length
-            ids[row, : min(len(tokens), self.length)] = tokens[: self.length]
+            tokens, cut = self.vocab.encode_example(text, self.length)
+            self.truncated += cut
+            ids[row, : len(tokens)] = tokens
         return ids
 
     def __call__(self, params, texts: Sequence[str]) -> list[str]:
@@ -115,7 +113,7 @@ class Translator:
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start:start + self.batch_size])
             ids = self.encode_batch(chunk)[first:first + rows]  # this process's rows
-            placed = jax.make_array_from_process_local_data(self.trainer.batch_sharding, ids)
+            placed = self.trainer.place_batch({"inputs": ids})["inputs"]
             decoded = np.asarray(jax.device_get(self._decode(params, placed)))
             out += [self.vocab.decode(row) for row in decoded[: len(chunk)]]
         return out

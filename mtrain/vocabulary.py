@@ -72,6 +72,12 @@ class Vocabulary:
         """The first 16 hex digits of the model's sha256: which vocabulary this is."""
         return hashlib.sha256(self._proto).hexdigest()[:16]
 
+    def encode_example(self, text: str, length: int) -> tuple[list[int], bool]:
+        """An example's ids as training sees them: encoded, EOS appended, trimmed to
+        `length`; and whether it was cut."""
+        ids = self.encode(text) + [self.eos_id]
+        return ids[:length], len(ids) > length
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without EOS."""
         return self._sp.encode(text, out_type=int)

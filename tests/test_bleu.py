@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mtrain.bleu import corpus_bleu
-from mtrain.data.sources import bible_split_verses
+from mtrain.data.bible import bible_split_verses
 
 REFERENCES = [v.fr for v in bible_split_verses("test")[:40]]
 # Hypotheses that share some but not all n-grams with the references.

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mtrain.data import packing, sources
+from mtrain.data import bible, packing
 from mtrain.data.pipeline import batches, lm_batches
-from mtrain.data.sources import BibleLM, BibleTranslation, DataError
-from mtrain.errors import IncompatibleRun
+from mtrain.data.sources import BibleLM, BibleTranslation
+from mtrain.errors import DataError, IncompatibleRun
 from mtrain.vocabulary import EOS_ID, UNK_ID, train_vocabulary
 
 LENGTH = 32  # small shapes keep the tests fast
@@ -26,24 +26,24 @@ def vocab(tmp_path_factory):
 
 # --- sources -----------------------------------------------------------------------------
 
-VALIDATION_BOOKS, TEST_BOOKS = sources.VALIDATION_BOOKS, sources.TEST_BOOKS
+VALIDATION_BOOKS, TEST_BOOKS = bible.VALIDATION_BOOKS, bible.TEST_BOOKS
 GENESIS_1_1 = ("In the beginning God created the heaven and the earth.",
                "Au commencement, Dieu créa les cieux et la terre.")
 
 
 def test_bible_splits_are_disjoint_sets_of_books():
     assert not VALIDATION_BOOKS.keys() & TEST_BOOKS.keys()
-    books = {split: {v.book for v in sources.bible_split_verses(split)} for split in sources.SPLITS}
+    books = {split: {v.book for v in bible.bible_split_verses(split)} for split in bible.SPLITS}
     assert books["validation"] == VALIDATION_BOOKS.keys()
     assert books["test"] == TEST_BOOKS.keys()
     assert books["train"] == set(range(1, 67)) - VALIDATION_BOOKS.keys() - TEST_BOOKS.keys()
-    sizes = {split: len(sources.bible_split_verses(split)) for split in sources.SPLITS}
-    assert sum(sizes.values()) == len(sources.bible_verses()) == 31_102
+    sizes = {split: len(bible.bible_split_verses(split)) for split in bible.SPLITS}
+    assert sum(sizes.values()) == len(bible.bible_verses()) == 31_102
     assert 0.02 < sizes["validation"] / 31_102 < 0.04 and 0.02 < sizes["test"] / 31_102 < 0.04
 
 
 def test_known_verse_is_in_train():
-    assert sources.bible_verses()[0] == (1, 1, 1, *GENESIS_1_1)
+    assert bible.bible_verses()[0] == (1, 1, 1, *GENESIS_1_1)
     assert BibleLM("en").columns("train")["text"][0] == GENESIS_1_1[0]
     assert BibleLM("fr").columns("train")["text"][0] == GENESIS_1_1[1]
     first = next(iter(BibleTranslation("en", "fr").dataset("train")))

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from mtrain import config as mtrain_config
 from mtrain import run as run_lib
 from mtrain import tasks
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
-from mtrain.trainer import feature_names
+from mtrain.models.base import batch_keys
 
 PAPER = sorted(glob.glob(os.path.join(run_lib.CONFIGS_DIR, "paper", "*_size_*.gin")))
 
@@ -27,13 +28,13 @@ def build(path):
     """(model config, layout, task, batch size, abstract boxed variables) of a paper file."""
     run_lib.parse_config([path], [])
     vocab = gin.query_parameter("vocabulary.size")
-    config = TransformerConfig(vocab_size=128 * math.ceil(vocab / 128))
+    config = mtrain_config.transformer(vocab_size=128 * math.ceil(vocab / 128))
     task = tasks.get_task(gin.query_parameter("run.task"))
     model = (EncoderDecoder if task.kind == "translation" else DecoderLM)(config)
     batch, length = gin.query_parameter("run.batch_size"), gin.query_parameter("run.sequence_length")
     ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     boxed = jax.eval_shape(lambda *a: model.init(jax.random.key(0), *a),
-                           *[ids] * len(feature_names(model)))
+                           *[ids] * len(batch_keys(model.features)))
     layout = Layout(gin.query_parameter("run.mesh_shape"), gin.query_parameter("run.layout_rules"),
                     drop_unused_rules=True)  # as runs do: batch:32 has no `model`
     return config, layout, task, batch, boxed

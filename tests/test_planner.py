@@ -17,21 +17,22 @@ from mtrain import run as run_lib
 from mtrain.__main__ import main
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.hlo_cost import hlo_cost
+from mtrain.targets import TARGETS
 from mtrain.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = TransformerConfig(vocab_size=1024, d_model=64, d_ff=512, num_heads=8, d_kv=16,
                            num_layers=2, max_length=64)
 RULES = "batch:batch;d_ff:model;heads:model;vocab:model"
-V3 = planner.TARGETS["tpu-v3"]
+V3 = TARGETS["tpu-v3"]
 
 
 def make_plan(mesh_shape, rules=RULES, config=CONFIG, target=V3):
     layout = Layout(mesh_shape, rules, drop_unused_rules=True)
     trainer = Trainer(DecoderLM(config), optax.adafactor(1e-3), layout,
                       layout.make_mesh(jax.devices()[:layout.size]), 16, 64)
-    return trainer, planner.plan(trainer, config, "lm", target,
-                                 planner.analytic_parameters(config, "lm"))
+    return trainer, planner.plan(trainer, target)
 
 
 def test_collectives_are_parsed_from_hlo_text():
@@ -47,7 +48,7 @@ def test_collectives_are_parsed_from_hlo_text():
         "  %add = f32[16,32,64]{2,1,0} add(%all-reduce.1, %all-reduce.1)",
         "  %trivial = f32[8]{0} all-reduce(%v), replica_groups={{0},{1}}, to_apply=%add",
     ])
-    stats = planner.collectives(hlo, num_devices=8, parameter_shapes={(64, 512)})
+    stats = hlo_cost(hlo, num_devices=8, parameter_shapes={(64, 512)}).collectives
     ar, ag = stats["all-reduce"], stats["all-gather"]
     # Groups of 4: an all-reduce sends 2 x 3/4 of its bytes; groups of one are no collective.
     assert ar.count == 2
@@ -87,7 +88,7 @@ def test_loops_count_per_iteration_and_conditionals_once():
         "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
         "}",
     ])
-    cost = planner.hlo_cost(hlo, num_devices=8)
+    cost = hlo_cost(hlo, num_devices=8)
     ar = cost.collectives["all-reduce"]
     # The loop's all-reduce (groups of 2: sends its bytes once) runs 3 times; one hop runs.
     assert (ar.count, ar.bytes_sent) == (3, 3 * 16 * 32 * 4)
@@ -111,7 +112,7 @@ def test_scanned_and_microbatched_steps_are_planned_per_iteration():
     layout = Layout("batch:4;model:2", RULES, drop_unused_rules=True)
     trainer = Trainer(DecoderLM(CONFIG), optax.adafactor(1e-3), layout,
                       layout.make_mesh(jax.devices()[:8]), 16, 64, num_microbatches=4)
-    micro = planner.plan(trainer, CONFIG, "lm", V3)
+    micro = planner.plan(trainer, V3)
     assert micro.matmul_flops == pytest.approx(plain.matmul_flops, rel=1e-6)
     assert micro.collectives["all-reduce"]["parameter_shaped_bytes"] >= \
         plain.collectives["all-reduce"]["parameter_shaped_bytes"]
@@ -261,8 +262,7 @@ def test_step_model_is_within_reach_of_the_h100_measurements(attention, rows, ch
     params = 943_785_984 * 4
     model = step_model.estimate(
         config, "lm", Layout(), rows, 2048, 1, chunks, params + 10_789_000, params,
-        32768 * 2048 * 4, planner.analytic_flops(config, "lm", rows, 2048),
-        planner.TARGETS["h100"])
+        32768 * 2048 * 4, DecoderLM(config).analytic_flops(rows, 2048), TARGETS["h100"])
     assert model.total_bytes / 2**30 == pytest.approx(peak_gib, rel=0.25)
     if seconds:
         assert model.step_seconds == pytest.approx(seconds, rel=0.5)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mtrain import optimizer
+from mtrain.hlo_cost import hlo_cost
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.sgp import SGPTrainer
@@ -81,19 +82,18 @@ def test_the_sgp_step_all_reduces_no_parameters():
     # Its collectives: a collective-permute per hop (the planner counts the one that runs per
     # step) of the parameters, and all-reduces of scalars only, where data parallelism
     # all-reduces every gradient.
-    from mtrain import planner
 
     t = trainer("batch:8")
     params = SGPTrainer(t).bytes_sent_per_step() - 4
     for sgp in (SGPTrainer(t), SGPTrainer(t, overlap=1)):
-        stats = planner.collectives(sgp.compile_train_step().as_text(), 8)
+        stats = hlo_cost(sgp.compile_train_step().as_text(), 8).collectives
         assert stats["all-reduce"].bytes_sent < 100
         assert stats["collective-permute"].bytes_sent == pytest.approx(params + 4, rel=0.01)
-    all_reduce = planner.collectives(planner.compile_train_step(t).as_text(), 8)
+    all_reduce = hlo_cost(t.compile_train_step().as_text(), 8).collectives
     assert all_reduce["all-reduce"].bytes_sent == pytest.approx(2 * 7 / 8 * params, rel=0.01)
     # Exact averaging every H steps: then (in a conditional) an all-reduce of the parameters.
-    averaging = planner.collectives(SGPTrainer(t, average_every=4).compile_train_step()
-                                    .as_text(), 8)
+    averaging = hlo_cost(SGPTrainer(t, average_every=4).compile_train_step().as_text(),
+                         8).collectives
     assert averaging["all-reduce"].bytes_sent == pytest.approx(2 * 7 / 8 * params, rel=0.01)
 
 

@@ -11,10 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from mtrain import planner
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
-from mtrain.layout import LayoutError
+from mtrain.errors import ConfigError
 from mtrain.trainer import LossConfig, Trainer
 from mtrain.translation import DecodingConfig, Translator
 
@@ -123,7 +122,7 @@ def test_scan_keeps_the_program_the_same_size_at_any_depth():
     def hlo_size(layers, scan, model=DecoderLM):
         config = dataclasses.replace(CONFIG, num_layers=layers, scan_layers=scan)
         t = trainer(config, model)
-        return len(t._train_step.lower(t.sharded_abstract_state(), t.abstract_batch()).as_text())
+        return len(t.lower_train_step().as_text())
 
     assert hlo_size(12, True) < 1.1 * hlo_size(2, True)
     assert hlo_size(12, False) > 3 * hlo_size(2, False)
@@ -138,8 +137,8 @@ def test_microbatches_give_the_same_update_with_less_memory(reference, k):
     other = t.with_layout(Layout("batch:8", "batch:batch"))
     assert (other.num_microbatches, other.seed, other.batch_shape) == (k, 0, (BATCH, LENGTH))
     if k == 4:
-        full = planner.compile_train_step(trainer()).memory_analysis().temp_size_in_bytes
-        micro = planner.compile_train_step(t).memory_analysis().temp_size_in_bytes
+        full = trainer().compile_train_step().memory_analysis().temp_size_in_bytes
+        micro = t.compile_train_step().memory_analysis().temp_size_in_bytes
         assert micro < 0.7 * full
 
 
@@ -161,7 +160,7 @@ def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
             t = trainer(config, model,
                         loss_config=LossConfig(chunks=chunks, label_smoothing=smoothing))
             batch = t.place_batch(packed_batch(0, features))
-            out.append(jax.jit(lambda p, b: t._mean_gradients(p, b, t.dropout_key))(
+            out.append(jax.jit(lambda p, b: t.gradients(p, b, t.dropout_key))(
                 t.init_state().params, batch))
         (g1, loss1, xent1, n1), (g8, loss8, xent8, n8) = out
         np.testing.assert_allclose([loss8, xent8, n8], [loss1, xent1, n1], rtol=tol)
@@ -172,8 +171,8 @@ def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
 
 def test_chunked_loss_needs_less_memory():
     config = dataclasses.replace(CONFIG, vocab_size=4096)
-    whole = planner.compile_train_step(trainer(config, loss_config=LossConfig(chunks=1)))
-    chunked = planner.compile_train_step(trainer(config, loss_config=LossConfig(chunks=8)))
+    whole = trainer(config, loss_config=LossConfig(chunks=1)).compile_train_step()
+    chunked = trainer(config, loss_config=LossConfig(chunks=8)).compile_train_step()
     assert (chunked.memory_analysis().temp_size_in_bytes
             < 0.6 * whole.memory_analysis().temp_size_in_bytes)
 
@@ -186,7 +185,7 @@ def test_automatic_loss_chunks():
     assert auto.num_chunks(2048, 16 * 2048 * 32768) == 16  # at most 16
     assert auto.num_chunks(127, 2**30) == 1  # a prime length cannot be sliced
     assert LossConfig(chunks=4).num_chunks(32, 1) == 4
-    with pytest.raises(LayoutError, match="loss.chunks=3 must be 0"):
+    with pytest.raises(ConfigError, match="loss.chunks=3 must be 0"):
         LossConfig(chunks=3).num_chunks(32, 2**30)
 
 

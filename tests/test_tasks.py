@@ -10,9 +10,9 @@ import pytest
 
 from mtrain import evaluation
 from mtrain import tasks
-from mtrain.data import make_offline, sources
+from mtrain.data import bible, make_offline, sources
 from mtrain.data.pipeline import batches
-from mtrain.errors import ConfigError
+from mtrain.errors import ConfigError, DataError
 from mtrain.vocabulary import EOS_ID, UNK_ID, train_vocabulary
 
 MAX_TRAIN = 1500
@@ -57,22 +57,22 @@ def test_tfds_sources_read_the_prepared_splits_by_index(lm1b, wmt, data_dir, raw
         f"TFDS lm1b:1.1.0 from local raw files (test {lm1b.num_examples('test')}, train "
         f"{MAX_TRAIN} examples)")
     assert lm1b.num_examples("train") == MAX_TRAIN
-    assert lm1b.num_examples("test") == len(sources.bible_split_verses("test"))
-    assert sorted(lm1b.texts("train")) == sorted(v.en for v in sources.bible_split_verses("train")[:MAX_TRAIN])
+    assert lm1b.num_examples("test") == len(bible.bible_split_verses("test"))
+    assert sorted(lm1b.texts("train")) == sorted(v.en for v in bible.bible_split_verses("train")[:MAX_TRAIN])
     assert set(wmt.features) == {"en", "fr"}
     assert set(wmt.splits) == {"train", "validation", "test"}
-    assert wmt.num_examples("validation") == len(sources.bible_split_verses("validation"))
+    assert wmt.num_examples("validation") == len(bible.bible_split_verses("validation"))
     # gather returns exactly the examples asked for, in the order asked.
     block = wmt.gather("test", np.array([5, 0, 5], np.int64))
     en, fr = [[s.decode() for s in block[k].numpy()] for k in ("en", "fr")]
-    pairs = {v.en: v.fr for v in sources.bible_split_verses("test")}
+    pairs = {v.en: v.fr for v in bible.bible_split_verses("test")}
     assert en[0] == en[2] and all(pairs[e] == f for e, f in zip(en, fr))
     # Prepared once, in a TFDS dir of this origin, and found again without rebuilding.
     tfds_dir = sources.tfds_data_dir(data_dir, raw)
     assert (tfds_dir / "lm1b" / "1.1.0").is_dir() and tfds_dir != sources.tfds_data_dir(data_dir, None)
     again = tasks.get_task("lm1b").source(data_dir, raw)
     assert again.num_examples("train") == MAX_TRAIN
-    with pytest.raises(sources.DataError, match="unknown split 'validation'.*train, test"):
+    with pytest.raises(DataError, match="unknown split 'validation'.*train, test"):
         lm1b.dataset("validation")
 
 
@@ -85,7 +85,7 @@ def test_wmt14_enfr_batches_pack_english_inputs_with_french_targets(wmt, tmp_pat
     task = tasks.get_task("wmt14_enfr")
     assert task.features == {"inputs": "en", "targets": "fr"}
     joint = train_vocabulary(wmt.texts("train"), 600, tmp_path / "joint.model")
-    pairs = {v.en: v.fr for v in sources.bible_split_verses("train")}
+    pairs = {v.en: v.fr for v in bible.bible_split_verses("train")}
     batch = next(batches(wmt, joint, "train", task.features, 96, BATCH, seed=3, train=True,
                          window=WINDOW))
     checked = 0
@@ -126,7 +126,7 @@ def test_tfds_batches_shard_by_host_and_resume_exactly(lm1b, en_vocab, tmp_path)
 
 
 def test_word_count_is_words_plus_end_of_sentence(lm1b, en_vocab):
-    exp = types.SimpleNamespace(source=lm1b, eval_split="test", vocab=en_vocab,
+    exp = types.SimpleNamespace(source=lm1b, eval_split="test", vocab=en_vocab, cache={},
                                 sequence_length=100_000)  # nothing trimmed
     stats = evaluation.heldout_statistics(exp)
     texts = list(lm1b.texts("test"))

@@ -11,7 +11,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 from mtrain.data import make_offline, tfds_prepare
-from mtrain.data.sources import DataError, bible_split_verses
+from mtrain.data.bible import bible_split_verses
+from mtrain.errors import DataError
 
 MAX_TRAIN = 2000
 WMT14 = "wmt14_translate/fr-en"
@@ -157,7 +158,7 @@ def test_prepare_prints_one_line(tmp_path, capsys):
                      "heldout-monolingual.tokenized.shuffled/news.en.heldout-00000-of-00050"),
 ])
 def test_missing_raw_file_is_a_data_error(tmp_path, dataset, name, removed):
-    raw = make_offline.WRITERS[dataset](tmp_path / "raw", max_train=10)
+    raw = make_offline.TREES[dataset].write(tmp_path / "raw", max_train=10)
     (raw / removed).unlink()
     with pytest.raises(DataError, match="make_offline") as e:
         tfds_prepare.prepare(name, tmp_path / "data", data_source=raw)

@@ -25,11 +25,10 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
+from mtrain.data.bible import bible_split_verses
 from mtrain.errors import UserError
-
-DATASETS = ("lm1b", "wmt14")
 
 # lm1b: the one top-level directory of 1-billion-word-language-modeling-benchmark-r13output.tar.gz.
 # The builder's train split globs `news.en-*` (the archive has news.en-00001..00099-of-00100),
@@ -112,13 +111,29 @@ def write_wmt14_tree(out_dir: str | os.PathLike, max_train: int | None = None) -
     return _write_tree(out_dir, "wmt14", wmt14_files(), write)
 
 
-WRITERS: dict[str, Callable[..., Path]] = {"lm1b": write_lm1b_tree, "wmt14": write_wmt14_tree}
+class Tree(NamedTuple):
+    tfds_name: str  # the TFDS dataset whose raw files it is
+    write: Callable[..., Path]
+    gin_file: str  # the small experiment that trains on it
+
+
+# The trees this module writes, by their name on the command line.
+TREES = {"lm1b": Tree("lm1b", write_lm1b_tree, "quickstart.gin"),
+         "wmt14": Tree("wmt14_translate/fr-en", write_wmt14_tree,
+                       "experiments/wmt14_enfr_tiny.gin")}
+
+
+def tree_for(tfds_name: str) -> str | None:
+    """The tree (a key of `TREES`) holding the raw files of a TFDS dataset ("lm1b:1.1.0",
+    "wmt14_translate/fr-en"), or None."""
+    name = tfds_name.split(":")[0]
+    return next((k for k, t in TREES.items() if name in (t.tfds_name, t.tfds_name.split("/")[0])),
+                None)
 
 
 def _bible_splits(max_train: int | None):
     if max_train is not None and max_train < 1:
         raise UserError(f"max_train must be at least 1, not {max_train}")
-    from mtrain.data.sources import bible_split_verses  # imports TensorFlow: only when needed
 
     train = bible_split_verses("train")[:max_train]
     return train, bible_split_verses("validation"), bible_split_verses("test")
@@ -208,7 +223,8 @@ def _write_tree(out_dir, dataset: str, files: list[str],
     try:
         write(tmp)
         missing = [f for f in files if not (tmp / f).is_file()]
-        assert not missing, f"make_offline wrote no {missing}"
+        if missing:  # a writer's bug, not the user's: the files are the builders' list
+            raise RuntimeError(f"make_offline wrote no {missing}")
         try:
             os.rename(tmp, out)  # atomic when out does not exist (or is an empty directory)
         except OSError:
@@ -228,7 +244,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "archives, made from the shipped Bible, for building the real TFDS "
                     "datasets without a network (mtrain.data.tfds_prepare.prepare(..., "
                     "data_source=OUT_DIR)).")
-    p.add_argument("dataset", choices=DATASETS,
+    p.add_argument("dataset", choices=sorted(TREES),
                    help="lm1b (for TFDS 'lm1b') or wmt14 (for 'wmt14_translate/fr-en')")
     p.add_argument("out_dir", metavar="OUT_DIR",
                    help="directory to write the tree into (created if needed); must not "
@@ -240,15 +256,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # the corpus reader imports TensorFlow,
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # which should not log about oneDNN
     try:
-        root = WRITERS[args.dataset](args.out_dir, max_train=args.max_train)
+        root = TREES[args.dataset].write(args.out_dir, max_train=args.max_train)
     except UserError as e:
         print(f"make_offline: error: {e}", file=sys.stderr)
         return 2
     # The small experiment of each task, on this tree instead of the shipped one.
-    gin_file = {"lm1b": "quickstart.gin", "wmt14": "experiments/wmt14_enfr_tiny.gin"}[args.dataset]
+    gin_file = TREES[args.dataset].gin_file
     print(f"wrote a raw {args.dataset} tree to {root}; train on it with\n"
           f"  python -m mtrain --gin_file={gin_file} --cpu_devices=8 --data_source={root} "
           f"--model_dir=runs/{args.dataset}_raw")

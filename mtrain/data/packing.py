@@ -27,6 +27,8 @@ with `tf.data.Options.experimental_external_state_policy = IGNORE` (see pipeline
 import numpy as np
 import tensorflow as tf
 
+from mtrain.models.base import batch_keys
+
 # Functions given to tf.data are plain TensorFlow code: skipping AutoGraph's source
 # rewriting saves about a second per function traced.
 no_autograph = tf.autograph.experimental.do_not_convert
@@ -59,7 +61,7 @@ def pack_batch(batch: dict[str, tf.RaggedTensor], keys: tuple[str, ...],
         arrays += [tf.cast(tokens.values, tf.int32), tf.cast(tokens.row_splits, tf.int64)]
     packed = tf.numpy_function(lambda *arrays: pack_arrays(arrays, length), arrays,
                                [tf.int32] * (3 * len(keys)), stateful=False)
-    names = [f"{k}{suffix}" for k in keys for suffix in ("", "_segment_ids", "_positions")]
+    names = batch_keys(keys)
     for value in packed:
         value.set_shape([None, length])
     return dict(zip(names, packed))

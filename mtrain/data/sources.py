@@ -22,35 +22,16 @@ TFDS datasets (lm1b, wmt14) are `TfdsSource`s, prepared by the real TFDS builder
 """
 
 import abc
-import functools
 import hashlib
-import lzma
 import sys
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from mtrain.errors import UserError
-
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
-BIBLE_FILE = DATA_DIR / "bible_kjv_lsg.tsv.xz"
-BIBLE_LANGUAGES = ("en", "fr")
-
-SPLITS = ("train", "validation", "test")
-
-# The Bible's splits are disjoint sets of books (numbered 1..66 in the file). Each held-out
-# split is about 3% of the 31,102 verses: three Old Testament books of different kinds
-# (story, wisdom or poetry, prophecy) and one New Testament letter. "train" is the other 58.
-VALIDATION_BOOKS = {8: "Ruth", 21: "Ecclesiastes", 27: "Daniel", 45: "Romans"}  # 1,097 verses
-TEST_BOOKS = {17: "Esther", 22: "Song of Solomon", 28: "Hosea", 46: "1 Corinthians"}  # 918 verses
-
-
-class DataError(UserError, ValueError):
-    """A data request that cannot work: an unknown split or language, too little data, an
-    input state saved by a different pipeline."""
-
+from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
+from mtrain.errors import DataError
 
 class TextSource(abc.ABC):
     """A corpus with named splits of string examples, read by index."""
@@ -187,51 +168,6 @@ class InMemorySource(TextSource):
             yield from strings
 
 
-class Verse(NamedTuple):
-    book: int
-    chapter: int
-    verse: int
-    en: str
-    fr: str
-
-
-@functools.cache
-def bible_verses() -> tuple[Verse, ...]:
-    """Every verse of the shipped Bible in file order; the file is read once per process."""
-    if not BIBLE_FILE.exists():
-        raise DataError(f"the shipped corpus {BIBLE_FILE} is missing")
-    with lzma.open(BIBLE_FILE, "rt", encoding="utf-8") as f:
-        header = f.readline().rstrip("\n").split("\t")
-        if header != list(Verse._fields):
-            raise DataError(f"{BIBLE_FILE}: unexpected header {header}")
-        verses = []
-        for line in f:
-            book, chapter, verse, en, fr = line.rstrip("\n").split("\t")
-            verses.append(Verse(int(book), int(chapter), int(verse), en, fr))
-    return tuple(verses)
-
-
-def bible_split(book: int) -> str:
-    """The split that a Bible book (1..66) belongs to."""
-    if book in VALIDATION_BOOKS:
-        return "validation"
-    if book in TEST_BOOKS:
-        return "test"
-    return "train"
-
-
-@functools.cache
-def bible_split_verses(split: str) -> tuple[Verse, ...]:
-    """The verses of one split, in file order."""
-    return tuple(v for v in bible_verses() if bible_split(v.book) == split)
-
-
-@functools.cache
-def bible_column(split: str, language: str) -> tuple[str, ...]:
-    """The text of every verse of a split in one language, in file order."""
-    return tuple(getattr(v, language) for v in bible_split_verses(split))
-
-
 def _check_language(language: str) -> str:
     if language not in BIBLE_LANGUAGES:
         raise DataError(f"the Bible corpus has languages {BIBLE_LANGUAGES}, not {language!r}")
@@ -283,15 +219,15 @@ def _shipped_raw_tree(name: str, data_dir: str) -> str:
     """Raw files laid out as `name`'s official archives, made once from the shipped corpus."""
     from mtrain.data import make_offline
 
-    dataset = name.split("/")[0].split(":")[0]
-    writers = {"lm1b": make_offline.write_lm1b_tree, "wmt14_translate": make_offline.write_wmt14_tree}
-    if dataset not in writers:
+    tree = make_offline.tree_for(name)
+    if tree is None:
         raise DataError(f"run.data_source='{SHIPPED}': no shipped raw files for {name}")
+    dataset = name.split("/")[0].split(":")[0]
     root = Path(data_dir) / "raw" / dataset
     if not root.exists():
         print(f"writing {dataset} raw files from the shipped corpus -> {root}",
               file=sys.stderr, flush=True)
-        writers[dataset](root)
+        make_offline.TREES[tree].write(root)
     return str(root)
 
 

@@ -37,16 +37,12 @@ from etils import epath
 from tensorflow_datasets.core import file_adapters
 from tensorflow_datasets.core.utils import tqdm_utils
 
-from mtrain.data.sources import DataError
+from mtrain.data.make_offline import LM1B_HELDOUT_DIR, LM1B_TRAIN_DIR, tree_for
+from mtrain.errors import DataError
 
 # lm1b's raw files, relative to the root of its archive's extraction (as its builder globs
 # them in tensorflow_datasets/datasets/lm1b/lm1b_dataset_builder.py).
-LM1B_GLOBS = (
-    "1-billion-word-language-modeling-benchmark-r13output/"
-    "training-monolingual.tokenized.shuffled/news.en-*",
-    "1-billion-word-language-modeling-benchmark-r13output/"
-    "heldout-monolingual.tokenized.shuffled/news.en.heldout-*",
-)
+LM1B_GLOBS = (f"{LM1B_TRAIN_DIR}/news.en-*", f"{LM1B_HELDOUT_DIR}/news.en.heldout-*")
 
 
 def prepare(name: str, data_dir: str | os.PathLike, data_source: str | os.PathLike | None = None,
@@ -210,14 +206,10 @@ def raw_files(builder: tfds.core.DatasetBuilder) -> list[str] | None:
     return None
 
 
-# The make_offline tree of each TFDS dataset it can write.
-_MAKE_OFFLINE = {"lm1b": "lm1b", "wmt14_translate/fr-en": "wmt14"}
-
-
 def _check_raw_tree(builder: tfds.core.DatasetBuilder, source: epath.Path) -> None:
     """Raises a DataError naming the first file of `raw_files(builder)` missing in `source`."""
     name = builder.name + (f"/{builder.builder_config.name}" if builder.builder_config else "")
-    command = f"python -m mtrain.data.make_offline {_MAKE_OFFLINE.get(name, '...')} {source}"
+    command = f"python -m mtrain.data.make_offline {tree_for(name) or '...'} {source}"
     if not source.is_dir():
         raise DataError(f"the raw tree {source} for {name} is not a directory; write one "
                         f"with `{command}`")

@@ -16,35 +16,33 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 
 from mtrain.layout import constrain
 from mtrain.models import attention, layers
+from mtrain.models.base import shape_field
 
 
-@gin.configurable("transformer", denylist=["vocab_size"])
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Model hyper-parameters (Mesh-TF names); gin binds them as ``transformer.d_model = 512``.
+    """Model hyper-parameters (Mesh-TF names; gin: ``transformer.d_model = 512``). The
+    vocabulary size comes from the task's vocabulary. The `shape_field`s change parameter
+    shapes; the rest (dropout, dtype, remat, attention) may change between runs of a model."""
 
-    The vocabulary size comes from the task's vocabulary, not from gin.
-    """
-
-    vocab_size: int = 8192
-    d_model: int = 256
-    d_ff: int = 1024
-    num_heads: int = 4
-    d_kv: int = 64
-    num_layers: int = 2
-    num_encoder_layers: int = 0  # encoder-decoder only; 0: as many as num_layers
+    vocab_size: int = shape_field(8192)
+    d_model: int = shape_field(256)
+    d_ff: int = shape_field(1024)
+    num_heads: int = shape_field(4)
+    d_kv: int = shape_field(64)
+    num_layers: int = shape_field(2)
+    num_encoder_layers: int = shape_field(0)  # encoder-decoder only; 0: as many as num_layers
     dropout_rate: float = 0.0
-    shared_embedding_and_softmax: bool = False
-    max_length: int = 512
+    shared_embedding_and_softmax: bool = shape_field(False)
+    max_length: int = shape_field(512)
     activation_dtype: str = "float32"  # 'bfloat16': activations and matmuls (params stay f32)
     remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
-    scan_layers: bool = False  # each layer stack one scanned Block: compile time flat in depth
+    scan_layers: bool = shape_field(False)  # each layer stack one scanned Block: compile time flat in depth
     # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'flash' (packed flash
     # attention; no attention dropout) or 'auto' (flash on GPU and TPU, einsum on CPU).
     attention: str = "auto"
@@ -187,12 +185,44 @@ def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x, return_hidden
     return constrain(logits, ("batch", "length", "vocab"))
 
 
+def _layer_parameters(c: TransformerConfig, encoder_layers: int, decoder_layers: int) -> int:
+    """Matmul parameters of the layer stacks: an encoder (or LM) layer has attention (4 d h
+    d_kv) and a feed-forward block (2 d d_ff); a decoder layer two attentions."""
+    attention, ffn = 4 * c.d_model * c.num_heads * c.d_kv, 2 * c.d_model * c.d_ff
+    return encoder_layers * (attention + ffn) + decoder_layers * (2 * attention + ffn)
+
+
+def _analytic_flops(c: TransformerConfig, layer_parameters: int, attention_layers: int,
+                    batch_size: int, length: int) -> float:
+    """6 x matmul parameters x tokens (forward 2, backward 4) plus attention's scores and
+    weighted sums, 12 x length x heads x d_kv per token and layer of attention. The
+    embedding lookup is no matmul; the softmax is (shared or not)."""
+    tokens = batch_size * length
+    matmul = layer_parameters + c.vocab_size * c.d_model
+    scores = 12 * length * c.num_heads * c.d_kv * tokens
+    return 6 * matmul * tokens + attention_layers * scores
+
+
+def _tables(c: TransformerConfig) -> int:
+    """The embedding and softmax tables as the paper counts them (no position tables)."""
+    return (1 if c.shared_embedding_and_softmax else 2) * c.vocab_size * c.d_model
+
+
 class DecoderLM(nn.Module):
     """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]
     (with `return_hidden`: the final hidden states and the output kernel, see `_logits`)."""
 
     config: TransformerConfig
     features = ("targets",)  # the packed features __call__ takes, in order
+
+    def analytic_parameters(self) -> int:
+        """layers (4 d h d_kv + 2 d d_ff) + 2 V d (V d with a shared softmax)."""
+        return _layer_parameters(self.config, self.config.num_layers, 0) + _tables(self.config)
+
+    def analytic_flops(self, batch_size: int, length: int) -> float:
+        c = self.config
+        return _analytic_flops(c, _layer_parameters(c, c.num_layers, 0), c.num_layers,
+                               batch_size, length)
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
@@ -254,6 +284,19 @@ class EncoderDecoder(nn.Module):
 
     config: TransformerConfig
     features = ("inputs", "targets")
+
+    def _stacks(self) -> tuple[int, int]:
+        return self.config.num_encoder_layers or self.config.num_layers, self.config.num_layers
+
+    def analytic_parameters(self) -> int:
+        """encoder layers (4 d h d_kv + 2 d d_ff) + decoder layers (8 d h d_kv + 2 d d_ff) +
+        2 V d: one embedding for inputs and targets, one softmax (V d less when shared)."""
+        return _layer_parameters(self.config, *self._stacks()) + _tables(self.config)
+
+    def analytic_flops(self, batch_size: int, length: int) -> float:
+        encoder, decoder = self._stacks()
+        return _analytic_flops(self.config, _layer_parameters(self.config, encoder, decoder),
+                               encoder + 2 * decoder, batch_size, length)
 
     def setup(self):
         c = self.config

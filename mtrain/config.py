@@ -1,0 +1,81 @@
+"""Gin at the edge: the one module that binds gin names to mtrain's library.
+
+The library (layout, models, trainer, optimizer, losses, decoding, data, checkpoints,
+planner, sgp) knows nothing of gin. Here its configurable pieces get the names the gin
+files use, and the run (`mtrain.run`) builds everything through them:
+
+    transformer.*             TransformerConfig (the model's hyper-parameters; not vocab_size)
+    loss.*                    LossConfig
+    decoding.*                DecodingConfig
+    adafactor.*               optimizer.adafactor (the default run.optimizer)
+    learning_rate_schedule.*  optimizer.learning_rate_schedule
+    @DecoderLM, @EncoderDecoder   models for run.model (default: by the task's kind)
+
+A new model or optimizer is a new gin reference (``run.model = @MyModel`` after
+``gin.external_configurable(MyModel)``), not an edit of `run.build`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+import gin
+
+from mtrain import optimizer
+from mtrain.errors import ConfigError
+from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+from mtrain.trainer import LossConfig
+from mtrain.translation import DecodingConfig
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+transformer = gin.external_configurable(TransformerConfig, "transformer", denylist=["vocab_size"])
+loss = gin.external_configurable(LossConfig, "loss")
+decoding = gin.external_configurable(DecodingConfig, "decoding")
+adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
+learning_rate_schedule = gin.external_configurable(optimizer.learning_rate_schedule,
+                                                   "learning_rate_schedule")
+MODELS = {"lm": gin.external_configurable(DecoderLM, "DecoderLM"),
+          "translation": gin.external_configurable(EncoderDecoder, "EncoderDecoder")}
+
+
+def parse(gin_files: list[str], gin_params: list[str]) -> None:
+    """Parses gin files (searched in the working dir, then configs/) and bindings."""
+    gin.clear_config()
+    gin.add_config_file_search_path(os.getcwd())
+    gin.add_config_file_search_path(CONFIGS_DIR)
+    root = logging.getLogger()
+    level, root.level = root.level, logging.CRITICAL  # gin logs every search-path miss
+    try:
+        gin.parse_config_files_and_bindings(gin_files, gin_params, finalize_config=False)
+    except (ValueError, OSError, SyntaxError, KeyError, TypeError) as e:
+        message = " ".join(str(e).split())
+        raise ConfigError(f"bad gin config: {message}") from None
+    finally:
+        root.level = level
+
+
+def bound(name: str, default):
+    """The value gin binds to `name`, or `default` if it binds none."""
+    try:
+        return gin.query_parameter(name)
+    except ValueError:
+        return default
+
+
+def settings(configurable) -> dict:
+    """A configurable's settings as the gin config gives them (its defaults, then bindings),
+    named ``name.parameter``: what a checkpoint records of the optimizer."""
+    name = configurable.__name__
+    fn = getattr(configurable, "__wrapped__", configurable)
+    values = {p: v.default for p, v in inspect.signature(fn).parameters.items()
+              if v.default is not inspect.Parameter.empty}
+    values.update(gin.get_bindings(configurable))
+    return {f"{name}.{p}": v for p, v in sorted(values.items())}
+
+
+def operative() -> str:
+    """The gin settings the run used (for <model_dir>/config.gin)."""
+    return gin.operative_config_str()

@@ -1,0 +1,169 @@
+"""What a compiled step's HLO does: its matmul FLOPs and its collectives, loops counted per
+iteration.
+
+XLA's own cost analysis counts a loop's body once; `hlo_cost` walks the HLO text, follows
+every called computation with the number of times it runs (a while loop's trip count from
+its backend config), and adds up the dots' FLOPs and, per kind of collective, the bytes each
+device sends (ring algorithms: an all-reduce of B bytes over g devices sends 2 B (g-1)/g, an
+all-gather or all-to-all producing B sends B (g-1)/g, a reduce-scatter producing B sends
+B (g-1), a collective-permute sends B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%?\S+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r"|f8\w*)\[([\d,]*)\]")
+
+
+def _shapes(text: str) -> list[tuple[int, tuple[int, ...]]]:
+    """(bytes per element, dims) of every array shape in an HLO result type."""
+    return [(_DTYPE_BYTES.get(dtype, 1), tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _SHAPE.findall(text)]
+
+
+def _group_size(attributes: str) -> int:
+    """The number of devices in each replica group of an HLO collective."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if m:  # mesh['axis_0'=8,'axis_1'=2] {'axis_0'}: the listed axes form a group
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    m = re.search(r"replica_groups=\[[\d,]*?(\d+)\]<=", attributes)
+    if m:  # iota groups [4,2]<=[8]: the last dimension is the group size
+        return int(m.group(1))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if m:  # explicit groups {{0,1},{2,3}}
+        return len(m.group(1).split(","))
+    return 0  # empty groups: all devices (the caller knows how many)
+
+
+@dataclasses.dataclass
+class CollectiveStats:
+    count: int = 0
+    bytes_sent: float = 0.0  # per device, per step
+    parameter_shaped_bytes: float = 0.0  # of which buffers shaped like parameters (gradients)
+
+
+@dataclasses.dataclass
+class HloCost:
+    """What one execution of an HLO computation (and all it calls) does on one device."""
+
+    collectives: dict[str, CollectiveStats] = dataclasses.field(
+        default_factory=lambda: {k: CollectiveStats() for k in COLLECTIVES})
+    matmul_flops: float = 0.0  # 2 x multiply-adds of its dots
+
+    def add(self, other: "HloCost", times: int = 1) -> None:
+        self.matmul_flops += times * other.matmul_flops
+        for kind, s in other.collectives.items():
+            mine = self.collectives[kind]
+            mine.count += times * s.count
+            mine.bytes_sent += times * s.bytes_sent
+            mine.parameter_shaped_bytes += times * s.parameter_shaped_bytes
+
+    @property
+    def collective_bytes(self) -> float:
+        return sum(s.bytes_sent for s in self.collectives.values())
+
+
+def hlo_cost(hlo_text: str, num_devices: int,
+             parameter_shapes: set[tuple[int, ...]] = frozenset()) -> HloCost:
+    """Every collective of a compiled (SPMD-partitioned) HLO module, by kind: how many, and
+    the bytes each device sends; and the FLOPs of its matmuls. A buffer whose shape is that
+    of a parameter (or its shard) is counted as parameter-shaped: a gradient or a gathered
+    weight, not an activation.
+
+    Counted per execution, as the program runs: a while loop's body as many times as its
+    known trip count (scanned layers, microbatches; XLA's own cost analysis counts it once),
+    and of a conditional's branches only the costliest (SGP's step compiles a
+    collective-permute for each hop of its cycle, and one runs per step)."""
+    # Per computation: what its own instructions do, and what it calls, as (callees of
+    # which the costliest runs, times). Instructions before any computation header (a bare
+    # listing) form the entry, "".
+    direct: dict[str, HloCost] = {"": HloCost()}
+    calls: dict[str, list[tuple[list[str], int]]] = {"": []}
+    shapes: dict[str, str] = {}  # instruction -> its result type, in the current computation
+    entry = current = ""
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line[:1].isspace():  # a computation begins
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            entry = current if line.startswith("ENTRY") else entry
+            direct[current], calls[current], shapes = HloCost(), [], {}
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, result, op, rest = m.groups()
+        shapes[name.lstrip("%")] = result
+        _note_calls(op, rest, calls[current])
+        if op == "dot":
+            direct[current].matmul_flops += _dot_flops(result, rest, shapes)
+        elif op in COLLECTIVES:
+            _add_collective(direct[current].collectives[op], op, result, rest, num_devices,
+                            parameter_shapes)
+
+    @functools.lru_cache(maxsize=None)
+    def total(name: str) -> HloCost:
+        cost = HloCost()
+        cost.add(direct.get(name, HloCost()))
+        for callees, times in calls.get(name, []):
+            cost.add(max((total(c) for c in callees),
+                         key=lambda c: (c.collective_bytes, c.matmul_flops)), times)
+        return cost
+
+    return total(entry)
+
+
+def _note_calls(op: str, rest: str, calls: list) -> None:
+    """The computations an instruction runs, and how many times."""
+    if op == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        calls.append(([body], int(trips.group(1)) if trips else 1))
+        return
+    branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+    if branches:
+        calls.append(([b.strip().lstrip("%") for b in branches.group(1).split(",")], 1))
+    pair = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", rest)
+    if pair:
+        calls.append((list(pair.groups()), 1))
+    # Fusions, calls and async wrappers run their computation once; reducers (to_apply of a
+    # reduce or an all-reduce) hold no matmul or collective, so once is as good as any.
+    for callee in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest):
+        calls.append(([callee], 1))
+
+
+def _dot_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
+    """2 x output elements x contracted elements of a dot."""
+    operands = rest.split(")")[0]
+    lhs_shapes = _shapes(operands)  # printed inline, or else defined earlier
+    if not lhs_shapes:
+        lhs_shapes = _shapes(shapes.get(operands.split(",")[0].strip().lstrip("%"), ""))
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    if not lhs_shapes or not contracting:
+        return 0.0
+    dims = lhs_shapes[0][1]
+    k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d)
+    return 2.0 * sum(math.prod(d) for _, d in _shapes(result)) * k
+
+
+def _add_collective(s: CollectiveStats, kind: str, result: str, rest: str, num_devices: int,
+                    parameter_shapes) -> None:
+    g = _group_size(rest) or num_devices
+    if g <= 1 and kind != "collective-permute":
+        return
+    factor = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
+              "all-to-all": (g - 1) / g, "reduce-scatter": g - 1,
+              "collective-permute": 1.0}[kind]
+    s.count += 1
+    for itemsize, dims in _shapes(result):
+        sent = itemsize * math.prod(dims) * factor
+        s.bytes_sent += sent
+        if dims and dims in parameter_shapes:
+            s.parameter_shaped_bytes += sent

@@ -1,0 +1,86 @@
+"""The accelerators a plan is made for, and the peak FLOP/s of the device this runs on.
+
+A `Target` is one accelerator as one JAX device sees it; `TARGETS` lists those `--target`
+names, with their sources. `device_peak_flops` is the peak the training loop and the
+benchmarks measure MFU against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+GiB = 2**30
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One accelerator, as one JAX device sees it. Throughputs are per device."""
+
+    name: str
+    device: str  # what one JAX device is on it
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    interconnect_bandwidth: float  # bytes/s one device can send to its peers
+
+
+TARGETS = {t.name: t for t in [
+    # TPU v2 and v3: a JAX device is one TensorCore, half a chip. Per chip: v2 45 TFLOP/s,
+    # 16 GiB HBM at 700 GB/s, 4 ICI links of 496 Gbit/s; v3 123 TFLOP/s, 32 GiB at 900 GB/s,
+    # 4 links of 656 Gbit/s (Norrie et al., "The Design Process for Google's Training Chips:
+    # TPUv2 and TPUv3", IEEE Micro 2021; cloud.google.com/tpu/docs/v3).
+    Target("tpu-v2", "TensorCore (half a chip)", 22.5e12, 8 * GiB, 350 * GB, 4 * 62 * GB / 2),
+    Target("tpu-v3", "TensorCore (half a chip)", 61.5e12, 16 * GiB, 450 * GB, 4 * 82 * GB / 2),
+    # TPU v4, v5e, v5p: a JAX device is a chip. v4: 275 TFLOP/s, 32 GiB at 1200 GB/s, pod
+    # all-reduce bandwidth 1.1 PB/s over 4096 chips (cloud.google.com/tpu/docs/v4). v5e: 197
+    # TFLOP/s, 16 GB at 819 GB/s, ICI 1600 Gbit/s (docs/v5e). v5p: 459 TFLOP/s, 95 GB at
+    # 2765 GB/s, ICI 4800 Gbit/s (docs/v5p).
+    Target("tpu-v4", "chip", 275e12, 32 * GiB, 1200 * GB, 1.1e15 / 4096),
+    Target("tpu-v5e", "chip", 197e12, 16 * GiB, 819 * GB, 1600e9 / 8),
+    Target("tpu-v5p", "chip", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8),
+    # NVIDIA H100 and H200 SXM: dense bf16 989 TFLOP/s; 80 GB HBM3 at 3.35 TB/s and 141 GB
+    # HBM3e at 4.8 TB/s; NVLink 4 900 GB/s in both directions, 450 GB/s out (NVIDIA data
+    # sheets). Across nodes, InfiniBand is ~10x slower: plan multi-node runs accordingly.
+    Target("h100", "GPU", 989e12, 80 * GB, 3350 * GB, 450 * GB),
+    Target("h200", "GPU", 989e12, 141 * GB, 4800 * GB, 450 * GB),
+]}
+
+# jax's device_kind (lower case) -> the target whose peak it has.
+_DEVICE_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"),
+                 ("v5", "tpu-v5p"), ("v4", "tpu-v4"), ("v3", "tpu-v3"), ("v2", "tpu-v2"),
+                 ("h100", "h100"), ("h200", "h200"))
+
+
+def device_peak_flops(device=None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number comes from): the table's bf16 peak for
+    known TPUs and GPUs; on CPU a float32 matmul measured now, divided among the simulated
+    devices that share the cores; (0, ...) for anything else."""
+    device = device or jax.local_devices()[0]
+    kind = device.device_kind.lower()
+    for key, target in _DEVICE_KINDS:
+        if key in kind:
+            return TARGETS[target].peak_flops, f"{target} bf16 peak"
+    if device.platform == "cpu":
+        n = jax.local_device_count()
+        return _cpu_matmul_flops(device) / n, (f"measured float32 matmul, shared by {n} CPU "
+                                               f"device{'s' if n > 1 else ''}")
+    return 0.0, f"no peak known for {device.device_kind}"
+
+
+@functools.lru_cache(maxsize=None)  # once per device and process
+def _cpu_matmul_flops(device, n: int = 1536, repeats: int = 4) -> float:
+    import time
+
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)

@@ -1,0 +1,138 @@
+"""The shape of the code base, checked from its source (AST only: nothing is imported).
+
+- Gin stays at the edge: only `mtrain.config`, `mtrain.run` and `mtrain.__main__` import it.
+- No module of `mtrain/` is over 400 lines.
+- The imports between `mtrain`'s modules form no cycle (imports inside functions count).
+- No module uses another module's underscored names: neither ``from m import _x`` nor
+  ``something._x`` where ``_x`` is defined only in another mtrain module.
+"""
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "mtrain"
+GIN_EDGE = {"mtrain.config", "mtrain.run", "mtrain.__main__"}
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, str | None]]:
+    """(module, name) for every import: name None for ``import module``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.module, a.name) for a in node.names]
+    return out
+
+
+def _defined_private(tree: ast.AST) -> set[str]:
+    """Underscored names a module defines: functions, classes, methods, assigned names and
+    attributes (``self._x = ...``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_gin_is_imported_only_at_the_edge():
+    users = {name for name, tree in TREES.items()
+             if any(m == "gin" or m.startswith("gin.") for m, _ in _imports(tree))}
+    assert users <= GIN_EDGE, f"gin imported by library modules {sorted(users - GIN_EDGE)}"
+
+
+def test_no_module_is_over_400_lines():
+    long = {name: n for name, path in MODULES.items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, tree in TREES.items():
+        edges = set()
+        for module, imported in _imports(tree):
+            if f"{module}.{imported}" in MODULES:  # from mtrain.data import sources
+                edges.add(f"{module}.{imported}")
+            elif module in MODULES:
+                edges.add(module)
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_imports_form_no_cycle():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_uses_another_modules_private_names():
+    private = {name: _defined_private(tree) for name, tree in TREES.items()}
+    everywhere = set().union(*private.values())
+    found = []
+    for name, tree in TREES.items():
+        own = private[name]
+        for module, imported in _imports(tree):
+            if module.startswith("mtrain") and imported and imported.startswith("_"):
+                found.append(f"{name}: from {module} import {imported}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in everywhere
+                    and node.attr not in own):
+                found.append(f"{name}:{node.lineno}: .{node.attr}")
+    assert not found, "uses of other modules' private names: " + ", ".join(found)
+
+
+@pytest.mark.parametrize("bad, check", [
+    ("import gin\n", test_gin_is_imported_only_at_the_edge),
+    ("x = 1\n" * (MAX_LINES + 1), test_no_module_is_over_400_lines),
+    ("from mtrain import run\n", test_imports_form_no_cycle),
+    ("def f(t):\n    return t._train_step_fn\n", test_no_module_uses_another_modules_private_names),
+])
+def test_the_checks_catch_what_they_check(monkeypatch, bad, check, tmp_path):
+    """Each check fails on a module that breaks its rule (here: mtrain.layout, which every
+    other module's imports reach, given the offending source)."""
+    path = tmp_path / "layout.py"
+    path.write_text(MODULES["mtrain.layout"].read_text() + "\n" + bad)
+    monkeypatch.setitem(MODULES, "mtrain.layout", path)
+    monkeypatch.setitem(TREES, "mtrain.layout", ast.parse(path.read_text()))
+    with pytest.raises(AssertionError):
+        check()
+
+
+def test_the_package_is_where_the_checks_look():
+    assert {"mtrain.config", "mtrain.trainer", "mtrain.data.pipeline"} <= set(MODULES)
+    assert os.path.isfile(MODULES["mtrain.models.transformer"])
