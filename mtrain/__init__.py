@@ -1,4 +1,4 @@
 """mtrain: Mesh-TensorFlow rebuilt on JAX/Flax."""
 
 __version__ = "0.1.0"
-MODES = ("train", "eval", "infer", "plan")  # --mode / run.mode
+MODES = ("train", "eval", "infer", "score", "plan")  # --mode / run.mode

@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default=None,
                    help="train (default); eval: evaluate the latest checkpoint of --model_dir "
                         "(loss, accuracy, perplexity or BLEU); infer: translate --input_file "
-                        "with it; plan: compile the train step for the configured mesh on "
+                        "with it; score: the log-likelihood of each line of --input_file "
+                        "(translation: 'source<TAB>target'), as JSON lines; plan: compile the train step for the configured mesh on "
                         "simulated CPU devices and report memory, FLOPs, collectives and a "
                         "step-time estimate for --target, without data or accelerators")
     p.add_argument("--target", default="tpu-v3", metavar="NAME",
@@ -63,10 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--mode=plan --auto_layout: the number of devices to lay the model out "
                         "on (default: the size of run.mesh_shape)")
     p.add_argument("--input_file", default=None, metavar="FILE",
-                   help="--mode=infer: sentences to translate, one per line (default: stdin)")
+                   help="--mode=infer: sentences to translate, one per line; --mode=score: "
+                        "lines to score (default: stdin)")
     p.add_argument("--output_file", default=None, metavar="FILE",
-                   help="--mode=infer: where the translations go, one per line (default: "
-                        "stdout; logs go to stderr)")
+                   help="--mode=infer: where the translations go, one per line; --mode=score: "
+                        "one JSON object per line (default: stdout; logs go to stderr)")
     p.add_argument("--cpu_devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (sets XLA's host device count before jax "
                         "starts), so that e.g. a batch:4;model:2 mesh runs on a laptop")
@@ -221,7 +223,7 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["mode"] = args.mode
         if args.data_source is not None:
             kwargs["data_source"] = args.data_source
-        if args.mode == "infer":
+        if args.mode in ("infer", "score"):
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
         if args.restart:
             kwargs["restart"] = True

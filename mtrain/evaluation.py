@@ -5,6 +5,7 @@ search translations for translation tasks."""
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 
 from mtrain.bleu import corpus_bleu
 from mtrain.metrics import MetricsWriter, log
+from mtrain.textfiles import write_atomically
 
 
 def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
@@ -35,15 +37,22 @@ def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
         results["eval/num_words"] = stats["words"]
         results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
     if "bleu" in exp.task.metrics:
-        results.update(bleu(exp, params))
+        results.update(bleu(exp, params, step))
     writer.write(step, results)
     return results
 
 
-def bleu(exp, params) -> dict:
-    """BLEU of the model's translations of (the first decoding.num_examples of) the eval split."""
+def bleu(exp, params, step: int) -> dict:
+    """BLEU of the model's translations of the first decoding.num_examples (0: all) of the
+    eval split in its stored order. Every decode is kept: `<model_dir>/decodes/<split>-
+    <step>.tsv` holds source, reference and hypothesis, one example per line in that order
+    (tabs and line breaks inside a text become spaces), and sacrebleu on its last two
+    columns gives the logged eval/bleu."""
     limit = exp.translator.config.num_examples or None
+    size = exp.source.num_examples(exp.eval_split)
     examples = list(exp.source.examples(exp.eval_split, limit))
+    log.info("BLEU on the first %d of the %d %s examples, in their stored order",
+             len(examples), size, exp.eval_split)
     features = exp.task.features
     inputs = [e[features["inputs"]] for e in examples]
     references = [e[features["targets"]] for e in examples]
@@ -54,6 +63,13 @@ def bleu(exp, params) -> dict:
              "(reference %r); BLEU signature %s", len(inputs), exp.eval_split, time.time() - t0,
              exp.translator.config.beam_size, exp.translator.config.alpha, inputs[0],
              hypotheses[0], references[0], scores["signature"])
+    if jax.process_index() == 0:
+        path = os.path.join(exp.model_dir, "decodes", f"{exp.eval_split}-{step}.tsv")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        flat = lambda text: " ".join(text.replace("\t", " ").splitlines())  # noqa: E731
+        write_atomically(path, "".join(f"{flat(s)}\t{flat(r)}\t{flat(h)}\n" for s, r, h in
+                                       zip(inputs, references, hypotheses)))
+        log.info("decodes: %s", path)
     return {"eval/bleu": scores["bleu"], "eval/bleu_intl": scores["bleu_intl"],
             "eval/bleu_examples": len(inputs)}
 

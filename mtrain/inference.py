@@ -1,16 +1,21 @@
-"""``--mode=infer``: a file of lines in, their translations out, with the latest checkpoint."""
+"""``--mode=infer``: a file of lines in, their translations out, with the latest checkpoint,
+written as they are made."""
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
+import threading
+import time
+
+import jax
 
 from mtrain import training
 from mtrain.errors import ConfigError
 from mtrain.experiment import Experiment
 from mtrain.lock import check_writable
 from mtrain.metrics import log
+from mtrain.textfiles import read_lines
 
 
 def check_output_file(output_file: str | None) -> None:
@@ -27,32 +32,64 @@ def check_output_file(output_file: str | None) -> None:
 
 def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
     """``--mode=infer``: translates the lines of `input_file` (or stdin) with the latest
-    checkpoint, one line out per line in, to `output_file` (or stdout; a file is replaced
-    only once every line is translated)."""
-    if input_file in (None, "-"):
-        lines = sys.stdin.read().splitlines()
-    else:
-        try:
-            with open(input_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            reason = getattr(e, "strerror", None) or "not UTF-8 text"
-            raise ConfigError(f"cannot read --input_file {input_file}: {reason}") from None
+    checkpoint, one line out per line in and in order, to `output_file` (or stdout).
+
+    Translations are written as each batch of decoding.batch_size lines finishes, so a run
+    stopped half-way keeps the lines it translated; a progress line (lines done, lines/s,
+    time left) goes to the log at least every 10 seconds."""
+    lines = read_lines(input_file)
     state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
-    translations = exp.translator(state.params, lines) if lines else []
+    writing = jax.process_index() == 0
+    out = None
+    if writing:
+        out = sys.stdout if output_file in (None, "-") else open(output_file, "w",
+                                                                  encoding="utf-8")
+    log.info("translating %d lines with the checkpoint of step %d, %d at a time "
+             "(decoding.batch_size)", len(lines), step, exp.translator.batch_size)
+    progress = _Progress(len(lines))
+    try:
+        with progress:
+            for batch in exp.translator.batches(state.params, lines):
+                if writing:
+                    out.write("".join(t + "\n" for t in batch))
+                    out.flush()
+                progress.add(len(batch))
+    finally:
+        if out is not None and out is not sys.stdout:
+            out.close()
     if exp.translator.truncated:
         log.warning("%d of %d input lines were longer than %d tokens (run.sequence_length) "
                     "and were cut to it before translating", exp.translator.truncated,
                     len(lines), exp.translator.length)
-    text = "".join(t + "\n" for t in translations)
-    if output_file in (None, "-"):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        directory = os.path.dirname(os.path.abspath(output_file))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mtrain-infer-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, output_file)
-    log.info("translated %d lines with the checkpoint of step %d", len(lines), step)
+    log.info("translated %d lines in %.0f s", len(lines), time.time() - progress.started)
     return len(lines)
+
+
+class _Progress:
+    """Logs lines done, lines/s and the time left every `every` seconds from a thread of its
+    own, so that a line comes even while one batch takes longer than that."""
+
+    def __init__(self, total: int, every: float = 10.0):
+        self.total, self.every, self.done = total, every, 0
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def add(self, n: int) -> None:
+        self.done += n
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            elapsed = time.time() - self.started
+            rate = self.done / elapsed
+            left = f"{(self.total - self.done) / rate:.0f} s left" if rate else "time left unknown"
+            log.info("translated %d of %d lines, %.2f lines/s, %s", self.done, self.total,
+                     rate, left)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()

@@ -30,6 +30,7 @@ from mtrain.experiment import Experiment
 from mtrain.inference import check_output_file, infer
 from mtrain.layout import Layout, LayoutError
 from mtrain.metrics import MetricsWriter, log
+from mtrain.scoring import score
 from mtrain.sgp import SGPTrainer
 from mtrain.targets import TARGETS
 from mtrain.trainer import Trainer
@@ -40,12 +41,33 @@ parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tes
 DEFAULT_VOCAB_SIZE = 8192
 
 
+VOCABULARY_FILE = "vocabulary.model"  # in a model dir: the vocabulary of its checkpoints
+
+
 @gin.configurable
 def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_VOCAB_SIZE,
-               path: str | None = None) -> Vocabulary:
-    """The task's sentencepiece vocabulary: `path` if given, else trained once on the task's
-    training text (every feature: one joint vocabulary for translation) and cached next to
-    the data."""
+               path: str | None = None, model_dir: str | None = None) -> Vocabulary:
+    """The task's sentencepiece vocabulary.
+
+    A model dir whose runs recorded theirs (`<model_dir>/vocabulary.model`, written when
+    training starts) uses it, never another: a ``vocabulary.path`` or ``vocabulary.size``
+    that names a different one is a `ConfigError`. Otherwise `path` if given, else one
+    trained once on the task's training text (every feature: one joint vocabulary for
+    translation) and cached next to the data."""
+    recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else None
+    if recorded and os.path.exists(recorded):
+        vocab = load_vocabulary(recorded)
+        if path and load_vocabulary(path).digest != vocab.digest:
+            raise ConfigError(f"vocabulary.path={path} is not the vocabulary the checkpoints "
+                              f"in {model_dir} were trained with ({recorded}); leave it unset, "
+                              f"or start a new run in another --model_dir")
+        bound_size = config.bound("vocabulary.size", None)
+        if not path and bound_size is not None and bound_size != vocab.vocab_size:
+            raise ConfigError(f"vocabulary.size={bound_size}, but the checkpoints in {model_dir} "
+                              f"were trained with a vocabulary of {vocab.vocab_size} pieces "
+                              f"({recorded}); leave it as it was, or start a new run in "
+                              f"another --model_dir")
+        return vocab
     if path:
         return load_vocabulary(path)
     cached = os.path.join(source.cache_dir(data_dir), task.name, f"spm_{size}.model")
@@ -109,12 +131,14 @@ def build(
     sgp_average_every: int = 0,
     model=None,
     optimizer=config.adafactor,
+    restart: bool = False,
 ):
     """Builds and checks everything a run needs, writing nothing (gin: ``run.*``).
 
     `mode` is 'train', 'eval' (evaluate the latest checkpoint), 'infer' (translate with
-    it) or 'plan' (compile the train step for the mesh and report its cost; needs no data
-    and only as many devices as the mesh, simulated on CPU); see `run`. Translation tasks get the encoder-decoder, LM tasks the decoder-only LM.
+    it), 'score' (the log-likelihood of lines of text with it) or 'plan' (compile the train
+    step for the mesh and report its cost; needs no data and only as many devices as the
+    mesh, simulated on CPU); see `run`.
 
     `eval_every` = 0 evaluates only at the end of training. `data_dir` (default
     $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and cached vocabularies.
@@ -146,7 +170,8 @@ def build(
     `model` and `optimizer` are gin references (see `mtrain.config`): ``model(config)`` of
     the ``transformer.*`` settings builds the model (default: `@DecoderLM` for LM tasks,
     `@EncoderDecoder` for translation), ``optimizer(schedule)`` the optax optimizer
-    (default `@adafactor`), wrapped to skip non-finite updates.
+    (default `@adafactor`), wrapped to skip non-finite updates. `restart` (--restart):
+    the model dir's recorded vocabulary does not bind this run, which starts afresh.
     """
     for name, value in [("batch_size", batch_size), ("sequence_length", sequence_length),
                         ("train_steps", train_steps), ("log_every", log_every),
@@ -198,7 +223,8 @@ def build(
             if (jax.process_index() == 0) == (turn == "first"):
                 source = task_obj.source(data_dir, data_source)
                 source.check_split(eval_split)
-                vocab = vocabulary(task_obj, source, data_dir)
+                vocab = vocabulary(task_obj, source, data_dir,
+                                   model_dir=None if restart else model_dir)
             distributed.sync(f"mtrain_data_prepared_{turn}")
     vocab_size = planned_vocab_size() if planning else vocab.vocab_size
     # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
@@ -233,6 +259,12 @@ def build(
     elif sgp_overlap or sgp_average_every:
         raise ConfigError("run.sgp_overlap and run.sgp_average_every need "
                           "run.data_parallel='sgp'")
+    translator = None
+    if translation and not planning:
+        try:
+            translator = Translator(trainer, vocab, config.decoding())
+        except (ValueError, LayoutError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
     exp = Experiment(
         model_dir=model_dir, task=task_obj, source=source, vocab=vocab, model_config=model_config,
         layout=layout, trainer=trainer, batch_size=batch_size, sequence_length=sequence_length,
@@ -242,8 +274,7 @@ def build(
         max_nonfinite_steps=max_nonfinite_steps,
         eval_split=eval_split, schedule=schedule, mode=mode,
         optimizer_settings=config.settings(optimizer), config_text=config.operative(),
-        translator=(Translator(trainer, vocab, config.decoding())
-                    if translation and not planning else None),
+        translator=translator,
         flops_per_step=model.analytic_flops(batch_size, sequence_length),
         profile_steps=tuple(profile_steps) if profile_steps else None,
         sgp=sgp,
@@ -257,7 +288,8 @@ def run(input_file: str | None = None, output_file: str | None = None,
         plan_options: dict | None = None, restart: bool = False, **overrides):
     """Trains (``run.mode='train'``; `restart`: from step 0 whatever the model dir holds,
     moved aside first), evaluates the latest checkpoint (``'eval'``), translates
-    `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout) or plans
+    `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout), scores the
+    lines of `input_file` into `output_file` (``'score'``, `scoring.score`) or plans
     (``'plan'``, with `plan_options` for `plan`), as the gin config and `overrides` (e.g.
     model_dir from the command line) say."""
     mode = overrides.get("mode") or config.bound("run.mode", "train")
@@ -266,15 +298,17 @@ def run(input_file: str | None = None, output_file: str | None = None,
     # output file that could not be written.
     if mode == "train" and model_dir:
         training.check_model_dir_free(model_dir)
-    if mode == "infer":
+    if mode in ("infer", "score"):
         check_output_file(output_file)
-    exp = build(**overrides)
+    exp = build(restart=restart, **overrides)
     if exp.mode == "train":
         return training.train(exp, restart=restart)
     if exp.mode == "eval":
         return evaluate_checkpoint(exp)
     if exp.mode == "plan":
         return plan(exp, **(plan_options or {}))
+    if exp.mode == "score":
+        return score(exp, input_file, output_file)
     return infer(exp, input_file, output_file)
 
 

@@ -116,6 +116,21 @@ def step_metrics(grads, loss, xent, tokens) -> dict:
             "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32)}
 
 
+def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The rows [start, stop) of a global array of `shape` laid out by `sharding` that this
+    process's devices hold (see `Trainer.local_rows`)."""
+    size = shape[0]
+    slices = {(s[0].start or 0, size if s[0].stop is None else s[0].stop) for s in
+              sharding.addressable_devices_indices_map(shape).values()}
+    start, stop = min(a for a, _ in slices), max(b for _, b in slices)
+    covered = sum(b - a for a, b in slices)
+    if covered != stop - start or size % (stop - start) or start % (stop - start):
+        raise LayoutError(
+            f"this process's devices hold rows {sorted(slices)} of the batch, not one "
+            f"block of it: put the hosts along the batch mesh dimension")
+    return start, stop
+
+
 class Trainer:
     """Builds the sharded state and the jitted steps for one model, optimizer and layout."""
 
@@ -176,6 +191,11 @@ class Trainer:
         )
         self._eval_step = jax.jit(
             self._eval_step_fn,
+            in_shardings=(self.state_shardings.params, self.batch_sharding),
+            out_shardings=replicated,
+        )
+        self._token_log_likelihoods = jax.jit(
+            self._token_log_likelihoods_fn,
             in_shardings=(self.state_shardings.params, self.batch_sharding),
             out_shardings=replicated,
         )
@@ -295,6 +315,11 @@ class Trainer:
             "num_tokens": weights.sum().astype(jnp.float32),
         }
 
+    def _token_log_likelihoods_fn(self, params, batch: Batch):
+        with self.layout.activate(self.mesh):
+            _, xent, weights, _ = self._losses(params, batch, True)
+        return jnp.where(weights, -xent, 0.0)
+
     # ---- the public API ----
 
     def sharded_abstract_state(self) -> TrainState:
@@ -323,16 +348,7 @@ class Trainer:
         """The rows [start, stop) of the global batch that this process's devices hold, and
         so the rows it must feed: all of them with one process, or when the hosts split only
         the model; 1/P of them each when P hosts lie along the batch dimension."""
-        size = self.batch_shape[0]
-        slices = {(s[0].start or 0, size if s[0].stop is None else s[0].stop) for s in
-                  self.batch_sharding.addressable_devices_indices_map(self.batch_shape).values()}
-        start, stop = min(a for a, _ in slices), max(b for _, b in slices)
-        covered = sum(b - a for a, b in slices)
-        if covered != stop - start or size % (stop - start) or start % (stop - start):
-            raise LayoutError(
-                f"this process's devices hold rows {sorted(slices)} of the batch, not one "
-                f"block of it: put the hosts along the batch mesh dimension")
-        return start, stop
+        return local_rows(self.batch_sharding, self.batch_shape)
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows of a global batch (`local_rows`) -> global arrays sharded
@@ -357,3 +373,8 @@ class Trainer:
 
     def eval_step(self, params, batch: Batch) -> dict:
         return self._eval_step(params, batch)
+
+    def token_log_likelihoods(self, params, batch: Batch) -> jax.Array:
+        """log p(target token) at every position of `batch` [batch, length] (0 at padding),
+        the same numbers whose negated sum is `eval_step`'s ``xent_sum``; on every process."""
+        return self._token_log_likelihoods(params, batch)

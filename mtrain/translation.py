@@ -14,7 +14,7 @@ decoder runs one token at a time with its key/value cache.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtrain import decoding
-from mtrain.trainer import Trainer
+from mtrain.trainer import Trainer, local_rows
 from mtrain.vocabulary import Vocabulary
 
 
@@ -31,13 +31,16 @@ class DecodingConfig:
     """``decoding.beam_size = 4``, ``decoding.alpha = 0.6`` (the paper's setting) in gin.
 
     `max_decode_length` 0 means the training sequence length; `num_examples` is how many
-    examples of the eval split BLEU is computed on (0: all).
+    examples of the eval split BLEU is computed on (0: all); `batch_size` how many sentences
+    are decoded at once (0: the training batch size; a multiple of the mesh's batch
+    dimension).
     """
 
     beam_size: int = 4
     alpha: float = 0.6
     max_decode_length: int = 0
     num_examples: int = 0
+    batch_size: int = 0
 
 
 class Translator:
@@ -47,13 +50,20 @@ class Translator:
         if config.beam_size < 1:
             raise ValueError(f"decoding.beam_size must be at least 1, got {config.beam_size}")
         self.trainer, self.vocab, self.config = trainer, vocab, config
-        self.batch_size, self.length = trainer.batch_shape
+        self.length = trainer.batch_shape[1]
+        self.batch_size = config.batch_size or trainer.batch_shape[0]
+        if self.batch_size < 1:
+            raise ValueError(f"decoding.batch_size must be positive, got {config.batch_size}")
+        # Sentences split over the mesh as a training batch is (LayoutError if they cannot).
+        self.sharding = trainer.layout.sharding(trainer.mesh, ("batch", "length"),
+                                                (self.batch_size, self.length),
+                                                tensor="decoding.batch_size sentences")
         self.max_decode_length = config.max_decode_length or self.length
         self.truncated = 0  # how many texts `encode_batch` cut to the sequence length
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._decode = jax.jit(
             self._decode_fn,
-            in_shardings=(trainer.state_shardings.params, trainer.batch_sharding),
+            in_shardings=(trainer.state_shardings.params, self.sharding),
             out_shardings=replicated,
         )
 
@@ -107,13 +117,15 @@ class Translator:
 
     def __call__(self, params, texts: Sequence[str]) -> list[str]:
         """The translations of `texts`, in order."""
-        out = []
-        first, stop = self.trainer.local_rows()
-        rows = stop - first
+        return [t for batch in self.batches(params, texts) for t in batch]
+
+    def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
+        """The translations of `texts`, in order, a batch of `batch_size` at a time."""
+        first, stop = local_rows(self.sharding, (self.batch_size, self.length))
+        shape = (self.batch_size, self.length)
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start:start + self.batch_size])
-            ids = self.encode_batch(chunk)[first:first + rows]  # this process's rows
-            placed = self.trainer.place_batch({"inputs": ids})["inputs"]
+            ids = self.encode_batch(chunk)[first:stop]  # this process's rows
+            placed = jax.make_array_from_process_local_data(self.sharding, ids, shape)
             decoded = np.asarray(jax.device_get(self._decode(params, placed)))
-            out += [self.vocab.decode(row) for row in decoded[: len(chunk)]]
-        return out
+            yield [self.vocab.decode(row) for row in decoded[: len(chunk)]]

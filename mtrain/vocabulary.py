@@ -63,9 +63,25 @@ class Vocabulary:
         return EOS_ID
 
     @property
+    def unk_id(self) -> int:
+        return UNK_ID
+
+    @property
     def model_proto(self) -> bytes:
         """The serialized SentencePiece model (the contents of the .model file)."""
         return self._proto
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the .model file to `path` atomically (a reader never sees half of it)."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._proto)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
 
     @property
     def digest(self) -> str:
@@ -167,16 +183,8 @@ def train_vocabulary(
         num_threads=_TRAINER_THREADS,
         minloglevel=2,
     )
-    proto = model.getvalue()
-    vocab = Vocabulary(proto, str(path))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(proto)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    vocab = Vocabulary(model.getvalue(), str(path))
+    vocab.save(path)
     return vocab
 
 

@@ -103,7 +103,10 @@ def unpack(row, key):
 def pack(examples, keys, length, window):
     signature = {k: tf.TensorSpec([None], tf.int32) for k in keys}
     dataset = tf.data.Dataset.from_generator(lambda: iter(examples), output_signature=signature)
-    return list(packing.trim_and_pack(dataset, keys, length, window).as_numpy_iterator())
+    # As the pipeline packs: `window` examples at a time, no function per example.
+    dataset = dataset.ragged_batch(window).map(
+        packing.no_autograph(lambda batch: packing.pack_batch(batch, tuple(keys), length)))
+    return list(dataset.unbatch().as_numpy_iterator())
 
 
 def test_packing_one_key_keeps_examples_whole_and_in_order():

@@ -188,12 +188,34 @@ def test_translation_cli_train_eval_and_infer(tmp_path, monkeypatch, capsys):
     assert len(final) == 2 and all(r["step"] == 4 and r["eval/bleu_examples"] == 12 for r in final)
     assert {"eval/loss", "eval/accuracy", "eval/bleu_intl"} <= final[1].keys()
     assert 0 <= final[1]["eval/bleu"] <= 100
+    # Every decode is kept, in the evaluated order, and sacrebleu on them gives eval/bleu.
+    import sacrebleu
+
+    from mtrain.data.bible import bible_split_verses
+
+    rows = [line.split("\t") for line in
+            (model_dir / "decodes" / "test-4.tsv").read_text(encoding="utf-8").splitlines()]
+    verses = bible_split_verses("test")[:12]
+    assert [r[:2] for r in rows] == [[v.en, v.fr] for v in verses]  # the first 12, in order
+    recomputed = sacrebleu.corpus_bleu([r[2] for r in rows], [[r[1] for r in rows]]).score
+    assert recomputed == pytest.approx(final[1]["eval/bleu"], abs=1e-9)
+    assert (model_dir / "decodes" / "validation-4.tsv").is_file()  # training's own eval
 
     (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'in.txt'}",
                         f"--output_file={tmp_path / 'out.txt'}"]) == 0
     lines = (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n")
     assert len(lines) == len(SENTENCES) + 1 and lines[-1] == ""  # one line per sentence
+    # decoding.batch_size: other batches, the same translations; one that the mesh's batch
+    # dimension (4) does not divide is one clear error.
+    assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'in.txt'}",
+                        f"--output_file={tmp_path / 'out4.txt'}",
+                        "--gin_param=decoding.batch_size=4"]) == 0
+    assert (tmp_path / "out4.txt").read_text(encoding="utf-8").split("\n") == lines
+    capsys.readouterr()
+    assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'in.txt'}",
+                        "--gin_param=decoding.batch_size=6"]) == 2
+    assert "not divisible by mesh dimension 'batch' of size 4" in capsys.readouterr().err
     capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO("Amen.\nAnd God said,\n"))
     assert main(argv + ["--mode=infer"]) == 0

@@ -451,7 +451,7 @@ BAD_INPUTS = [
     # the model dir holds another run, or cannot be resumed, or written
     (["--gin_param=transformer.d_model=64"], "is of a run with other settings: transformer.d_model=32 there, 64 here"),
     (["--gin_param=transformer.scan_layers=True"], "transformer.scan_layers=False there, True here"),
-    (["--gin_param=vocabulary.size=300"], "the model's vocabulary size=256 there, 384 here; the vocabulary="),
+    (["--gin_param=vocabulary.size=300"], "vocabulary.size=300, but the checkpoints in {trained} were trained with a vocabulary of 256 pieces"),
     ([*ENFR], "run.task='bible_lm' there, 'bible_enfr' here"),
     (["--gin_param=run.batch_size=16"], "run.batch_size=8 there, 16 here"),
     (["--gin_param=run.seed=1"], "run.seed=0 there, 1 here"),
@@ -468,7 +468,8 @@ FAST = (lock_held_by_this_process, checkpoints_read_only)
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[1][:40] for c in BAD_INPUTS])
 def test_bad_input_is_one_clear_line_and_changes_nothing(trained, case, tmp_path, capsys):
     extra, message, prepare = (*case, None)[:3]
-    fill = dict(readme=README, tmp=tmp_path, pid=os.getpid(), host=socket.gethostname())
+    fill = dict(readme=README, tmp=tmp_path, pid=os.getpid(), host=socket.gethostname(),
+                trained=trained)
     extra = [e.format(**fill) for e in extra]
     model_dir = next((pathlib.Path(e.split("=", 1)[1]) for e in extra
                       if e.startswith("--model_dir=")), trained)

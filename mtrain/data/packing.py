@@ -34,19 +34,6 @@ from mtrain.models.base import batch_keys
 no_autograph = tf.autograph.experimental.do_not_convert
 
 
-def trim_and_pack(dataset: tf.data.Dataset, keys: tuple[str, ...], length: int,
-                  window: int = 256) -> tf.data.Dataset:
-    """Trims every example's `keys` to `length` tokens and packs them into rows of `length`.
-
-    Examples are packed `window` at a time; all the work is done on whole windows, so
-    tf.data runs no function per example.
-    """
-    keys = tuple(keys)
-    dataset = dataset.ragged_batch(window)
-    dataset = dataset.map(no_autograph(lambda batch: pack_batch(batch, keys, length)))
-    return dataset.unbatch()
-
-
 @no_autograph
 def pack_batch(batch: dict[str, tf.RaggedTensor], keys: tuple[str, ...],
                length: int) -> dict[str, tf.Tensor]:

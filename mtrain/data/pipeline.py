@@ -47,12 +47,11 @@ import tensorflow as tf
 
 from mtrain.data import packing
 from mtrain.data.packing import no_autograph
-from mtrain.data.sources import DataError, TextSource
-from mtrain.errors import IncompatibleRun
+from mtrain.data.sources import TextSource
+from mtrain.errors import DataError, IncompatibleRun
 from mtrain.vocabulary import Vocabulary
 
 LM_FEATURES = {"targets": "text"}  # packed key <- source feature
-TRANSLATION_FEATURES = {"inputs": "inputs", "targets": "targets"}  # of BibleTranslation
 
 
 def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],
