@@ -74,12 +74,18 @@ def bleu(exp, params, step: int) -> dict:
             "eval/bleu_examples": len(inputs)}
 
 
+def scored_words(vocab, text: str, ids: list[int], cut: bool) -> int:
+    """The words of `text` whose tokens `ids` (`Vocabulary.encode_example`) are scored: its
+    whitespace-separated words plus one for the end of sentence, as LM1B's evaluation counts
+    ``</S>``; of a text `cut` to the sequence length, the words (the last one perhaps in
+    part) of its kept tokens."""
+    return len(vocab.decode(ids).split()) if cut else len(text.split()) + 1
+
+
 def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     """Counts over the held-out split of a language-modelling task, computed once per run.
 
-    - ``words``: the words whose tokens the evaluation scores: the whitespace-separated words
-      of each example plus one for the end of sentence, as LM1B's own evaluation counts
-      ``</S>``; of an example trimmed to the sequence length, the words of its kept tokens. Word-level
+    - ``words``: the words whose tokens the evaluation scores (`scored_words`). Word-level
       perplexity is exp(total token log-loss / words), the number T2T and the Mesh-TF paper
       report for lm1b.
     - ``unigram_perplexity``: perplexity of the held-out tokens under the (add-one) unigram
@@ -88,22 +94,16 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     vocab = exp.vocab
     key = ("heldout", exp.eval_split, exp.sequence_length)
     if key not in exp.cache:
-        def kept(text):
-            return vocab.encode_example(text, exp.sequence_length)[0]
-
         counts = np.ones(vocab.vocab_size)
         for text in exp.source.texts("train", limit=max_texts):
-            np.add.at(counts, kept(text), 1)
+            np.add.at(counts, vocab.encode_example(text, exp.sequence_length)[0], 1)
         log_p = np.log(counts / counts.sum())
         log_loss, tokens, words = 0.0, 0, 0
         for text in exp.source.texts(exp.eval_split):
-            ids = kept(text)
+            ids, cut = vocab.encode_example(text, exp.sequence_length)
             log_loss -= log_p[ids].sum()
             tokens += len(ids)
-            if ids[-1] == vocab.eos_id:  # kept whole
-                words += len(text.split()) + 1
-            else:  # trimmed: the words (the last one perhaps in part) of the kept tokens
-                words += len(vocab.decode(ids).split())
+            words += scored_words(vocab, text, ids, cut)
         exp.cache[key] = {"words": max(words, 1),
                           "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
     return exp.cache[key]

@@ -33,15 +33,13 @@ from mtrain.metrics import MetricsWriter, log
 from mtrain.scoring import score
 from mtrain.sgp import SGPTrainer
 from mtrain.targets import TARGETS
+from mtrain.training import VOCABULARY_FILE
 from mtrain.trainer import Trainer
 from mtrain.translation import Translator
 from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
 
 parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tests, benchmarks
 DEFAULT_VOCAB_SIZE = 8192
-
-
-VOCABULARY_FILE = "vocabulary.model"  # in a model dir: the vocabulary of its checkpoints
 
 
 @gin.configurable

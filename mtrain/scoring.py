@@ -27,6 +27,7 @@ import numpy as np
 
 from mtrain import training
 from mtrain.errors import ConfigError
+from mtrain.evaluation import scored_words
 from mtrain.experiment import Experiment
 from mtrain.metrics import MetricsWriter, log
 from mtrain.textfiles import read_lines, write_atomically
@@ -44,8 +45,8 @@ def _example(exp: Experiment, line: str, number: int) -> dict:
     else:
         text, inputs = line, None
     ids, cut = vocab.encode_example(text, length)
-    words = len(vocab.decode(ids).split()) if cut else len(text.split()) + 1
-    return {"inputs": inputs, "targets": ids, "cut": cut, "words": words,
+    return {"inputs": inputs, "targets": ids, "cut": cut,
+            "words": scored_words(vocab, text, ids, cut),
             "unknown_pieces": int(sum(i == vocab.unk_id for i in ids))}
 
 

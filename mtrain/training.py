@@ -38,7 +38,8 @@ from mtrain.lock import ModelDirInUse, ModelDirLock, check_writable
 from mtrain.metrics import MetricsWriter, log
 
 # A run's files in its model dir: moved aside by a restart.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.gin", "vocabulary.model")
+VOCABULARY_FILE = "vocabulary.model"  # the vocabulary of the checkpoints (run.vocabulary)
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.gin", VOCABULARY_FILE)
 
 
 def train(exp, restart: bool = False) -> dict:
@@ -59,9 +60,8 @@ def train(exp, restart: bool = False) -> dict:
             if jax.process_index() == 0:
                 with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
                     f.write(exp.config_text)
-                # The vocabulary of these checkpoints: later runs here use it (run.vocabulary).
-                if not os.path.exists(os.path.join(exp.model_dir, "vocabulary.model")):
-                    exp.vocab.save(os.path.join(exp.model_dir, "vocabulary.model"))
+                if not os.path.exists(os.path.join(exp.model_dir, VOCABULARY_FILE)):
+                    exp.vocab.save(os.path.join(exp.model_dir, VOCABULARY_FILE))
             writer = MetricsWriter(exp.model_dir)
             with _closing(writer.close):
                 results = _train_loop(exp, state, start, batches, checkpoints, writer)
