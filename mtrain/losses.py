@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtrain import layout as layout_lib
 from mtrain.layout import constrain
 
 
@@ -74,7 +75,18 @@ def _slices(x, chunks):
 
 def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing, grad):
     """Sums of the loss and xent over the slices; with `grad` also d(loss sum)/d(hidden)
-    [b, l, d] and /d(kernel) [d, vocab] (accumulated in float32)."""
+    [b, l, d] and /d(kernel) [d, vocab] (accumulated in float32).
+
+    d/d(kernel) is a sum over the batch's rows, which a data-parallel mesh splits into n
+    blocks: it is accumulated as n partial sums [n, d, vocab] (one per device along
+    ``batch``) and summed once after the last slice, so that the devices reduce it once
+    (all-reduce, or reduce-scatter into a parameter stored split), not once per slice."""
+    active = layout_lib.active()
+    n = active[0].ways("batch") if active else 1
+    partial_names = ("batch", "d_model", "vocab")
+
+    def blocks(x):  # [b, ...] -> [n, b / n, ...]: device i's rows are block i
+        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
     def step(dkernel, inputs):
         h, t, w = inputs
@@ -91,13 +103,14 @@ def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothi
         (loss, xent), vjp = jax.vjp(sums, logits)
         dlogits = vjp((jnp.ones_like(loss), jnp.zeros_like(xent)))[0].astype(h.dtype)
         dh = jnp.einsum("blv,dv->bld", dlogits, kernel)
-        dkernel = dkernel + jnp.einsum("bld,blv->dv", h, dlogits,
+        dkernel = dkernel + jnp.einsum("nbld,nblv->ndv", blocks(h), blocks(dlogits),
                                        preferred_element_type=jnp.float32)
-        return constrain(dkernel, ("d_model", "vocab")), ((loss, xent), dh)
+        return constrain(dkernel, partial_names), ((loss, xent), dh)
 
-    zeros = constrain(jnp.zeros(kernel.shape, jnp.float32), ("d_model", "vocab"))
+    zeros = constrain(jnp.zeros((n, *kernel.shape), jnp.float32), partial_names)
     xs = (_slices(hidden, chunks), _slices(targets, chunks), _slices(weights, chunks))
     dkernel, out = jax.lax.scan(step, zeros, xs)
+    dkernel = constrain(dkernel.sum(0), ("d_model", "vocab"))
     if not grad:
         loss, xent = out
         return loss.sum(), xent.sum()
