@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["plan_options"] = {"target": args.target, "output_format": args.format,
                                       "auto_layout": args.auto_layout, "devices": plan_devices}
             if args.auto_layout:  # the search replaces the configured mesh and rules
-                kwargs.update(mesh_shape="", layout_rules="")
+                kwargs.update(mesh_shape="", layout_rules="", parameter_layout_rules="")
         run_lib.run(**kwargs)
     except Interrupted as e:
         print(f"mtrain: {e}", file=sys.stderr)

@@ -79,6 +79,12 @@ def hlo_cost(hlo_text: str, num_devices: int,
     of a parameter (or its shard) is counted as parameter-shaped: a gradient or a gathered
     weight, not an activation.
 
+    An all-reduce whose result every device only uses a 1/g slice of (its own, picked by
+    partition id) is counted as the reduce-scatter it is: XLA's GPU and TPU pipelines
+    rewrite it into one (ReduceScatterCreator), XLA:CPU keeps the pair. That is how the
+    SPMD partitioner reduces a gradient into the shards of a parameter stored split
+    (`run.parameter_layout_rules`).
+
     Counted per execution, as the program runs: a while loop's body as many times as its
     known trip count (scanned layers, microbatches; XLA's own cost analysis counts it once),
     and of a conditional's branches only the costliest (SGP's step compiles a
@@ -86,27 +92,37 @@ def hlo_cost(hlo_text: str, num_devices: int,
     # Per computation: what its own instructions do, and what it calls, as (callees of
     # which the costliest runs, times). Instructions before any computation header (a bare
     # listing) form the entry, "".
-    direct: dict[str, HloCost] = {"": HloCost()}
-    calls: dict[str, list[tuple[list[str], int]]] = {"": []}
-    shapes: dict[str, str] = {}  # instruction -> its result type, in the current computation
-    entry = current = ""
-    for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and not line[:1].isspace():  # a computation begins
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            entry = current if line.startswith("ENTRY") else entry
-            direct[current], calls[current], shapes = HloCost(), [], {}
-            continue
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, result, op, rest = m.groups()
-        shapes[name.lstrip("%")] = result
-        _note_calls(op, rest, calls[current])
-        if op == "dot":
-            direct[current].matmul_flops += _dot_flops(result, rest, shapes)
-        elif op in COLLECTIVES:
-            _add_collective(direct[current].collectives[op], op, result, rest, num_devices,
-                            parameter_shapes)
+    direct: dict[str, HloCost] = {}
+    calls: dict[str, list[tuple[list[str], int]]] = {}
+    computations, entry = _computations(hlo_text)
+    for current, instructions in computations.items():
+        direct[current], calls[current] = HloCost(), []
+        shapes = {name: result for name, result, _, _ in instructions}
+        ops = {name: op for name, _, op, _ in instructions}
+        users: dict[str, list[tuple[str, str, str, str]]] = {}
+        for instruction in instructions:
+            for operand in set(_operands(instruction[3])):
+                users.setdefault(operand, []).append(instruction)
+        for name, result, op, rest in instructions:
+            _note_calls(op, rest, calls[current])
+            if op == "dot":
+                direct[current].matmul_flops += _dot_flops(result, rest, shapes)
+            elif op in COLLECTIVES:
+                g = _group_size(rest) or num_devices
+                elements = _shapes(result)
+                sliced = [op == "all-reduce" and _only_sliced(name, i, len(elements), elements[i],
+                                                              g, users, ops, shapes)
+                          for i in range(len(elements))]
+                kept = [e for e, s in zip(elements, sliced) if not s]
+                if kept:
+                    _add_collective(direct[current].collectives[op], op, kept, g,
+                                    parameter_shapes)
+                if any(sliced):  # as reduce-scatters producing the slices
+                    _add_collective(direct[current].collectives["reduce-scatter"],
+                                    "reduce-scatter",
+                                    [(b, (math.prod(d) // g,)) for (b, d), s in
+                                     zip(elements, sliced) if s], g, parameter_shapes,
+                                    [d for (_, d), s in zip(elements, sliced) if s])
 
     @functools.lru_cache(maxsize=None)
     def total(name: str) -> HloCost:
@@ -118,6 +134,66 @@ def hlo_cost(hlo_text: str, num_devices: int,
         return cost
 
     return total(entry)
+
+
+def _computations(hlo_text: str):
+    """{computation: its instructions as (name, result type, opcode, the rest)}, and the
+    entry computation's name."""
+    computations: dict[str, list] = {"": []}
+    entry = current = ""
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line[:1].isspace():  # a computation begins
+            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            entry = current if line.startswith("ENTRY") else entry
+            computations[current] = []
+            continue
+        m = _INSTRUCTION.match(line)
+        if m:
+            name, result, op, rest = m.groups()
+            computations[current].append((name.lstrip("%"), result, op, rest))
+    return computations, entry
+
+
+def _operands(rest: str) -> list[str]:
+    """The instructions an instruction reads (its operand list, before the attributes)."""
+    depth, end = 1, len(rest)
+    for i, c in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _only_sliced(name: str, index: int, count: int, element, g: int, users, ops,
+                 shapes) -> bool:
+    """Whether every use of element `index` (of `count`) of all-reduce `name` keeps 1/g of
+    it, chosen by partition id: a dynamic-slice, or (XLA:CPU fuses it) an instruction that
+    reads the partition id and is no larger than the slice; a use that only casts or scales
+    it (no other operand but scalars, as many elements) is followed to its own uses."""
+    uses = users.get(name, [])
+    if count > 1:  # a tuple: its elements are read through get-tuple-element
+        uses = [u for gte in uses if gte[2] == "get-tuple-element"
+                and re.search(rf"\bindex={index}\b", gte[3]) for u in users.get(gte[0], [])]
+    size = math.prod(element[1])
+    if g <= 1 or not uses or size < g:
+        return False
+    def scalar(operand: str) -> bool:
+        return [d for _, d in _shapes(shapes.get(operand, ""))] == [()]
+
+    for _ in range(4):  # through casts (XLA:CPU all-reduces bfloat16 in float32) and scalings
+        casts = [u for u in uses if u[2] in ("convert", "bitcast", "copy", "multiply", "fusion")
+                 and sum(not scalar(o) for o in set(_operands(u[3]))) == 1
+                 and [math.prod(d) for _, d in _shapes(u[1])] == [size]]
+        uses = [u for u in uses if u not in casts] + [
+            v for u in casts for v in users.get(u[0], [])]
+    for _, result, op, rest in uses:
+        by_partition = op == "dynamic-slice" or any(
+            ops.get(o) in ("partition-id", "replica-id") for o in _operands(rest))
+        largest = max((math.prod(d) for _, d in _shapes(result)), default=size)
+        if not by_partition or largest * g > size:
+            return False
+    return bool(uses)
 
 
 def _note_calls(op: str, rest: str, calls: list) -> None:
@@ -153,17 +229,18 @@ def _dot_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
     return 2.0 * sum(math.prod(d) for _, d in _shapes(result)) * k
 
 
-def _add_collective(s: CollectiveStats, kind: str, result: str, rest: str, num_devices: int,
-                    parameter_shapes) -> None:
-    g = _group_size(rest) or num_devices
+def _add_collective(s: CollectiveStats, kind: str, elements, g: int, parameter_shapes,
+                    logical=None) -> None:
+    """Adds one collective over groups of `g` devices producing `elements` ((bytes per
+    element, dims) each; `logical`: the dims to match with parameter shapes, if others)."""
     if g <= 1 and kind != "collective-permute":
         return
     factor = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
               "all-to-all": (g - 1) / g, "reduce-scatter": g - 1,
               "collective-permute": 1.0}[kind]
     s.count += 1
-    for itemsize, dims in _shapes(result):
+    for (itemsize, dims), shape in zip(elements, logical or [d for _, d in elements]):
         sent = itemsize * math.prod(dims) * factor
         s.bytes_sent += sent
-        if dims and dims in parameter_shapes:
+        if shape and shape in parameter_shapes:
             s.parameter_shaped_bytes += sent

@@ -10,6 +10,14 @@ one mesh dimension splits at most one dimension of a tensor, and a split dimensi
 divisible by the size of its mesh dimension. Every violation is a `LayoutError` that says what
 to change.
 
+*Parameter layout rules* (``"d_model:batch"``) lay out parameters and optimizer state on top
+of the layout rules, while activations follow the layout rules alone: the same rule syntax
+expresses fully sharded data parallelism (ZeRO-3, FSDP), which one set of rules cannot (a
+parameter's ``d_model`` split over ``batch`` would collide with an activation's ``batch``).
+A parameter is stored by both rule sets and computed with by the layout rules alone (the
+models constrain it so where they use it: it is gathered from its shards there), so its
+gradient is reduced back into the shards it is stored in.
+
 Models call `constrain(x, names)` on their activations; it does nothing unless a layout is
 active (`Layout.activate`), so model code knows dimension names but never meshes.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -93,18 +102,22 @@ def parse_mesh_shape(mesh_shape: str | Sequence[tuple[str, int]]) -> MeshShape:
     return result
 
 
-def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]]) -> LayoutRules:
-    """``"batch:batch;d_ff:model"`` -> ``[("batch", "batch"), ("d_ff", "model")]``."""
+def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]],
+                       what: str = "layout rules") -> LayoutRules:
+    """``"batch:batch;d_ff:model"`` -> ``[("batch", "batch"), ("d_ff", "model")]``; `what`
+    names the rule set in errors ("parameter layout rules")."""
+    example = "d_model:batch" if what.startswith("parameter") else "batch:batch;d_ff:model"
     if not isinstance(layout_rules, str):
-        pairs = [(str(t), str(m)) for t, m in _given_pairs(layout_rules, "run.layout_rules",
-                                                           "batch:batch;d_ff:model")]
+        setting = "run.parameter_layout_rules" if what.startswith("parameter") \
+            else "run.layout_rules"
+        pairs = [(str(t), str(m)) for t, m in _given_pairs(layout_rules, setting, example)]
     else:
-        pairs = _pairs(layout_rules, "layout rules", "batch:batch;d_ff:model")
+        pairs = _pairs(layout_rules, what, example)
     for tensor_dim, mesh_dim in pairs:
         for name in (tensor_dim, mesh_dim):
             if not _NAME.match(name):
-                raise LayoutError(f"layout rules {layout_rules!r}: {name!r} is not a dimension name")
-    _check_unique([t for t, _ in pairs], "layout rules", layout_rules)
+                raise LayoutError(f"{what} {layout_rules!r}: {name!r} is not a dimension name")
+    _check_unique([t for t, _ in pairs], what, layout_rules)
     return pairs
 
 
@@ -112,38 +125,55 @@ class Layout:
     """A mesh shape plus layout rules: logical dimension names -> `PartitionSpec`s and a `Mesh`."""
 
     def __init__(self, mesh_shape: str | Sequence = "", layout_rules: str | Sequence = "",
-                 drop_unused_rules: bool = False):
-        """`drop_unused_rules`: ignore rules whose mesh dimension the mesh lacks (Mesh-TF's
-        behaviour, so one set of rules serves every mesh) instead of raising `LayoutError`;
-        the dropped rules are kept in `self.dropped_rules`."""
+                 parameter_rules: str | Sequence = "", drop_unused_rules: bool = False):
+        """`parameter_rules` lay out parameters (and optimizer state) on top of
+        `layout_rules`: for a parameter, a parameter rule takes the place of a layout rule
+        for the same tensor dimension. `drop_unused_rules`: ignore rules whose mesh dimension
+        the mesh lacks (Mesh-TF's behaviour, so one set of rules serves every mesh) instead
+        of raising `LayoutError`; the dropped rules are kept in `self.dropped_rules` and
+        `self.dropped_parameter_rules`."""
         self.mesh_shape = parse_mesh_shape(mesh_shape)
         self.layout_rules = parse_layout_rules(layout_rules)
+        self.parameter_rules = parse_layout_rules(parameter_rules, "parameter layout rules")
         self.mesh_dims = dict(self.mesh_shape)
-        self.dropped_rules = []
+        self.dropped_rules, self.dropped_parameter_rules = [], []
         if drop_unused_rules:
             self.dropped_rules = [r for r in self.layout_rules if r[1] not in self.mesh_dims]
             self.layout_rules = [r for r in self.layout_rules if r[1] in self.mesh_dims]
-        for tensor_dim, mesh_dim in self.layout_rules:
-            if mesh_dim not in self.mesh_dims:
-                raise LayoutError(
-                    f"layout rule '{tensor_dim}:{mesh_dim}' names mesh dimension {mesh_dim!r}, "
-                    f"but the mesh {self.mesh_text or '(one device)'!r} has no such dimension "
-                    f"(it has {sorted(self.mesh_dims) or 'none'})"
-                )
+            self.dropped_parameter_rules = [r for r in self.parameter_rules
+                                            if r[1] not in self.mesh_dims]
+            self.parameter_rules = [r for r in self.parameter_rules if r[1] in self.mesh_dims]
+        for kind, rules in (("layout rule", self.layout_rules),
+                            ("parameter layout rule", self.parameter_rules)):
+            for tensor_dim, mesh_dim in rules:
+                if mesh_dim not in self.mesh_dims:
+                    raise LayoutError(
+                        f"{kind} '{tensor_dim}:{mesh_dim}' names mesh dimension {mesh_dim!r}, "
+                        f"but the mesh {self.mesh_text or '(one device)'!r} has no such "
+                        f"dimension (it has {sorted(self.mesh_dims) or 'none'})"
+                    )
         self.rules = dict(self.layout_rules)
+        self.parameter_map = {**self.rules, **dict(self.parameter_rules)}
         self.seen_names: set[str] = set()  # every dimension name laid out so far
+        self.seen_parameter_names: set[str] = set()  # those of parameters
 
     def check_rules_used(self) -> None:
         """Raises `LayoutError` if a rule (dropped ones included) names a tensor dimension
-        that nothing laid out so far has: a typo such as ``dff:model`` would otherwise leave
-        d_ff replicated without a word. Call it once the model's parameters and activations
-        have been laid out (`Trainer` does)."""
+        that nothing laid out so far has (a parameter rule: no parameter): a typo such as
+        ``dff:model`` would otherwise leave d_ff replicated without a word. Call it once the
+        model's parameters and activations have been laid out (`Trainer` does)."""
         for tensor_dim, mesh_dim in [*self.layout_rules, *self.dropped_rules]:
             if tensor_dim not in self.seen_names:
                 raise LayoutError(
                     f"layout rule '{tensor_dim}:{mesh_dim}' names tensor dimension "
                     f"{tensor_dim!r}, which no parameter or activation of the model has; "
                     f"its dimensions are {', '.join(sorted(self.seen_names))}")
+        for tensor_dim, mesh_dim in [*self.parameter_rules, *self.dropped_parameter_rules]:
+            if tensor_dim not in self.seen_parameter_names:
+                raise LayoutError(
+                    f"parameter layout rule '{tensor_dim}:{mesh_dim}' names tensor dimension "
+                    f"{tensor_dim!r}, which no parameter of the model has; their dimensions "
+                    f"are {', '.join(sorted(self.seen_parameter_names))}")
 
     @property
     def size(self) -> int:
@@ -160,9 +190,22 @@ class Layout:
         """The layout rules as a string (``"batch:batch;d_ff:model"``)."""
         return ";".join(f"{t}:{m}" for t, m in self.layout_rules)
 
+    @property
+    def parameter_rules_text(self) -> str:
+        """The parameter layout rules as a string (``"d_model:batch"``; ``""``: none)."""
+        return ";".join(f"{t}:{m}" for t, m in self.parameter_rules)
+
     def __repr__(self) -> str:
         return (f"Layout(mesh_shape={self.mesh_text or '(one device)'!r}, "
-                f"layout_rules={self.rules_text!r})")
+                f"layout_rules={self.rules_text!r}"
+                + (f", parameter_rules={self.parameter_rules_text!r})"
+                   if self.parameter_rules else ")"))
+
+    def _rule(self, tensor_dim: str, parameter: bool) -> str:
+        """The rule that splits `tensor_dim` (a parameter's, with `parameter`), as text."""
+        if parameter and tensor_dim in dict(self.parameter_rules):
+            return f"parameter rule '{tensor_dim}:{self.parameter_map[tensor_dim]}'"
+        return f"layout rule '{tensor_dim}:{self.rules[tensor_dim]}'"
 
     def mesh_dim_for(self, tensor_dim: str | None) -> str | None:
         """The mesh dimension that splits `tensor_dim`, or None if it is replicated."""
@@ -177,34 +220,44 @@ class Layout:
         names: Sequence[str | None],
         shape: Sequence[int] | None = None,
         tensor: str = "tensor",
+        parameter: bool = False,
     ) -> PartitionSpec:
-        """Logical dimension names (and optionally the shape) of `tensor` -> a `PartitionSpec`.
+        """Logical dimension names (and optionally the shape) of `tensor` -> a `PartitionSpec`;
+        with `parameter`, as a parameter (or optimizer state) is stored: by the parameter
+        rules on top of the layout rules.
 
         Raises `LayoutError` if two of its dimensions would be split over the same mesh
         dimension, or if a split dimension is not divisible by its mesh dimension.
         """
         names = tuple(names)
         self.seen_names.update(n for n in names if n is not None)
+        if parameter:
+            self.seen_parameter_names.update(n for n in names if n is not None)
+        rules = self.parameter_map if parameter else self.rules
         if shape is not None and len(shape) != len(names):
             raise LayoutError(
                 f"{tensor}: {len(names)} dimension names {names} for a tensor of rank {len(shape)}"
             )
         spec, used = [], {}
         for i, name in enumerate(names):
-            mesh_dim = self.mesh_dim_for(name)
+            mesh_dim = None if name is None else rules.get(name)
             if mesh_dim is not None:
                 if mesh_dim in used:
+                    which = "the layout rules"
+                    if parameter and self.parameter_rules:
+                        which = (f"the {self._rule(used[mesh_dim], True)} or the "
+                                 f"{self._rule(name, True)}")
                     raise LayoutError(
                         f"{tensor} {names}: dimensions {used[mesh_dim]!r} and {name!r} are both "
                         f"split over mesh dimension {mesh_dim!r}; a mesh dimension may split at "
-                        f"most one dimension of a tensor — change the layout rules"
+                        f"most one dimension of a tensor — change {which}"
                     )
                 used[mesh_dim] = name
                 if shape is not None and shape[i] % self.mesh_dims[mesh_dim]:
                     raise LayoutError(
                         f"{tensor} {names}: dimension {name!r} of size {shape[i]} is not divisible "
                         f"by mesh dimension {mesh_dim!r} of size {self.mesh_dims[mesh_dim]} — "
-                        f"change the size, the mesh shape, or the layout rule '{name}:{mesh_dim}'"
+                        f"change the size, the mesh shape, or the {self._rule(name, parameter)}"
                     )
             spec.append(mesh_dim)
         return PartitionSpec(*spec)
@@ -242,9 +295,9 @@ class Layout:
 
     def sharding(
         self, mesh: Mesh, names: Sequence[str | None], shape: Sequence[int] | None = None,
-        tensor: str = "tensor",
+        tensor: str = "tensor", parameter: bool = False,
     ) -> NamedSharding:
-        return NamedSharding(mesh, self.partition_spec(names, shape, tensor))
+        return NamedSharding(mesh, self.partition_spec(names, shape, tensor, parameter))
 
     @contextlib.contextmanager
     def activate(self, mesh: Mesh):
@@ -266,13 +319,15 @@ def active() -> tuple[Layout, Mesh] | None:
     return _ACTIVE.get()
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains activation `x`, whose dimensions are called `names`, to the active layout."""
+def constrain(x: jax.Array, names: Sequence[str | None], tensor: str = "activation",
+              parameter: bool = False) -> jax.Array:
+    """Constrains activation `x`, whose dimensions are called `names`, to the active layout
+    (with `parameter`, to the layout a parameter or its gradient is stored in)."""
     active = _ACTIVE.get()
     if active is None:
         return x
     layout, mesh = active
-    spec = layout.partition_spec(names, x.shape, tensor="activation")
+    spec = layout.partition_spec(names, x.shape, tensor=tensor, parameter=parameter)
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         # Inside a shard_map that is manual over some axes (mtrain.replica): constrain over
@@ -283,21 +338,57 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def tree_shardings(layout: Layout, mesh: Mesh, logical_specs: Any, abstract: Any) -> Any:
-    """Maps a tree of logical `PartitionSpec`s (names per dimension) to `NamedSharding`s.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def use_parameter(x: jax.Array, names: tuple[str | None, ...], tensor: str) -> jax.Array:
+    """Parameter `x` (dimensions `names`) laid out for use by the active layout's layout
+    rules (`constrain`), its gradient laid out as the parameter is stored. Under parameter
+    layout rules the forward pass gathers the parameter from its shards, and the backward
+    pass reduces its gradient straight into them (a reduce-scatter), never whole: the
+    plain constraint would also constrain the gradient to the layout of use, and so sum
+    the whole gradient on every device first. `x` is first pinned to the stored layout, so
+    that what comes before (a cast to bfloat16) runs on the shards and the gather moves the
+    cast value."""
+    return _use_parameter_forward(x, names, tensor)[0]
+
+
+def _use_parameter_forward(x, names, tensor):
+    stored = constrain(x, names, tensor, parameter=True)
+    return constrain(stored, names, tensor), None
+
+
+def _use_parameter_backward(names, tensor, _, gradient):
+    return (constrain(gradient, names, "gradient of " + tensor, parameter=True),)
+
+
+use_parameter.defvjp(_use_parameter_forward, _use_parameter_backward)
+
+
+def is_names(x: Any) -> bool:
+    """Whether `x` is a leaf of a tree of logical names: a `PartitionSpec` or None."""
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def logical_names(spec: PartitionSpec | None, rank: int) -> tuple[str | None, ...]:
+    """The dimension names a model gave a tensor of `rank` dimensions (a `PartitionSpec` of
+    names, or None), padded with None (replicated) for the dimensions it did not name."""
+    names = tuple(spec) if spec is not None else ()
+    return names + (None,) * (rank - len(names))
+
+
+def tree_shardings(layout: Layout, mesh: Mesh, logical_specs: Any, abstract: Any,
+                   parameter: bool = False) -> Any:
+    """Maps a tree of logical `PartitionSpec`s (names per dimension) to `NamedSharding`s
+    (with `parameter`: as parameters and optimizer state are stored).
 
     `abstract` is the matching tree of shapes (e.g. from `jax.eval_shape`); each tensor is named
     by its path in error messages.
     """
 
     def one(path, spec, leaf):
-        names = tuple(spec) if spec is not None else (None,) * len(leaf.shape)
-        if len(names) < len(leaf.shape):
-            names += (None,) * (len(leaf.shape) - len(names))
-        return layout.sharding(mesh, names, leaf.shape, tensor=jax.tree_util.keystr(path))
+        names = logical_names(spec, len(leaf.shape))
+        return layout.sharding(mesh, names, leaf.shape, jax.tree_util.keystr(path), parameter)
 
-    is_spec = lambda x: isinstance(x, PartitionSpec) or x is None  # noqa: E731
-    flat_specs, treedef = jax.tree_util.tree_flatten(logical_specs, is_leaf=is_spec)
+    flat_specs, treedef = jax.tree_util.tree_flatten(logical_specs, is_leaf=is_names)
     flat_abstract = treedef.flatten_up_to(abstract)
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(logical_specs, is_leaf=is_spec)[0]]
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(logical_specs, is_leaf=is_names)[0]]
     return treedef.unflatten([one(p, s, a) for p, s, a in zip(paths, flat_specs, flat_abstract)])

@@ -33,10 +33,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from mtrain import step_model
 from mtrain.hlo_cost import hlo_cost
-from mtrain.layout import Layout, LayoutError
+from mtrain.layout import Layout, LayoutError, is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
 from mtrain.targets import GB, TARGETS, GiB, Target
 from mtrain.trainer import Trainer
@@ -56,6 +57,7 @@ class Plan:
 
     mesh_shape: str
     layout_rules: str
+    parameter_layout_rules: str  # "" when parameters follow the layout rules
     num_devices: int
     target: str
     parameters: int
@@ -87,7 +89,10 @@ class Plan:
         return dataclasses.asdict(self)
 
     def gin_lines(self) -> str:
-        return f'run.mesh_shape = "{self.mesh_shape}"\nrun.layout_rules = "{self.layout_rules}"'
+        lines = f'run.mesh_shape = "{self.mesh_shape}"\nrun.layout_rules = "{self.layout_rules}"'
+        if self.parameter_layout_rules:
+            lines += f'\nrun.parameter_layout_rules = "{self.parameter_layout_rules}"'
+        return lines
 
 
 def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
@@ -98,10 +103,16 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
+    # A parameter's shapes: whole, its stored shard, and (under parameter layout rules) its
+    # shard as the layout rules lay it out for use, which is what is gathered.
     parameter_shapes = set()
-    for leaf, s in zip(jax.tree_util.tree_leaves(abstract.params),
-                       jax.tree_util.tree_leaves(shardings.params)):
-        parameter_shapes |= {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape))}
+    for leaf, s, names in zip(jax.tree_util.tree_leaves(abstract.params),
+                              jax.tree_util.tree_leaves(shardings.params),
+                              jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names)):
+        used = NamedSharding(s.mesh, layout.partition_spec(logical_names(names, leaf.ndim),
+                                                           leaf.shape))
+        parameter_shapes |= {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape)),
+                             tuple(used.shard_shape(leaf.shape))}
     hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
     comms = hlo.collectives
     batch, length = trainer.batch_shape
@@ -142,7 +153,8 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
         step = max(estimate.step_seconds, hbm) + comm
     mesh_shape, rules = layout.mesh_text, layout.rules_text
     return Plan(
-        mesh_shape=mesh_shape, layout_rules=rules, num_devices=n, target=target.name,
+        mesh_shape=mesh_shape, layout_rules=rules,
+        parameter_layout_rules=layout.parameter_rules_text, num_devices=n, target=target.name,
         parameters=sum(x.size for x in jax.tree_util.tree_leaves(abstract.params)),
         analytic_parameters=model.analytic_parameters(), batch_size=batch, sequence_length=length,
         parameter_bytes=param_bytes, optimizer_bytes=opt_bytes, batch_bytes=batch_bytes,
@@ -161,11 +173,14 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
 
 # Candidate layout rules per mesh: the Mesh-TF paper's (split d_ff, heads and vocab over
 # `model`), the same with the vocabulary replicated, and d_model split instead; on 3-D meshes
-# the paper's plus d_model over a third dimension (2-D weight sharding).
+# the paper's plus d_model over a third dimension (2-D weight sharding). Where the layout
+# rules leave d_model whole, each is also tried with the parameters' d_model split over
+# `batch` (fully sharded data parallelism).
 _MODEL_RULES = ("batch:batch;d_ff:model;heads:model;vocab:model",
                 "batch:batch;d_ff:model;heads:model",
                 "batch:batch;d_model:model")
 _3D_RULES = ("batch:batch;d_ff:model;heads:model;vocab:model;d_model:embed",)
+_FSDP_RULES = "d_model:batch"
 
 
 def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -176,25 +191,29 @@ def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
             for rest in _factorizations(n // d, parts - 1)]
 
 
-def candidate_layouts(num_devices: int) -> list[tuple[str, str]]:
-    """(mesh shape, layout rules) candidates for `num_devices` devices: pure data and pure
-    model parallelism, every 2-D batch x model mesh with each of the model rules, and every
-    3-D batch x model x embed mesh."""
+def candidate_layouts(num_devices: int) -> list[tuple[str, str, str]]:
+    """(mesh shape, layout rules, parameter layout rules) candidates for `num_devices`
+    devices: pure data and pure model parallelism, every 2-D batch x model mesh with each of
+    the model rules, every 3-D batch x model x embed mesh, and each of those whose layout
+    rules leave d_model whole once more with FSDP's parameter rules."""
     if num_devices == 1:
-        return [("", "")]
+        return [("", "", "")]
     out = [(f"batch:{num_devices}", "batch:batch"),
            (f"model:{num_devices}", _MODEL_RULES[0].replace("batch:batch;", ""))]
     for b, m in _factorizations(num_devices, 2):
         out += [(f"batch:{b};model:{m}", rules) for rules in _MODEL_RULES]
     for b, m, e in _factorizations(num_devices, 3):
         out += [(f"batch:{b};model:{m};embed:{e}", rules) for rules in _3D_RULES]
-    return out
+    fsdp = [(mesh, rules, _FSDP_RULES) for mesh, rules in out
+            if mesh.startswith("batch:") and "d_model:" not in rules]
+    return [(mesh, rules, "") for mesh, rules in out] + fsdp
 
 
 @dataclasses.dataclass
 class Candidate:
     mesh_shape: str
     layout_rules: str
+    parameter_layout_rules: str = ""
     plan: Plan | None = None
     rejected: str = ""  # why it was not compiled or does not fit
 
@@ -207,11 +226,11 @@ def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, tar
     compiled."""
     results = []
     candidates = candidate_layouts(num_devices)
-    for i, (mesh_shape, rules) in enumerate(candidates):
-        c = Candidate(mesh_shape, rules)
+    for i, (mesh_shape, rules, parameter_rules) in enumerate(candidates):
+        c = Candidate(mesh_shape, rules, parameter_rules)
         results.append(c)
         try:
-            trainer = make_trainer(Layout(mesh_shape, rules))
+            trainer = make_trainer(Layout(mesh_shape, rules, parameter_rules))
             state = _bytes(trainer.abstract_state, trainer.state_shardings)
             if state > target.hbm_bytes:
                 c.rejected = (f"does not fit: parameters and optimizer state alone take "
@@ -222,7 +241,8 @@ def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, tar
                 c.rejected = f"does not fit: {c.plan.total_bytes / GiB:.1f} GiB per device"
         except LayoutError as e:
             c.rejected = "illegal: " + str(e).split(" — ")[0]
-        progress(f"[{i + 1}/{len(candidates)}] {mesh_shape or '(one device)'} {rules}: "
+        progress(f"[{i + 1}/{len(candidates)}] {mesh_shape or '(one device)'} {rules}"
+                 + (f" parameters {parameter_rules}" if parameter_rules else "") + ": "
                  + (c.rejected or f"{c.plan.step_seconds:.3g} s per step"))
 
     def rank(c: Candidate):
@@ -272,7 +292,9 @@ def format_plan(p: Plan, describe: str = "") -> str:
     lines = [
         f"mtrain plan: {describe}" if describe else "mtrain plan",
         f"  mesh {p.mesh_shape or '(one device)'} ({p.num_devices} devices), "
-        f"layout {p.layout_rules or '(replicated)'}",
+        f"layout {p.layout_rules or '(replicated)'}" + (
+            f", parameters also {p.parameter_layout_rules} (stored split: FSDP)"
+            if p.parameter_layout_rules else ""),
         f"  batch {p.batch_size} x {p.sequence_length} tokens",
         f"parameters: {p.parameters:,}" + (
             f" (analytic matmul and embedding parameters: {p.analytic_parameters:,})"
@@ -341,7 +363,9 @@ def format_auto_layout(results: list[Candidate], num_devices: int, target: str,
     rejected = [c for c in results if c.plan is None]
     if rejected:
         lines.append(f"not compiled ({len(rejected)}):")
-        lines += [f"  {c.mesh_shape} {c.layout_rules}: {c.rejected}" for c in rejected[:8]]
+        lines += [f"  {c.mesh_shape} {c.layout_rules}"
+                  + (f" parameters {c.parameter_layout_rules}" if c.parameter_layout_rules else "")
+                  + f": {c.rejected}" for c in rejected[:8]]
         if len(rejected) > 8:
             lines.append(f"  ... and {len(rejected) - 8} more")
     return "\n".join(lines)

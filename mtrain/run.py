@@ -108,6 +108,7 @@ def build(
     data_source: str | None = None,
     mesh_shape: str = "",
     layout_rules: str = "batch:batch;d_ff:model;heads:model;vocab:model",
+    parameter_layout_rules: str = "",
     batch_size: int = 32,
     sequence_length: int = 128,
     train_steps: int = 1000,
@@ -150,6 +151,11 @@ def build(
     its checkpoint `init_step` (default: the latest), with a fresh optimizer: fine-tuning.
     A step with a non-finite loss or gradient is skipped; `max_nonfinite_steps` in a row
     stop the run.
+
+    Layout: `mesh_shape` and `layout_rules` as in Mesh-TF; `parameter_layout_rules` (e.g.
+    'd_model:batch') store parameters and optimizer state split further, on top of the
+    layout rules, while activations follow `layout_rules` alone: fully sharded data
+    parallelism (parameters gathered where used, gradients reduce-scattered).
 
     Speed and memory: `activation_dtype` 'bfloat16' computes activations and matmuls in
     bfloat16 (parameters, optimizer state, attention softmax and loss stay float32; default:
@@ -197,12 +203,14 @@ def build(
         raise ConfigError(f"run.init_from={init_from!r} is not a directory; name the model dir "
                           f"of the run to start from")
     eval_split = eval_split or task_obj.eval_split
-    layout = Layout(mesh_shape, layout_rules, drop_unused_rules=True)
-    if layout.dropped_rules:
-        missing = sorted({mesh_dim for _, mesh_dim in layout.dropped_rules})
-        log.warning("layout rules %s ignored: the mesh %r has no dimension %s",
-                    ", ".join(f"'{t}:{m}'" for t, m in layout.dropped_rules), mesh_shape,
-                    " or ".join(repr(m) for m in missing))
+    layout = Layout(mesh_shape, layout_rules, parameter_layout_rules, drop_unused_rules=True)
+    for kind, dropped in (("layout rules", layout.dropped_rules),
+                          ("parameter layout rules", layout.dropped_parameter_rules)):
+        if dropped:
+            missing = sorted({mesh_dim for _, mesh_dim in dropped})
+            log.warning("%s %s ignored: the mesh %r has no dimension %s", kind,
+                        ", ".join(f"'{t}:{m}'" for t, m in dropped), mesh_shape,
+                        " or ".join(repr(m) for m in missing))
     planning = mode == "plan"
     try:
         mesh = layout.make_mesh(jax.devices()[:layout.size] if planning else None)
@@ -333,6 +341,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
             exp.trainer.with_layout, devices, target_spec, progress=lambda message: log.info("auto-layout %s", message))
         report = {"model": describe, "num_devices": devices, "target": target,
                   "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
+                                  "parameter_layout_rules": c.parameter_layout_rules,
                                   "rejected": c.rejected,
                                   "plan": c.plan.to_dict() if c.plan else None}
                                  for c in results]}

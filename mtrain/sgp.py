@@ -62,10 +62,17 @@ class SGPTrainer:
             raise ValueError("SGP needs the batch split over a mesh dimension (batch:batch)")
         self.num_replicas = t.mesh.shape[self.axis]
         pushsum.num_phases(self.num_replicas)  # a power of two
+        for tensor_dim, mesh_dim in t.layout.parameter_rules:
+            if mesh_dim == self.axis:
+                raise ValueError(
+                    f"parameter layout rule '{tensor_dim}:{mesh_dim}' splits the parameters "
+                    f"over the gossip mesh dimension {mesh_dim!r}, where every replica keeps "
+                    f"its own parameters; drop it or use data_parallel='allreduce'")
         # Inside a replica the data axis is manual: the model's constraints use the layout
         # without the batch rule, over the other (automatic) mesh axes.
         self.inner = Layout(t.layout.mesh_shape,
-                            [r for r in t.layout.layout_rules if r[0] != "batch"])
+                            [r for r in t.layout.layout_rules if r[0] != "batch"],
+                            t.layout.parameter_rules)
 
         def stacked(sharding, extra=()):
             return NamedSharding(t.mesh, PartitionSpec(self.axis, *extra, *sharding.spec))

@@ -15,7 +15,9 @@ counts instead what a step keeps:
 - the gradients (float32, sharded like the parameters), which replace the saved
   activations as the backward pass goes: the peak holds the larger of the two;
 - one layer's backward working set, the loss's logits (a slice of them with `loss.chunks`)
-  and the largest parameter's optimizer update.
+  and the largest parameter's optimizer update;
+- under parameter layout rules (FSDP), one layer's parameters gathered for use and their
+  float32 gradient before it is reduce-scattered.
 
 Time: model FLOPs (plus what remat recomputes) at the efficiency a well-written step
 reaches on the target, and the einsum path's [length, memory_length] attention matrices
@@ -107,6 +109,9 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         stack = [layer(False)] * encoder + [layer(True)] * c.num_layers
     saved = tokens * sum(s for s, _ in stack)
     working = tokens * max(w for _, w in stack)
+    if layout.parameter_rules:  # a layer's weights gathered, and their gradient unreduced
+        attentions = 1 if kind == "lm" else 2
+        working += (attentions * 4 * d * hk + 2 * d * f) * (a + 4)
     vocab = per("vocab", c.vocab_size)
     # A slice of the logits and their gradient (the float32 softmax fuses into the reduction).
     logits = tokens / loss_chunks * vocab * 2 * a

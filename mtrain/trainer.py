@@ -1,8 +1,9 @@
 """Sharded training state and the jitted train and eval steps.
 
 `Trainer` asks the layout for the sharding of every parameter (from the logical names the
-model gave it), of every optimizer-state leaf (from the parameter it belongs to) and of every
-batch feature (``("batch", "length")``). The state is created already sharded by a jitted
+model gave it, by the parameter layout rules on top of the layout rules), of every
+optimizer-state leaf (from the parameter it belongs to) and of every batch feature
+(``("batch", "length")``). The state is created already sharded by a jitted
 init, so the full model never exists on one device, and the train step is jitted with those
 shardings and donates the old state.
 """
@@ -23,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain import losses
 from mtrain.errors import ConfigError
-from mtrain.layout import Layout, LayoutError, constrain, tree_shardings
+from mtrain.layout import (Layout, LayoutError, constrain, is_names, logical_names,
+                           tree_shardings)
 from mtrain.models.base import batch_keys
 
 Batch = dict[str, Any]
@@ -161,16 +163,17 @@ class Trainer:
         self.init_key = init_key
 
         boxed = jax.eval_shape(self._init_variables, init_key)
-        param_names = nn.get_partition_spec(boxed)["params"]
+        self.param_names = param_names = nn.get_partition_spec(boxed)["params"]
         abstract_params = nn.unbox(boxed)["params"]
-        param_shardings = tree_shardings(layout, mesh, param_names, abstract_params)
+        # Parameters and optimizer state are stored by the parameter layout rules too.
+        param_shardings = tree_shardings(layout, mesh, param_names, abstract_params, True)
         abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
         opt_names = _opt_state_names(abstract_opt, abstract_params, param_names)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = TrainState(
             step=replicated,
             params=param_shardings,
-            opt_state=tree_shardings(layout, mesh, opt_names, abstract_opt),
+            opt_state=tree_shardings(layout, mesh, opt_names, abstract_opt, True),
         )
         self.abstract_state = TrainState(
             step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
@@ -267,6 +270,11 @@ class Trainer:
             return loss * scale, (xent * scale, tokens)
 
         (loss, (xent, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        # Laid out as the parameters are stored: under parameter layout rules (FSDP) each
+        # device keeps (and accumulates over microbatches) only its shard of the sum.
+        grads = jax.tree_util.tree_map(
+            lambda names, g: constrain(g, logical_names(names, g.ndim), "gradient", parameter=True),
+            self.param_names, grads, is_leaf=is_names)
         return grads, loss, xent, tokens
 
     def gradients(self, params, batch: Batch, dropout_key):

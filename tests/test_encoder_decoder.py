@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from mtrain import optimizer
 from mtrain.layout import Layout
@@ -39,8 +40,8 @@ def packed_pairs(n, seed=0):
     return out
 
 
-def train(mesh_shape, rules, steps=3):
-    layout = Layout(mesh_shape, rules)
+def train(mesh_shape, rules, steps=3, parameter_rules=""):
+    layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
     trainer = Trainer(EncoderDecoder(CONFIG), opt, layout, mesh, B, L, seed=1,
@@ -55,10 +56,12 @@ def train(mesh_shape, rules, steps=3):
 def test_same_loss_on_one_device_and_on_a_2x4_mesh():
     ref_losses, ref_params = train("", "")
     assert ref_losses[-1] < ref_losses[0]
-    losses, params = train("batch:2;model:4", "batch:batch;d_ff:model;heads:model;vocab:model")
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-                           params, ref_params)
+    rules = "batch:batch;d_ff:model;heads:model;vocab:model"
+    for parameter_rules in ("", "d_model:batch"):  # and with the parameters sharded (FSDP)
+        losses, params = train("batch:2;model:4", rules, parameter_rules=parameter_rules)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=parameter_rules)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                               params, ref_params)
 
 
 def init_params(config=CONFIG):
@@ -140,11 +143,11 @@ def joint_vocab(tmp_path_factory):
     return train_vocabulary(texts, 300, tmp_path_factory.mktemp("vocab") / "joint.model")
 
 
-def make_translator(mesh_shape, rules, vocab, beam_size):
+def make_translator(mesh_shape, rules, vocab, beam_size, parameter_rules=""):
     from mtrain.translation import DecodingConfig, Translator
 
     config = TransformerConfig(**{**CONFIG.__dict__, "vocab_size": 384, "dropout_rate": 0.0})
-    layout = Layout(mesh_shape, rules)
+    layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
     trainer = Trainer(EncoderDecoder(config), opt, layout, mesh, 4, L, seed=5)
@@ -163,6 +166,11 @@ def test_sharded_beam_search_decodes_as_on_one_device(joint_vocab):
     expected = one(params, SENTENCES)  # 5 sentences: two batches of 4, the last one padded
     assert len(expected) == 5 and any(expected)
     assert mesh(mesh_params, SENTENCES) == expected
+    # With the parameters stored sharded over the batch dimension too (FSDP).
+    fsdp, fsdp_params = make_translator("batch:2;model:4", "batch:batch;d_ff:model;heads:model",
+                                        joint_vocab, beam_size=3, parameter_rules="d_model:batch")
+    assert fsdp_params["decoder_0"]["mlp"]["wi"].sharding.spec == P("batch", "model")
+    assert fsdp(fsdp_params, SENTENCES) == expected
     # Beam 1 is greedy search, through the same code.
     greedy, _ = make_translator("", "", joint_vocab, beam_size=1)
     assert len(greedy(params, SENTENCES[:2])) == 2

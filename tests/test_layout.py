@@ -141,3 +141,57 @@ def test_rules_for_absent_mesh_dimensions_can_be_dropped():
     layout = Layout("batch:8", "batch:batch;d_ff:model", drop_unused_rules=True)
     assert layout.dropped_rules == [("d_ff", "model")]
     assert layout.partition_spec(("batch", "d_ff")) == P("batch", None)
+
+
+# --- parameter layout rules (fully sharded data parallelism) -----------------------------
+
+def test_parameter_rules_lay_out_parameters_on_top_of_the_layout_rules():
+    layout = Layout("batch:4;model:2", "batch:batch;d_ff:model", "d_model:batch")
+    assert layout.partition_spec(("d_model", "d_ff"), parameter=True) == P("batch", "model")
+    # Activations follow the layout rules alone: d_model stays whole beside batch.
+    assert layout.partition_spec(("batch", "length", "d_model")) == P("batch", None, None)
+    assert layout.partition_spec(("d_model", "d_ff")) == P(None, "model")
+    assert layout.parameter_rules_text == "d_model:batch"
+    # A parameter rule takes the place of the layout rule for the same dimension.
+    override = Layout("batch:4;model:2", "d_ff:model", "d_ff:batch")
+    assert override.partition_spec(("d_model", "d_ff"), parameter=True) == P(None, "batch")
+
+
+@pytest.mark.parametrize("rules, message", [
+    ("d_model", "malformed parameter layout rules 'd_model'"),
+    ("d_model:data", "parameter layout rule 'd_model:data' names mesh dimension 'data', but "
+                     "the mesh 'batch:4;model:2' has no such dimension"),
+    ("d_model:batch;d_model:model", "parameter layout rules 'd_model:batch;d_model:model' "
+                                    "names 'd_model' twice"),
+])
+def test_malformed_parameter_rules_name_their_rule_set(rules, message):
+    with pytest.raises(LayoutError, match=message):
+        Layout("batch:4;model:2", "batch:batch", rules)
+
+
+def test_parameter_layout_errors_name_the_rules_that_collide():
+    layout = Layout("batch:4;model:2", "d_ff:model", "d_model:model")
+    with pytest.raises(LayoutError) as e:
+        layout.partition_spec(("d_model", "d_ff"), tensor="mlp/wi", parameter=True)
+    assert ("parameter rule 'd_model:model' or the layout rule 'd_ff:model'" in str(e.value)
+            and "mlp/wi" in str(e.value))
+    with pytest.raises(LayoutError, match="of size 6 is not divisible by mesh dimension 'batch' "
+                                          "of size 4 .* or the parameter rule 'd_model:batch'"):
+        Layout("batch:4", "", "d_model:batch").partition_spec(("d_model",), (6,), parameter=True)
+    # Unknown tensor dimensions: a parameter rule must name a parameter's dimension.
+    typo = Layout("batch:4", "batch:batch", "dmodel:batch")
+    typo.partition_spec(("d_model", "d_ff"), parameter=True)
+    typo.partition_spec(("batch", "length", "d_model"))
+    with pytest.raises(LayoutError, match="parameter layout rule 'dmodel:batch' names tensor "
+                                          "dimension 'dmodel', which no parameter"):
+        typo.check_rules_used()
+    activation_only = Layout("batch:4", "batch:batch", "length:batch")
+    activation_only.partition_spec(("batch", "length"))
+    with pytest.raises(LayoutError, match="which no parameter of the model has"):
+        activation_only.check_rules_used()
+
+
+def test_parameter_rules_for_absent_mesh_dimensions_can_be_dropped():
+    layout = Layout("", "batch:batch", "d_model:batch", drop_unused_rules=True)
+    assert layout.dropped_parameter_rules == [("d_model", "batch")]
+    assert layout.partition_spec(("d_model",), parameter=True) == P(None)

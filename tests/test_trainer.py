@@ -10,12 +10,14 @@ from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.trainer import Trainer
 
 SPLIT_MODEL = "d_ff:model;heads:model;vocab:model"
-LAYOUTS = [
-    ("", ""),
-    ("batch:8", "batch:batch"),
-    ("model:8", SPLIT_MODEL),
-    ("batch:4;model:2", "batch:batch;" + SPLIT_MODEL),
-    ("batch:2;model:4", "batch:batch;" + SPLIT_MODEL),
+LAYOUTS = [  # (mesh shape, layout rules, parameter layout rules)
+    ("", "", ""),
+    ("batch:8", "batch:batch", ""),
+    ("model:8", SPLIT_MODEL, ""),
+    ("batch:4;model:2", "batch:batch;" + SPLIT_MODEL, ""),
+    ("batch:2;model:4", "batch:batch;" + SPLIT_MODEL, ""),
+    # Fully sharded data parallelism (beside model parallelism: test_fsdp, test_encoder_decoder).
+    ("batch:8", "batch:batch", "d_model:batch"),
 ]
 CONFIG = TransformerConfig(
     vocab_size=256, d_model=32, d_ff=64, num_heads=8, d_kv=4, num_layers=2,
@@ -41,15 +43,17 @@ def packed_batches(n, seed=0):
     return out
 
 
-def make_trainer(mesh_shape, rules, config=CONFIG, batch_size=B):
-    layout = Layout(mesh_shape, rules)
+def make_trainer(mesh_shape, rules, config=CONFIG, batch_size=B, parameter_rules="",
+                 num_microbatches=1):
+    layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    return Trainer(DecoderLM(config), opt, layout, mesh, batch_size, L, seed=3)
+    return Trainer(DecoderLM(config), opt, layout, mesh, batch_size, L, seed=3,
+                   num_microbatches=num_microbatches)
 
 
-def train(mesh_shape, rules, steps=3):
-    trainer = make_trainer(mesh_shape, rules)
+def train(mesh_shape, rules, parameter_rules="", steps=3, **kwargs):
+    trainer = make_trainer(mesh_shape, rules, parameter_rules=parameter_rules, **kwargs)
     state = trainer.init_state()
     losses = []
     for batch in packed_batches(steps):
@@ -61,11 +65,12 @@ def train(mesh_shape, rules, steps=3):
 def test_layouts_never_change_results():
     ref_losses, ref_params = train(*LAYOUTS[0])
     assert ref_losses[-1] < ref_losses[0]
-    for mesh_shape, rules in LAYOUTS[1:]:
-        losses, params = train(mesh_shape, rules)
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=mesh_shape)
+    for mesh_shape, rules, parameter_rules in LAYOUTS[1:]:
+        losses, params = train(mesh_shape, rules, parameter_rules)
+        where = f"{mesh_shape} {parameter_rules}"
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=where)
         jax.tree_util.tree_map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=mesh_shape),
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=where),
             params, ref_params,
         )
 

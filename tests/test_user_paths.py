@@ -5,7 +5,7 @@ itself (as on a fresh machine), and every later run loads what it built.
 For the LM quickstart and for the WMT14 translation experiment: train 20 steps, run the
 same command again to 30, and end bit for bit where a run of 30 steps that was never
 stopped ends; then change a setting that the checkpoints cannot follow (refused in one
-line, nothing changed) and one that they can (it resumes)."""
+line, nothing changed) and one that they can (the layout, to FSDP: it resumes)."""
 
 import json
 import os
@@ -86,10 +86,12 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     assert "run.batch_size=16 there, 8 here" in lines[-1]
     assert digest(stopped) == before
 
-    # The mesh, the layout and the learning rate may change: it resumes.
-    moved = mtrain(home, files, [*common, "run.train_steps=32", "run.mesh_shape='batch:8'",
-                                 "run.layout_rules='batch:batch'",
-                                 "learning_rate_schedule.constant=0.5"], stopped)
+    # The mesh, the layout and the learning rate may change: it resumes, here with the
+    # parameters stored sharded over the 8 data-parallel devices (FSDP).
+    moved = mtrain(home, files, [*common, "run.train_steps=32",
+                                 "learning_rate_schedule.constant=0.5"], stopped,
+                   "--gin_file=layouts/fsdp8.gin")
     assert moved.returncode == 0, moved.stderr
     assert "resuming from the checkpoint of step 30" in moved.stderr
+    assert "parameter_rules='d_model:batch'" in moved.stderr
     assert records(stopped)[-1]["step"] == 32

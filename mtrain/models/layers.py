@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtrain.layout import constrain
+from mtrain.layout import constrain, use_parameter
 from mtrain.models import attention
 
 Dtype = Any
@@ -27,9 +27,14 @@ def normal(stddev: float):
     return nn.initializers.normal(stddev=stddev)
 
 
-def param(module: nn.Module, name: str, init, shape: tuple[int, ...], names: tuple[str, ...]):
-    """A float32 parameter that carries its logical dimension names."""
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+def param(module: nn.Module, name: str, init, shape: tuple[int, ...], names: tuple[str, ...],
+          dtype: Dtype = jnp.float32):
+    """A float32 parameter that carries its logical dimension names, as the computation
+    uses it: cast to `dtype` and laid out by the layout rules. Where parameter layout rules
+    store it split further (fully sharded data parallelism), this is where it is gathered,
+    in `dtype`."""
+    value = module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+    return use_parameter(value.astype(dtype), tuple(names), f"parameter {name}")
 
 
 class RMSNorm(nn.Module):
@@ -56,12 +61,15 @@ class DenseReluDense(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         d_model = x.shape[-1]
-        wi = param(self, "wi", normal(d_model**-0.5), (d_model, self.d_ff), ("d_model", "d_ff"))
-        wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"))
-        h = jnp.einsum("bld,df->blf", x, wi.astype(self.dtype))
+        dt = self.dtype
+        wi = param(self, "wi", normal(d_model**-0.5), (d_model, self.d_ff), ("d_model", "d_ff"),
+                   dt)
+        wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"),
+                   dt)
+        h = jnp.einsum("bld,df->blf", x, wi)
         h = constrain(jax.nn.relu(h), ("batch", "length", "d_ff"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        y = jnp.einsum("blf,fd->bld", h, wo.astype(self.dtype))
+        y = jnp.einsum("blf,fd->bld", h, wo)
         return constrain(y, ("batch", "length", "d_model"))
 
 
@@ -107,16 +115,16 @@ class MultiHeadAttention(nn.Module):
                  decode_index=None):
         d_model = x.shape[-1]
         h, k = self.num_heads, self.d_kv
-        qkv_names = ("d_model", "heads", "d_kv")
-        wq = param(self, "q", normal((d_model * k) ** -0.5), (d_model, h, k), qkv_names)
-        wk = param(self, "k", normal(d_model**-0.5), (d_model, h, k), qkv_names)
-        wv = param(self, "v", normal(d_model**-0.5), (d_model, h, k), qkv_names)
-        wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model), ("heads", "d_kv", "d_model"))
-        dt = self.dtype
-        q = constrain(jnp.einsum("bld,dhk->blhk", x, wq.astype(dt)), ("batch", "length", "heads", "d_kv"))
+        qkv_names, dt = ("d_model", "heads", "d_kv"), self.dtype
+        wq = param(self, "q", normal((d_model * k) ** -0.5), (d_model, h, k), qkv_names, dt)
+        wk = param(self, "k", normal(d_model**-0.5), (d_model, h, k), qkv_names, dt)
+        wv = param(self, "v", normal(d_model**-0.5), (d_model, h, k), qkv_names, dt)
+        wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model),
+                   ("heads", "d_kv", "d_model"), dt)
+        q = constrain(jnp.einsum("bld,dhk->blhk", x, wq), ("batch", "length", "heads", "d_kv"))
         kv_names = ("batch", "memory_length", "heads", "d_kv")
-        key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk.astype(dt)), kv_names)
-        value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv.astype(dt)), kv_names)
+        key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk), kv_names)
+        value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv), kv_names)
         if decode_index is not None:
             key, value, mask = self._cached(key, value, decode_index)
         path = self._path(deterministic, decode_index)
@@ -132,7 +140,7 @@ class MultiHeadAttention(nn.Module):
             out = attention.reference(q, key, value, mask,
                                       lambda w: drop(w, deterministic=deterministic))
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
-        y = jnp.einsum("blhk,hkd->bld", out, wo.astype(dt))
+        y = jnp.einsum("blhk,hkd->bld", out, wo)
         return constrain(y, ("batch", "length", "d_model"))
 
     def _cached(self, key, value, index):
