@@ -111,7 +111,7 @@ def hlo_cost(hlo_text: str, num_devices: int,
                 g = _group_size(rest) or num_devices
                 elements = _shapes(result)
                 sliced = [op == "all-reduce" and _only_sliced(name, i, len(elements), elements[i],
-                                                              g, users, ops, shapes)
+                                                              g, users, ops, shapes, computations)
                           for i in range(len(elements))]
                 kept = [e for e, s in zip(elements, sliced) if not s]
                 if kept:
@@ -166,34 +166,51 @@ def _operands(rest: str) -> list[str]:
 
 
 def _only_sliced(name: str, index: int, count: int, element, g: int, users, ops,
-                 shapes) -> bool:
+                 shapes, computations) -> bool:
     """Whether every use of element `index` (of `count`) of all-reduce `name` keeps 1/g of
-    it, chosen by partition id: a dynamic-slice, or (XLA:CPU fuses it) an instruction that
-    reads the partition id and is no larger than the slice; a use that only casts or scales
-    it (no other operand but scalars, as many elements) is followed to its own uses."""
+    it: a dynamic-slice of that size, or (XLA:CPU fuses it) an instruction that reads the
+    partition id and is no larger than the slice, or a fusion that reads it only through
+    such a dynamic-slice (in a scanned stack, fused with the write into the stacked
+    gradient); a use that only casts or scales it (no other operand but scalars, as many
+    elements) is followed to its own uses."""
     uses = users.get(name, [])
     if count > 1:  # a tuple: its elements are read through get-tuple-element
-        uses = [u for gte in uses if gte[2] == "get-tuple-element"
+        uses = [(gte[0], u) for gte in uses if gte[2] == "get-tuple-element"
                 and re.search(rf"\bindex={index}\b", gte[3]) for u in users.get(gte[0], [])]
+    else:
+        uses = [(name, u) for u in uses]
     size = math.prod(element[1])
     if g <= 1 or not uses or size < g:
         return False
+
     def scalar(operand: str) -> bool:
         return [d for _, d in _shapes(shapes.get(operand, ""))] == [()]
 
     for _ in range(4):  # through casts (XLA:CPU all-reduces bfloat16 in float32) and scalings
-        casts = [u for u in uses if u[2] in ("convert", "bitcast", "copy", "multiply", "fusion")
+        casts = [(v, u) for v, u in uses
+                 if u[2] in ("convert", "bitcast", "copy", "multiply", "fusion")
                  and sum(not scalar(o) for o in set(_operands(u[3]))) == 1
                  and [math.prod(d) for _, d in _shapes(u[1])] == [size]]
-        uses = [u for u in uses if u not in casts] + [
-            v for u in casts for v in users.get(u[0], [])]
-    for _, result, op, rest in uses:
-        by_partition = op == "dynamic-slice" or any(
-            ops.get(o) in ("partition-id", "replica-id") for o in _operands(rest))
+        uses = [x for x in uses if x not in casts] + [
+            (u[0], w) for _, u in casts for w in users.get(u[0], [])]
+
+    def slice_of(value: str, use) -> bool:
+        _, result, op, rest = use
         largest = max((math.prod(d) for _, d in _shapes(result)), default=size)
-        if not by_partition or largest * g > size:
+        if op == "dynamic-slice" or any(ops.get(o) in ("partition-id", "replica-id")
+                                        for o in _operands(rest)):
+            return largest * g <= size
+        callee = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+        if op != "fusion" or not callee or callee.group(1) not in computations:
             return False
-    return bool(uses)
+        body = computations[callee.group(1)]
+        position = _operands(rest).index(value)
+        inner = [n for n, _, o, r in body if o == "parameter" and r.startswith(f"{position})")]
+        reads = [u for u in body if inner and inner[0] in _operands(u[3])]
+        return bool(reads) and all(
+            u[2] == "dynamic-slice" and math.prod(_shapes(u[1])[0][1]) * g <= size for u in reads)
+
+    return bool(uses) and all(slice_of(v, u) for v, u in uses)
 
 
 def _note_calls(op: str, rest: str, calls: list) -> None:

@@ -162,18 +162,17 @@ class Layout:
         that nothing laid out so far has (a parameter rule: no parameter): a typo such as
         ``dff:model`` would otherwise leave d_ff replicated without a word. Call it once the
         model's parameters and activations have been laid out (`Trainer` does)."""
-        for tensor_dim, mesh_dim in [*self.layout_rules, *self.dropped_rules]:
-            if tensor_dim not in self.seen_names:
-                raise LayoutError(
-                    f"layout rule '{tensor_dim}:{mesh_dim}' names tensor dimension "
-                    f"{tensor_dim!r}, which no parameter or activation of the model has; "
-                    f"its dimensions are {', '.join(sorted(self.seen_names))}")
-        for tensor_dim, mesh_dim in [*self.parameter_rules, *self.dropped_parameter_rules]:
-            if tensor_dim not in self.seen_parameter_names:
-                raise LayoutError(
-                    f"parameter layout rule '{tensor_dim}:{mesh_dim}' names tensor dimension "
-                    f"{tensor_dim!r}, which no parameter of the model has; their dimensions "
-                    f"are {', '.join(sorted(self.seen_parameter_names))}")
+        for kind, rules, seen, owners in (
+                ("layout rule", [*self.layout_rules, *self.dropped_rules], self.seen_names,
+                 "parameter or activation of the model has; its"),
+                ("parameter layout rule", [*self.parameter_rules, *self.dropped_parameter_rules],
+                 self.seen_parameter_names, "parameter of the model has; their")):
+            for tensor_dim, mesh_dim in rules:
+                if tensor_dim not in seen:
+                    raise LayoutError(
+                        f"{kind} '{tensor_dim}:{mesh_dim}' names tensor dimension "
+                        f"{tensor_dim!r}, which no {owners} dimensions are "
+                        f"{', '.join(sorted(seen))}")
 
     @property
     def size(self) -> int:

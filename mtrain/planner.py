@@ -111,8 +111,11 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
                               jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names)):
         used = NamedSharding(s.mesh, layout.partition_spec(logical_names(names, leaf.ndim),
                                                            leaf.shape))
-        parameter_shapes |= {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape)),
-                             tuple(used.shard_shape(leaf.shape))}
+        shapes = {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape)),
+                  tuple(used.shard_shape(leaf.shape))}
+        # A scanned stack's parameter [layers, ...] moves a layer at a time in the loop.
+        parameter_shapes |= shapes | ({x[1:] for x in shapes} if names and names[0] == "layers"
+                                      else set())
     hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
     comms = hlo.collectives
     batch, length = trainer.batch_shape

@@ -13,10 +13,12 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from mtrain import planner
 from mtrain import run as run_lib
 from mtrain.checkpoints import Checkpoints
 from mtrain.hlo_cost import hlo_cost
 from mtrain.sgp import SGPTrainer
+from mtrain.targets import TARGETS
 from test_trainer import CONFIG, SPLIT_MODEL, make_trainer, packed_batches, train
 
 FSDP = ("batch:8", "batch:batch")
@@ -67,6 +69,18 @@ def test_the_step_gathers_parameters_and_reduces_gradients_into_shards():
     assert plain_stats["all-reduce"].bytes_sent == pytest.approx(2 * 7 / 8 * param_bytes,
                                                                  rel=0.01)
     assert plain_stats["reduce-scatter"].count == 0
+
+
+def test_a_scanned_stack_gathers_and_reduces_a_layer_at_a_time_as_much_as_the_unrolled_one():
+    """Inside the scan XLA:CPU fuses the slice of the reduced gradient with its write into
+    the stacked gradient; the planner still sees the reduce-scatter."""
+    plans = [planner.plan(make_trainer(*FSDP, config=dataclasses.replace(CONFIG, scan_layers=s),
+                                       parameter_rules="d_model:batch"), TARGETS["tpu-v3"])
+             for s in (False, True)]
+    shaped = [{k: v["parameter_shaped_bytes"] for k, v in p.collectives.items()} for p in plans]
+    assert shaped[1]["all-gather"] == shaped[0]["all-gather"] > 0
+    assert shaped[1]["reduce-scatter"] == shaped[0]["reduce-scatter"] > 0
+    assert shaped[1]["all-reduce"] == shaped[0]["all-reduce"] == 0
 
 
 def test_fsdp_with_scanned_rematerialised_layers_microbatches_and_flash_attention():

@@ -419,7 +419,7 @@ BAD_INPUTS = [
     (["--gin_param=run.layout_rules='batch:batch;dff:model'"], "layout rule 'dff:model' names tensor dimension 'dff', which no parameter or activation of the model has; its dimensions are batch, d_ff, d_kv, d_model, heads, length, memory_length, vocab"),
     (["--gin_param=run.parameter_layout_rules='d_model'"], "malformed parameter layout rules 'd_model'"),
     (["--gin_param=run.parameter_layout_rules='dmodel:batch'"], "parameter layout rule 'dmodel:batch' names tensor dimension 'dmodel', which no parameter of the model has"),
-    (["--gin_param=run.parameter_layout_rules='d_model:model'"], "change the parameter rule 'd_model:model' or the layout rule 'd_ff:model'"),
+    (["--gin_param=run.parameter_layout_rules='d_model:model'"], "are both split over mesh dimension 'model'; a mesh dimension may split at most one dimension of a tensor — change the layout rule 'vocab:model' or the parameter rule 'd_model:model'"),
     (["--gin_param=run.data_parallel='sgp'", "--gin_param=run.parameter_layout_rules='d_model:batch'"], "run.data_parallel='sgp': parameter layout rule 'd_model:batch' splits the parameters over the gossip mesh dimension 'batch'"),
     (["--gin_param=run.mesh_shape='batch:16'"], "needs 16 devices, but 8 are available"),
     (["--gin_param=transformer.num_heads=3"], "'heads' of size 3 is not divisible by mesh dimension 'model' of size 2"),
