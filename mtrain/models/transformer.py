@@ -162,11 +162,14 @@ def layer_stack(c: TransformerConfig, x, mask, deterministic: bool):
 
 
 def _softmax_table(module: nn.Module, c: TransformerConfig):
-    """The softmax weights [d_model, vocab], or None when the embedding table is shared."""
+    """The softmax weights [d_model, vocab] in the compute dtype (cast on their shards, as
+    the layers' weights are), or None when the embedding table is shared. The tables read
+    by token id stay float32 up to the lookup, so that their gradients (a scatter-add of
+    the tokens' rows) add up in float32."""
     if c.shared_embedding_and_softmax:
         return None
     return layers.param(module, "softmax", layers.normal(c.d_model**-0.5),
-                        (c.d_model, c.vocab_size), ("d_model", "vocab"))
+                        (c.d_model, c.vocab_size), ("d_model", "vocab"), c.dtype)
 
 
 def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x, return_hidden: bool):
@@ -177,11 +180,11 @@ def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x, return_hidden
         if softmax is None:  # the shared table, with attend's scale
             kernel = (embed.embedding.astype(c.dtype) * c.d_model**-0.5).T
         else:
-            kernel = softmax.astype(c.dtype)
+            kernel = softmax
         return x, constrain(kernel, ("d_model", "vocab"))
     if softmax is None:
         return embed.attend(x)
-    logits = jnp.einsum("bld,dv->blv", x, softmax.astype(c.dtype))
+    logits = jnp.einsum("bld,dv->blv", x, softmax)
     return constrain(logits, ("batch", "length", "vocab"))
 
 
