@@ -106,10 +106,10 @@ def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]],
                        what: str = "layout rules") -> LayoutRules:
     """``"batch:batch;d_ff:model"`` -> ``[("batch", "batch"), ("d_ff", "model")]``; `what`
     names the rule set in errors ("parameter layout rules")."""
-    example = "d_model:batch" if what.startswith("parameter") else "batch:batch;d_ff:model"
+    parameter = what.startswith("parameter")
+    example = "d_model:batch" if parameter else "batch:batch;d_ff:model"
     if not isinstance(layout_rules, str):
-        setting = "run.parameter_layout_rules" if what.startswith("parameter") \
-            else "run.layout_rules"
+        setting = "run.parameter_layout_rules" if parameter else "run.layout_rules"
         pairs = [(str(t), str(m)) for t, m in _given_pairs(layout_rules, setting, example)]
     else:
         pairs = _pairs(layout_rules, what, example)
