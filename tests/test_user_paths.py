@@ -2,9 +2,10 @@
 fixture prepares data, so the first run builds the TFDS dataset and trains the vocabulary
 itself (as on a fresh machine), and every later run loads what it built.
 
-For the LM quickstart and for the WMT14 translation experiment: train 20 steps, run the
-same command again to 30, and end bit for bit where a run of 30 steps that was never
-stopped ends; then change a setting that the checkpoints cannot follow (refused in one
+For the LM quickstart and for the WMT14 translation experiment: train 4 steps, run the
+same command again to 6, and end bit for bit where a run of 6 steps that was never
+stopped ends (a checkpoint every 2 steps: few steps, since each costs time and the paths
+are the same at any step); then change a setting that the checkpoints cannot follow (refused in one
 line, nothing changed) and one that they can (the layout, to FSDP: it resumes)."""
 
 import json
@@ -54,32 +55,32 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     files, params, dataset, tfds_dir = EXPERIMENTS[name]
     home = tmp_path / "home"
     home.mkdir()
-    common = [*params, "run.checkpoint_every=10", "run.log_every=10"]
+    common = [*params, "run.checkpoint_every=2", "run.log_every=2"]
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
 
-    first = mtrain(home, files, [*common, "run.train_steps=20"], stopped)
+    first = mtrain(home, files, [*common, "run.train_steps=4"], stopped)
     assert first.returncode == 0, first.stderr
     cache = home / ".cache" / "mtrain"
     assert f"preparing {dataset} in {cache / tfds_dir}" in first.stderr  # built here
     assert "sentencepiece vocabulary" in first.stderr
 
-    again = mtrain(home, files, [*common, "run.train_steps=30"], stopped)
+    again = mtrain(home, files, [*common, "run.train_steps=6"], stopped)
     assert again.returncode == 0, again.stderr
     assert "preparing" not in again.stderr and "sentencepiece vocabulary" not in again.stderr
-    assert "resuming from the checkpoint of step 20" in again.stderr
-    assert sorted(os.listdir(stopped / "checkpoints")) == ["10", "20", "30"]
+    assert "resuming from the checkpoint of step 4" in again.stderr
+    assert sorted(os.listdir(stopped / "checkpoints")) == ["2", "4", "6"]
 
-    whole = mtrain(home, files, [*common, "run.train_steps=30"], straight)
+    whole = mtrain(home, files, [*common, "run.train_steps=6"], straight)
     assert whole.returncode == 0, whole.stderr
-    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(stopped, 30),
-                           saved_state(straight, 30))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(stopped, 6),
+                           saved_state(straight, 6))
     losses = [{r["step"]: r["train/loss"] for r in records(d) if "train/loss" in r}
               for d in (stopped, straight)]
-    assert losses[0] == losses[1] and sorted(losses[0]) == [10, 20, 30]
+    assert losses[0] == losses[1] and sorted(losses[0]) == [2, 4, 6]
 
     # A setting that decides the data: refused in one line, the model dir untouched.
     before = digest(stopped)
-    changed = mtrain(home, files, [*common, "run.train_steps=40", "run.batch_size=8"], stopped)
+    changed = mtrain(home, files, [*common, "run.train_steps=8", "run.batch_size=8"], stopped)
     assert changed.returncode == 2
     lines = changed.stderr.strip().splitlines()
     assert len(lines) <= 3 and lines[-1].startswith("mtrain: error: checkpoint "), lines
@@ -88,10 +89,10 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
 
     # The mesh, the layout and the learning rate may change: it resumes, here with the
     # parameters stored sharded over the 8 data-parallel devices (FSDP).
-    moved = mtrain(home, files, [*common, "run.train_steps=32",
+    moved = mtrain(home, files, [*common, "run.train_steps=7",
                                  "learning_rate_schedule.constant=0.5"], stopped,
                    "--gin_file=layouts/fsdp8.gin")
     assert moved.returncode == 0, moved.stderr
-    assert "resuming from the checkpoint of step 30" in moved.stderr
+    assert "resuming from the checkpoint of step 6" in moved.stderr
     assert "parameter_rules='d_model:batch'" in moved.stderr
-    assert records(stopped)[-1]["step"] == 32
+    assert records(stopped)[-1]["step"] == 7
