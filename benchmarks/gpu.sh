@@ -7,10 +7,12 @@
 #   3. the same model on unpacked rows against the plain jax.jit + optax baseline (bf16,
 #      cuDNN is_causal flash attention, remat dots, Adafactor) in the same process: the last
 #      line is 'ratio mtrain/plain'.
-# Run from the repository root on a machine with a GPU and mtrain installed (pip install -e .
-# 'jax[cuda12]'); it imports no TensorFlow. Elsewhere it says so and exits 0.
+# Run it on a machine with a GPU whose Python has jax with CUDA, flax and optax: it measures
+# this checkout's mtrain (put first on PYTHONPATH; nothing needs installing) and imports
+# neither gin nor TensorFlow. Elsewhere it says so and exits 0.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
   echo "benchmarks/gpu.sh: no NVIDIA GPU here; nothing to run"

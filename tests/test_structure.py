@@ -5,6 +5,8 @@
 - The imports between `mtrain`'s modules form no cycle (imports inside functions count).
 - No module uses another module's underscored names: neither ``from m import _x`` nor
   ``something._x`` where ``_x`` is defined only in another mtrain module.
+- The GPU benchmarks (benchmarks/gpu.sh's scripts) reach neither gin nor TensorFlow through
+  what they import: a GPU machine's image may have neither.
 """
 
 import ast
@@ -15,6 +17,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "mtrain"
 GIN_EDGE = {"mtrain.config", "mtrain.run", "mtrain.__main__"}
+# benchmarks/gpu.sh's scripts, and a module each must reach (the walk finds their imports).
+GPU_BENCHMARKS = {ROOT.parent / "benchmarks" / "attention.py": "mtrain.models.attention",
+                  ROOT.parent / "benchmarks" / "throughput.py": "mtrain.trainer"}
+NOT_ON_A_GPU = ("gin", "tensorflow", "tensorflow_datasets")
 MAX_LINES = 400
 
 
@@ -100,6 +106,29 @@ def test_imports_form_no_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def _reached(tree: ast.AST) -> set[str]:
+    """The mtrain modules that `tree`'s imports (inside functions too) reach, transitively."""
+    graph, todo, seen = _graph(), [], set()
+    for module, imported in _imports(tree):
+        todo += [m for m in (f"{module}.{imported}", module) if m in MODULES]
+    while todo:
+        if (name := todo.pop()) not in seen:
+            seen.add(name)
+            todo += graph[name]
+    return seen
+
+
+def test_the_gpu_benchmarks_import_neither_gin_nor_tensorflow():
+    found = []
+    for script, used in GPU_BENCHMARKS.items():
+        tree = ast.parse(script.read_text())
+        assert used in _reached(tree), (script.name, sorted(_reached(tree)))
+        for name, t in [(script.name, tree)] + [(m, TREES[m]) for m in sorted(_reached(tree))]:
+            found += [f"{script.name}: {name} imports {m}" for m, _ in _imports(t)
+                      if m.split(".")[0] in NOT_ON_A_GPU]
+    assert not found, "; ".join(found)
+
+
 def test_no_module_uses_another_modules_private_names():
     private = {name: _defined_private(tree) for name, tree in TREES.items()}
     everywhere = set().union(*private.values())
@@ -121,6 +150,7 @@ def test_no_module_uses_another_modules_private_names():
     ("x = 1\n" * (MAX_LINES + 1), test_no_module_is_over_400_lines),
     ("from mtrain import run\n", test_imports_form_no_cycle),
     ("def f(t):\n    return t._train_step_fn\n", test_no_module_uses_another_modules_private_names),
+    ("def f():\n    import tensorflow\n", test_the_gpu_benchmarks_import_neither_gin_nor_tensorflow),
 ])
 def test_the_checks_catch_what_they_check(monkeypatch, bad, check, tmp_path):
     """Each check fails on a module that breaks its rule (here: mtrain.layout, which every
