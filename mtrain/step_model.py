@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from mtrain.layout import Layout
+from mtrain.models import attention
 from mtrain.models.transformer import TransformerConfig
 
 # The fraction of the target's peak bf16 FLOP/s that the model FLOPs of a large, well-fused
@@ -58,10 +59,12 @@ class StepModel:
 
 
 def attention_kernel(c: TransformerConfig) -> str:
-    """'flash' or 'dense': what the model's attention is on an accelerator (see
+    """'flash' or 'dense': what the model's attention is on a GPU (see
     `layers.MultiHeadAttention`): 'auto' is flash there unless training applies attention
-    dropout."""
-    if c.attention == "flash" or (c.attention == "auto" and c.dropout_rate == 0.0):
+    dropout or the kernel does not take the activations (cuDNN: float32)."""
+    if c.attention == "flash" or (c.attention == "auto" and c.dropout_rate == 0.0 and
+                                  attention.flash_refusal(c.flash_kernel, "gpu", c.dtype,
+                                                          c.d_kv) is None):
         return "flash"
     return "dense"
 

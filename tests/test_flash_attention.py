@@ -131,14 +131,20 @@ def test_cudnn_call_is_the_packed_mask(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert attention.default_kernel() == "cudnn"
     targets, inputs = packed_ids(4, 64, 3, seed=5), packed_ids(4, 96, 2, seed=6)
-    for mask, length in [(attention.AttentionMask.of_self(targets, causal=True), 64),
-                         (attention.AttentionMask(targets, inputs), 96)]:
-        q, k, v = qkv(4, 64, length, seed=length)
+    # (as many input as target segments per row: no real query sees nothing, where the
+    # padding to even lengths would change what such a query averages over)
+    odd, odd_inputs = packed_ids(4, 63, 3, seed=7), packed_ids(4, 95, 3, seed=8)
+    for mask, real in [(attention.AttentionMask.of_self(targets, causal=True), targets),
+                       (attention.AttentionMask(targets, inputs), targets),
+                       # odd lengths are padded to even ones (cuDNN's bias needs them)
+                       (attention.AttentionMask.of_self(odd, causal=True), odd),
+                       (attention.AttentionMask(odd, odd_inputs), odd)]:
+        q, k, v = qkv(4, real.shape[1], mask.memory.shape[1], seed=mask.memory.shape[1])
         assert_same(lambda q, k, v: attention.flash(q, k, v, mask),
-                    lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, targets > 0)
+                    lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, real > 0)
     assert {c[0] for c in calls} == {"cudnn"}
-    assert {(c[1], c[2]) for c in calls} == {((4, 1, 64, 64), "bool"),
-                                             ((4, 1, 64, 96), "bool")}
+    # (the odd lengths arrive padded: 63 x 63 and 63 x 95 as 64 x 64 and 64 x 96)
+    assert {(c[1], c[2]) for c in calls} == {((4, 1, 64, 64), "bool"), ((4, 1, 64, 96), "bool")}
 
 
 def test_kernel_choice_and_errors(monkeypatch):
@@ -201,17 +207,35 @@ def test_flash_encoder_decoder_trains_like_einsum():
                                _losses(EINSUM, "", "", model=EncoderDecoder), rtol=1e-5)
 
 
-def test_auto_chooses_flash_off_the_cpu(monkeypatch):
+def test_auto_chooses_flash_off_the_cpu_where_its_kernel_runs(monkeypatch):
     from mtrain.models import layers
 
-    mha = layers.MultiHeadAttention(2, 16, implementation="auto")
+    bf16 = jnp.bfloat16
+    mha = layers.MultiHeadAttention(2, 16, dtype=bf16, implementation="auto")
     assert mha._path(True, None) == "einsum"  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert mha._path(True, None) == "flash"
     assert mha._path(True, decode_index=3) == "einsum"  # incremental decoding
-    dropping = layers.MultiHeadAttention(2, 16, dropout_rate=0.1, implementation="auto")
+    dropping = layers.MultiHeadAttention(2, 16, dropout_rate=0.1, dtype=bf16,
+                                         implementation="auto")
     assert dropping._path(False, None) == "einsum"  # training with attention dropout
     assert dropping._path(True, None) == "flash"  # evaluation
+    # cuDNN (the GPU's kernel) takes bfloat16 or float16, and heads of a multiple of 8 up to
+    # 128 (256 from Hopper on): else 'auto' is einsum there, and 'flash' a one-line error.
+    for dtype, d_kv in [(jnp.float32, 16), (bf16, 12), (bf16, 512)]:
+        mha = layers.MultiHeadAttention(2, d_kv, dtype=dtype, implementation="auto")
+        assert mha._path(True, None) == "einsum"
+    assert layers.MultiHeadAttention(2, 16, dtype=jnp.float32, implementation="auto",
+                                     flash_kernel="triton")._path(True, None) == "flash"
+    with pytest.raises(ValueError, match="cuDNN's flash attention takes bfloat16 or float16 "
+                                         "activations, not float32"):
+        TransformerConfig(attention="flash")
+    TransformerConfig(attention="flash", activation_dtype="bfloat16")
+    TransformerConfig(attention="flash", flash_kernel="triton")
+    # Splash (TPU) takes float32.
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert layers.MultiHeadAttention(2, 16, implementation="auto")._path(True, None) == "flash"
+    TransformerConfig(attention="flash")
 
 
 def test_layout_unused_when_nothing_splits_batch_or_heads():

@@ -15,7 +15,11 @@ the [length, memory_length] logits:
   mode on CPU as well.
 - ``cudnn``: cuDNN's fused flash attention through `jax.nn.dot_product_attention`, given the
   packed mask (a [batch, 1, length, memory_length] boolean, not the float logits; cuDNN
-  turns it into a bias). It needs a GPU.
+  turns it into a bias). It needs a GPU, bfloat16 or float16 activations and a head size
+  (d_kv) that is a multiple of 8, at most 128 (256 from Hopper on): jax's own checks, which
+  `flash_refusal` states before anything is traced. Where they fail, ``attention='auto'``
+  runs the einsum path (a float32 model on a GPU, say) and ``attention='flash'`` is a
+  configuration error.
 
 `flash` picks the kernel (``flash_kernel='auto'``: cudnn on GPU, splash elsewhere) and runs
 it under `jax.shard_map` over the mesh dimensions that split ``batch`` and ``heads``, so a
@@ -40,6 +44,7 @@ from mtrain import layout as layout_lib
 
 NEG_INF = -1e9
 FLASH_KERNELS = ("auto", "cudnn", "splash", "triton")
+CUDNN_NEEDS_A_GPU = "flash_kernel='cudnn' needs a GPU; use 'splash' or 'auto' here"
 
 
 @flax.struct.dataclass
@@ -91,8 +96,32 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None):
     return jnp.einsum("bhlm,bmhk->blhk", weights, v)
 
 
-def default_kernel() -> str:
-    return "cudnn" if jax.default_backend() == "gpu" else "splash"
+def default_kernel(backend: str | None = None) -> str:
+    """The kernel of ``flash_kernel='auto'`` on `backend` (default: this process's)."""
+    return "cudnn" if (backend or jax.default_backend()) == "gpu" else "splash"
+
+
+def _cudnn_head_limit() -> int:
+    """The largest head size cuDNN's flash attention takes here: 256 from Hopper (compute
+    capability 9.0) on, 128 before (jax's `check_is_flash_attention`)."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return 256 if float(capability) >= 9.0 else 128
+
+
+def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
+    """Why `flash` with `kernel` cannot run on `backend` for activations of `dtype` and heads
+    of `d_kv` (None: it can). Only cuDNN refuses; the Pallas kernels take any."""
+    if (kernel if kernel != "auto" else default_kernel(backend)) != "cudnn":
+        return None
+    if backend != "gpu":
+        return CUDNN_NEEDS_A_GPU
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return (f"cuDNN's flash attention takes bfloat16 or float16 activations, not "
+                f"{jnp.dtype(dtype).name}")
+    limit = _cudnn_head_limit() if backend == jax.default_backend() else 128
+    if d_kv % 8 or d_kv > limit:
+        return f"cuDNN's flash attention takes d_kv a multiple of 8 up to {limit}, not {d_kv}"
+    return None
 
 
 def flash(q, k, v, mask: AttentionMask, kernel: str = "auto"):
@@ -191,12 +220,14 @@ def _triton(q, k, v, query_ids, memory_ids, causal):
 
 def _cudnn(q, k, v, query_ids, memory_ids, causal):
     if jax.default_backend() != "gpu":
-        raise ValueError("transformer.flash_kernel='cudnn' needs a GPU; use 'splash' or "
-                         "'auto' here")
+        raise ValueError(f"transformer.{CUDNN_NEEDS_A_GPU}")
+    length = q.shape[1]
+    # cuDNN takes a mask (as a bias) in training only over even lengths.
+    q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)
     mask = AttentionMask(query_ids, memory_ids, causal).dense()
     # is_causal as well: cuDNN then skips the blocks above the diagonal.
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
-                                        implementation="cudnn")
+                                        implementation="cudnn")[:, :length]
 
 
 KERNELS = {"splash": _splash, "triton": _triton, "cudnn": _cudnn}

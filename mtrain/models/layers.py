@@ -84,8 +84,9 @@ class MultiHeadAttention(nn.Module):
     `implementation`: 'einsum' (the plain path, `attention.reference`), 'dot_product'
     (`jax.nn.dot_product_attention` with the dense mask: cuDNN on GPU where it applies, XLA
     elsewhere), 'flash' (`attention.flash` with `flash_kernel`: segment ids, no [length,
-    memory_length] logits) or 'auto' (flash on GPU and TPU, einsum on CPU). The fused paths
-    have no attention dropout: while training with dropout, 'auto' keeps the einsum path.
+    memory_length] logits) or 'auto' (flash on GPU and TPU where its kernel takes the
+    activations, see `attention.flash_refusal`; else einsum). The fused paths have no
+    attention dropout: while training with dropout, 'auto' keeps the einsum path.
 
     Incremental decoding (`decode_index` given, self-attention only): `x` is one position
     [batch, 1, d_model]; its key and value are written at `decode_index` into the "cache"
@@ -105,7 +106,9 @@ class MultiHeadAttention(nn.Module):
         """'einsum', 'dot_product' or 'flash' for this call."""
         use = self.implementation
         if use == "auto":
-            use = "einsum" if jax.default_backend() == "cpu" else "flash"
+            backend = jax.default_backend()
+            runs = attention.flash_refusal(self.flash_kernel, backend, self.dtype, self.d_kv)
+            use = "flash" if backend != "cpu" and runs is None else "einsum"
         if decode_index is not None or (self.dropout_rate > 0.0 and not deterministic):
             return "einsum"
         return use

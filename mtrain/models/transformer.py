@@ -44,7 +44,8 @@ class TransformerConfig:
     remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
     scan_layers: bool = shape_field(False)  # each layer stack one scanned Block: compile time flat in depth
     # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'flash' (packed flash
-    # attention; no attention dropout) or 'auto' (flash on GPU and TPU, einsum on CPU).
+    # attention; no attention dropout) or 'auto' (flash on GPU and TPU where its kernel
+    # takes the activations: cuDNN's, bfloat16; einsum on CPU and elsewhere).
     attention: str = "auto"
     flash_kernel: str = "auto"  # 'auto' (cudnn on GPU, splash elsewhere), 'cudnn', 'splash', 'triton'
 
@@ -69,6 +70,10 @@ class TransformerConfig:
         if self.activation_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"activation_dtype must be 'float32' or 'bfloat16', got "
                              f"{self.activation_dtype!r}")
+        if self.attention == "flash" and (why := attention.flash_refusal(
+                self.flash_kernel, jax.default_backend(), self.dtype, self.d_kv)):
+            raise ValueError(f"transformer.attention='flash': {why} (attention 'auto' uses "
+                             "flash attention where it can run, einsum elsewhere)")
 
 
 # What a rematerialised layer keeps for the backward pass; the rest is recomputed.
