@@ -107,8 +107,9 @@ class MultiHeadAttention(nn.Module):
         use = self.implementation
         if use == "auto":
             backend = jax.default_backend()
-            runs = attention.flash_refusal(self.flash_kernel, backend, self.dtype, self.d_kv)
-            use = "flash" if backend != "cpu" and runs is None else "einsum"
+            refused = backend == "cpu" or attention.flash_refusal(
+                self.flash_kernel, backend, self.dtype, self.d_kv)
+            use = "einsum" if refused else "flash"
         if decode_index is not None or (self.dropout_rate > 0.0 and not deterministic):
             return "einsum"
         return use
