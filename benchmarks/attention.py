@@ -1,18 +1,24 @@
 """Packed causal attention alone: is each kernel right, and how fast is it?
 
 Each candidate computes causal self-attention over rows packed with several examples
-(segment ids, positions restarting), forward and backward. It is first checked against the
-XLA float32 reference with the same packed mask (`mtrain.models.attention.reference`), on
-the real positions only (what padding computes is never used): output and the gradients of
-a random projection of it. Then the correct ones are timed in bfloat16 (median of
---repeats runs of forward + backward). A kernel that is wrong is reported and not timed.
+(segment ids; padding at the end of a row), forward and backward. It is first checked
+against the XLA float32 reference with the same packed mask (`mtrain.models.attention.
+reference`) on inputs of the kernel's own precision (bfloat16 on a GPU, the reference
+computing in float32 from the same values): the output on real positions and the gradients
+of a random projection of it everywhere (the reference's are 0 at padding), as relative
+errors |x - ref| / |ref| (norms). bfloat16 lands near 1e-2, float32 near 1e-6, a kernel that
+mixes segments or leaves positions unwritten near 1 or NaN. Then the right ones are timed
+in bfloat16 (median of --repeats runs of forward + backward). A kernel that is wrong is
+reported and not timed.
 
-Candidates: mtrain's flash kernels (`attention.flash` with 'cudnn', 'triton', 'splash'),
-cuDNN's packed-segment layout (jax's private `fused_attention_stablehlo` with per-segment
-lengths and offsets: the fastest if it is right), and cuDNN on unpacked rows
-(`is_causal=True`, for scale: it ignores segments, so it is timed but not checked).
-tokamax 0.0.12 (`tokamax.dot_product_attention`) takes no segment ids, only a dense mask,
-so it adds nothing over 'cudnn' here and is not a candidate.
+Candidates: mtrain's flash kernels (`attention.flash` with 'cudnn' (cuDNN given the packed
+mask), 'cudnn_segments' (cuDNN's packed-segment layout: a table of each segment's start and
+length, `attention.CUDNN_MAX_SEGMENTS` per row; also timed with tables of other sizes, as
+cuDNN runs every entry of the table, empty or not), 'triton' and 'splash'), on rows of
+--segments examples and on rows of --many_segments short ones (sentence-length examples, as
+LM1B packs); and cuDNN on unpacked rows (`is_causal=True`, for scale: it ignores segments,
+so it is timed but not checked). tokamax 0.0.12 (`tokamax.dot_product_attention`) takes no
+segment ids, only a dense mask, so it adds nothing over 'cudnn' here and is not a candidate.
 
     python benchmarks/attention.py [--batch 16 --length 2048 --heads 16 --d_kv 128]
 
@@ -22,6 +28,7 @@ On a CPU only the Pallas kernels run (interpret mode) and sizes default small.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -44,60 +51,42 @@ def packed_ids(batch, length, segments, seed=0):
     return jnp.asarray(ids)
 
 
-def segment_table(ids: np.ndarray, max_segments: int):
-    """cuDNN's packed layout: per row the length of each segment [batch, max_segments] and
-    its start [batch, max_segments + 1], -1 after the last (jax's
-    `fused_attention_stablehlo.dot_product_attention` `q_seqlen`/`q_offsets`)."""
-    ids = np.asarray(ids)
-    lengths = -np.ones((ids.shape[0], max_segments), np.int32)
-    offsets = -np.ones((ids.shape[0], max_segments + 1), np.int32)
-    for r, row in enumerate(ids):
-        starts = [i for i in range(len(row)) if row[i] > 0 and (i == 0 or row[i] != row[i - 1])]
-        for s, start in enumerate(starts):
-            offsets[r, s] = start
-            lengths[r, s] = int((row == row[start]).sum())
-    return jnp.asarray(lengths), jnp.asarray(offsets)
-
-
-def cudnn_packed(ids, max_segments):
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    lengths, offsets = segment_table(ids, max_segments)
-
-    def fn(q, k, v):
-        return cudnn.dot_product_attention(
-            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
-            kv_offsets=offsets, scale=1.0, mask_type=cudnn.MaskType.PADDING_CAUSAL)
-    return fn
-
-
 def candidates(ids, segments):
+    """name -> fn(q, k, v) for causal self-attention over the packed rows of `ids`."""
     mask = attention.AttentionMask.of_self(ids, causal=True)
-    out = {f"mtrain flash '{k}'": (lambda q, k_, v, k=k: attention.flash(q, k_, v, mask, k))
-           for k in ("cudnn", "triton", "splash")}
-    if jax.default_backend() != "gpu":
-        del out["mtrain flash 'cudnn'"]
-        return out
-    if jax.default_backend() != "tpu":
-        del out["mtrain flash 'splash'"]
-    out["cuDNN packed layout (q_offsets)"] = cudnn_packed(ids, segments)
+    backend = jax.default_backend()
+    kernels = {"gpu": ("cudnn", "cudnn_segments"), "tpu": ("splash",)}.get(backend, ("splash",))
+    out = {f"mtrain flash '{k}'": functools.partial(flash, mask=mask, kernel=k) for k in kernels}
+    if backend == "gpu":
+        for table in sorted({segments, 256} - {attention.CUDNN_MAX_SEGMENTS}):
+            out[f"  'cudnn_segments', table of {table}"] = functools.partial(
+                attention._cudnn_segments, query_ids=ids, memory_ids=ids, causal=True,
+                max_segments=table)
+    if backend != "tpu":  # last: Triton compiles slowly
+        out["mtrain flash 'triton'"] = functools.partial(flash, mask=mask, kernel="triton")
     return out
 
 
-def error(fn, ids, q, k, v):
-    """Max |difference| from the float32 reference on real positions: output, gradients."""
+def flash(q, k, v, mask, kernel):
+    return attention.flash(q, k, v, mask, kernel)
+
+
+def relative_errors(fn, ids, q, k, v):
+    """|out - ref| / |ref| on real positions, and the largest such error of the gradients."""
     real = (ids > 0)[:, :, None, None]
     mask = attention.AttentionMask.of_self(ids, causal=True)
-    cot = jax.random.normal(jax.random.key(1), q.shape) * real
+    cot = jax.random.normal(jax.random.key(1), q.shape, q.dtype) * real  # one draw for both
 
-    def both(f):
-        out, vjp = jax.vjp(f, q, k, v)
-        return out * real, vjp(cot)
+    def both(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        grads = vjp(cot.astype(out.dtype))
+        return (out * real).astype(jnp.float32), [g.astype(jnp.float32) for g in grads]
 
-    out, grads = both(fn)
-    ref, ref_grads = both(lambda q, k, v: attention.reference(q, k, v, mask))
-    return (float(jnp.abs(out - ref).max()),
-            max(float(jnp.abs(g - r).max()) for g, r in zip(grads, ref_grads)))
+    out, grads = both(jax.jit(fn), q, k, v)
+    wide = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref, ref_grads = both(lambda q, k, v: attention.reference(q, k, v, mask), *wide)
+    rel = lambda x, r: float(jnp.linalg.norm(x - r) / jnp.linalg.norm(r))  # noqa: E731
+    return rel(out, ref), max(rel(g, r) for g, r in zip(grads, ref_grads))
 
 
 def timing(fn, q, k, v, repeats):
@@ -120,41 +109,51 @@ def main():
     p.add_argument("--heads", type=int, default=16 if gpu else 2)
     p.add_argument("--d_kv", type=int, default=128 if gpu else 64)
     p.add_argument("--segments", type=int, default=4)
+    p.add_argument("--many_segments", type=int, default=64 if gpu else 8)
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; causal attention over rows "
-          f"packed with {args.segments} examples")
+    dtype = jnp.bfloat16 if gpu else jnp.float32  # cuDNN takes no float32
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: causal self-attention "
+          f"over packed rows, forward + backward")
 
-    def inputs(batch, length, heads, dtype, seed):
+    def inputs(batch, length, heads, seed):
         keys = jax.random.split(jax.random.key(seed), 3)
         shape = (batch, length, heads, args.d_kv)
         return [(jax.random.normal(key, shape) / args.d_kv**0.25).astype(dtype) for key in keys]
 
     check = (4, min(1024, args.length), min(8, args.heads))
-    check_ids = packed_ids(check[0], check[1], args.segments, seed=1)
-    q32 = inputs(*check, jnp.float32, 1)
-    ids = packed_ids(args.batch, args.length, args.segments)
-    q, k, v = inputs(args.batch, args.length, args.heads, jnp.bfloat16, 0)
-    print(f"checked at {check[0]} x {check[1]}, {check[2]} heads, float32; timed at {args.batch} "
-          f"x {args.length}, {args.heads} heads x {args.d_kv}, bfloat16, forward + backward")
-    print(f"{'kernel':<36} {'max |out diff|':>14} {'max |grad diff|':>15} {'ms':>9}")
-    reference_ms = timing(lambda q, k, v: attention.reference(
-        q, k, v, attention.AttentionMask.of_self(ids, causal=True)), q, k, v, args.repeats)
-    print(f"{'XLA reference (dense packed mask)':<36} {'-':>14} {'-':>15} {reference_ms * 1e3:>9.2f}")
-    for name, fn in candidates(check_ids, args.segments).items():
-        try:
-            out_err, grad_err = error(fn, check_ids, *q32)
-        except Exception as e:  # a kernel this jax or device cannot run
-            print(f"{name:<36} cannot run: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-            continue
-        right = out_err < 1e-3 and grad_err < 1e-2  # float32: ~1e-6 when right, ~1 when not
-        timed_fn = candidates(ids, args.segments)[name]
-        ms = f"{timing(timed_fn, q, k, v, args.repeats) * 1e3:>9.2f}" if right else "    wrong"
-        print(f"{name:<36} {out_err:>14.2e} {grad_err:>15.2e} {ms}")
+    tolerance = 3e-2 if dtype == jnp.bfloat16 else 1e-4
+    print(f"checked at {check[0]} x {check[1]}, {check[2]} heads, {jnp.dtype(dtype).name} "
+          f"(right: relative errors under {tolerance:g}); timed at {args.batch} x {args.length}"
+          f", {args.heads} heads x {args.d_kv}, bfloat16")
+    q, k, v = inputs(args.batch, args.length, args.heads, 0)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    for segments in (args.segments, args.many_segments):
+        check_ids = packed_ids(check[0], check[1], min(segments, check[1] // 8), seed=1)
+        ids = packed_ids(args.batch, args.length, segments)
+        print(f"\nrows of {segments} examples\n{'kernel':<40} {'out error':>10} "
+              f"{'grad error':>10} {'ms':>9}")
+        reference_ms = timing(lambda q, k, v: attention.reference(
+            q, k, v, attention.AttentionMask.of_self(ids, causal=True)), q, k, v, args.repeats)
+        print(f"{'XLA reference (dense packed mask)':<40} {'-':>10} {'-':>10} "
+              f"{reference_ms * 1e3:>9.2f}", flush=True)
+        checked = candidates(check_ids, segments)
+        for name, fn in candidates(ids, segments).items():
+            try:
+                out_err, grad_err = relative_errors(checked[name], check_ids,
+                                                    *inputs(*check, seed=1))
+                right = out_err < tolerance and grad_err < tolerance  # NaN is not right
+                ms = f"{timing(fn, q, k, v, args.repeats) * 1e3:>9.2f}" if right else "    wrong"
+            except Exception as e:  # a kernel this jax or device cannot run
+                print(f"{name:<40} cannot run: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:80]}", flush=True)
+                continue
+            print(f"{name:<40} {out_err:>10.2e} {grad_err:>10.2e} {ms}", flush=True)
     if gpu:
         unpacked = timing(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=1.0, is_causal=True, implementation="cudnn"), q, k, v, args.repeats)
-        print(f"{'cuDNN is_causal, unpacked (scale)':<36} {'-':>14} {'-':>15} {unpacked * 1e3:>9.2f}")
+        print(f"\n{'cuDNN is_causal, unpacked (scale)':<40} {'-':>10} {'-':>10} "
+              f"{unpacked * 1e3:>9.2f}")
 
 
 if __name__ == "__main__":

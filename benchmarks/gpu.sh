@@ -3,10 +3,11 @@
 #   1. attention alone: each flash kernel on packed rows, checked against the XLA reference
 #      and timed (benchmarks/attention.py);
 #   2. the 1B decoder of configs/models/lm_1b.gin (bf16, remat dots) on packed rows with each
-#      flash kernel: tokens/s, MFU, compile time, peak memory;
+#      flash kernel, each row in a process of its own: tokens/s, MFU, compile time, peak memory;
 #   3. the same model on unpacked rows against the plain jax.jit + optax baseline (bf16,
-#      cuDNN is_causal flash attention, remat dots, Adafactor) in the same process: the last
-#      line is 'ratio mtrain/plain'.
+#      cuDNN is_causal flash attention, remat dots, Adafactor) in the same process, with
+#      mtrain's default kernel and then with cuDNN's packed layout (a table of one example
+#      per row): each ends with 'ratio mtrain/plain'.
 # Run it on a machine with a GPU whose Python has jax with CUDA, flax and optax: it measures
 # this checkout's mtrain (put first on PYTHONPATH; nothing needs installing) and imports
 # neither gin nor TensorFlow. Elsewhere it says so and exits 0.
@@ -23,6 +24,11 @@ nvidia-smi -L
 # Rows of one model share their parameter initialisation: compile it once.
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$(mktemp -d)}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
-"$PYTHON" benchmarks/attention.py
-"$PYTHON" benchmarks/throughput.py --preset=gpu --compare=gpu --batch_size=16 --length=2048 \
-  --steps=5 --rounds=3 --table_steps=10 "$@"
+timeout 180 "$PYTHON" benchmarks/attention.py || echo "benchmarks/attention.py: failed or out of time (exit $?)"
+# Each row of the table in a process of its own (its own peak memory; a row that fails
+# spares the others), then the comparison.
+"$PYTHON" benchmarks/throughput.py --preset=gpu --isolate --row_timeout=150 --compare=gpu \
+  --batch_size=16 --length=2048 --steps=5 --rounds=3 --table_steps=10 "$@"
+# The comparison again with cuDNN's packed layout, its table of one (one example per row).
+"$PYTHON" benchmarks/throughput.py --preset=none --compare=gpu --flash_kernel=cudnn_segments \
+  --flash_max_segments=1 --batch_size=16 --length=2048 --steps=5 --rounds=3 "$@"

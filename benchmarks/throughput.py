@@ -61,7 +61,16 @@ def parse_args():
     p.add_argument("--preset", default=None, choices=sorted(PRESETS) + ["none"],
                    help="the table of models to measure first (default: cpu or gpu, by platform)")
     p.add_argument("--table_steps", type=int, default=20, help="timed steps per table row")
-    p.add_argument("--compare", default=None, choices=sorted(COMPARE),
+    p.add_argument("--rows", default="", help="the preset's rows to measure, e.g. 0,2 (default: all)")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure each table row in a process of its own (its own peak memory, "
+                        "and a row that fails or runs out of memory spares the others)")
+    p.add_argument("--flash_kernel", default=None,
+                   help="the comparison's mtrain flash kernel (default: the model's, 'auto')")
+    p.add_argument("--flash_max_segments", type=int, default=None,
+                   help="the comparison's table size for flash_kernel cudnn_segments")
+    p.add_argument("--row_timeout", type=float, default=None, help="seconds per isolated row")
+    p.add_argument("--compare", default=None, choices=sorted(COMPARE) + ["none"],
                    help="the comparison with the plain implementation: cpu (the reference "
                         "model, float32, packed) or gpu (the 1B model, bf16, unpacked, against "
                         "the fast plain baseline); default by platform")
@@ -73,6 +82,9 @@ REFERENCE = dict(vocab_size=8192, d_model=256, d_ff=1024, num_heads=4, d_kv=64, 
 # configs/models/lm_1b.gin: the ~1B decoder for one GPU (943.8M parameters).
 ONE_B = dict(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16, d_kv=128, num_layers=16,
              activation_dtype="bfloat16", remat_policy="dots", attention="auto", max_length=2048)
+FLASH_1B = {**ONE_B, "attention": "flash"}  # (a kernel that refuses the model is an error)
+# cuDNN's packed layout with a table to match packed_batch's rows (at most 3 examples each).
+SEGMENTS_1B = {**FLASH_1B, "flash_kernel": "cudnn_segments", "flash_max_segments": 4}
 PRESETS = {
     "cpu": [
         ("reference", {}, 16, 128, 1),
@@ -85,10 +97,12 @@ PRESETS = {
          16, 256, 1),
     ],
     "gpu": [
-        ("1B, packed, flash (cuDNN), remat dots", ONE_B, 16, 2048, 1),
-        ("1B, packed, flash (cuDNN), remat dots", ONE_B, 4, 2048, 1),
-        ("1B, packed, flash (triton), remat dots", {**ONE_B, "flash_kernel": "triton"}, 16, 2048, 1),
-        ("1B, packed, flash, scanned layers", {**ONE_B, "scan_layers": True}, 16, 2048, 1),
+        ("1B, packed, flash 'cudnn' (auto)", FLASH_1B, 16, 2048, 1),
+        ("1B, packed, flash 'cudnn_segments', table 4", SEGMENTS_1B, 16, 2048, 1),
+        ("1B, packed, flash 'cudnn' (auto)", FLASH_1B, 4, 2048, 1),
+        ("1B, packed, flash 'cudnn_segments', table 4", SEGMENTS_1B, 4, 2048, 1),
+        ("1B, packed, flash 'triton'", {**FLASH_1B, "flash_kernel": "triton"}, 16, 2048, 1),
+        ("1B, packed, flash (auto), scanned layers", {**FLASH_1B, "scan_layers": True}, 16, 2048, 1),
     ],
 }
 # What each preset compares with the plain implementation: the model and whether the plain
@@ -98,6 +112,10 @@ COMPARE = {"cpu": (REFERENCE, False), "gpu": (ONE_B, True)}
 
 if __name__ == "__main__":
     ARGS = parse_args()
+    if ARGS.isolate:  # this process must not take the memory its rows' processes need
+        import os
+
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if ARGS.cpu_devices:  # must happen before jax is imported
         from mtrain.cpu_devices import simulate_cpu_devices
 
@@ -257,6 +275,7 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
     trainer = Trainer(DecoderLM(config), opt, layout, mesh, batch_size, length,
                       num_microbatches=microbatches)
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.zeros(8)))  # the device's first work
     t0 = time.perf_counter()
     state = jax.block_until_ready(trainer.init_state())  # compile and run the initialisation
     init_s = time.perf_counter() - t0
@@ -290,6 +309,32 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     del state, batch, compiled
 
 
+def isolated(i, label, preset, args):
+    """Row `i` of `preset` measured in a fresh process (`--rows i`), its line printed here."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, __file__, f"--preset={preset}", f"--rows={i}", "--compare=none",
+               f"--table_steps={args.table_steps}", f"--warmup_steps={args.warmup_steps}",
+               f"--mesh_shape={args.mesh_shape}", f"--layout_rules={args.layout_rules}"]
+    if args.cpu_devices:
+        command.append(f"--cpu_devices={args.cpu_devices}")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, env=env,
+                             timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{label:<48} failed: not done in {args.row_timeout:.0f} s", flush=True)
+        return
+    lines = [line for line in run.stdout.splitlines() if line.startswith(label)]
+    if lines:
+        print(lines[-1], flush=True)
+    else:  # the process died (e.g. killed for memory) before it could report
+        why = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"{label:<48} failed (exit {run.returncode}): {why[:160]}", flush=True)
+
+
 def main(args):
     from mtrain import optimizer, targets
     from mtrain.layout import Layout
@@ -303,15 +348,28 @@ def main(args):
     if preset != "none":
         print(f"\n{'model (preset ' + preset + ')':<48} {'params':>8} {'batch':>10} "
               f"{'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>6} {'compile':>8} "
-              f"{'init':>6} {'peak memory':>11}")
-        for row in PRESETS[preset]:
-            measure(*row, args, peak)
+              f"{'init':>6} {'peak memory':>11}", flush=True)
+        rows = PRESETS[preset]
+        chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(len(rows))
+        for i in chosen:
+            if args.isolate:
+                isolated(i, rows[i][0], preset, args)
+            else:
+                try:
+                    measure(*rows[i], args, peak)
+                except Exception as e:  # out of memory, a kernel this device lacks: say so
+                    print(f"{rows[i][0]:<48} failed: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0][:160]}", flush=True)
         print()
+    if args.compare == "none":
+        return
     settings, fast = COMPARE[args.compare or ("gpu" if jax.default_backend() == "gpu" else "cpu")]
     if fast and args.dropout:
         raise SystemExit("--dropout: the GPU comparison is without dropout (flash attention)")
+    overrides = {k: getattr(args, k) for k in ("flash_kernel", "flash_max_segments")
+                 if getattr(args, k) is not None}
     config = TransformerConfig(**{**settings, "dropout_rate": args.dropout,
-                                  "max_length": max(512, args.length)})
+                                  "max_length": max(512, args.length), **overrides})
     b, l = args.batch_size, args.length
     tokens_per_step = b * l
     layout = Layout(args.mesh_shape, args.layout_rules)
@@ -323,7 +381,8 @@ def main(args):
     print(f"model: vocab {config.vocab_size} d_model {config.d_model} d_ff {config.d_ff} "
           f"heads {config.num_heads}x{config.d_kv} layers {config.num_layers} dropout "
           f"{config.dropout_rate} {config.activation_dtype} remat {config.remat_policy}; batch "
-          f"{b} x length {l} = {tokens_per_step} tokens/step"
+          f"{b} x length {l} = {tokens_per_step} tokens/step; attention {config.attention}, "
+          f"flash kernel {config.flash_kernel} (table {config.flash_max_segments})"
           + ("; one example per row (plain: bf16, is_causal flash attention, remat dots)"
              if fast else "; packed rows"))
 

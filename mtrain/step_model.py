@@ -91,7 +91,7 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         layer: self-attention over `length` positions (and encoder-decoder attention over
         as many), then the feed-forward block."""
         attentions = 2 if cross else 1
-        matmul_outputs = attentions * (3 * hk + d) + 2 * d + f  # q k v, projections, wi, wo
+        matmul_outputs = attentions * (3 * hk + d) + f + d  # q k v, projection; wi, wo
         residuals = attentions * (hk * a + heads * 4)  # a flash kernel's output and lse
         if kernel == "dense":  # logits (float32) and weights @ values are matmuls too
             matmul_outputs += attentions * hk

@@ -26,6 +26,7 @@ from mtrain import losses
 from mtrain.errors import ConfigError
 from mtrain.layout import (Layout, LayoutError, constrain, is_names, logical_names,
                            tree_shardings)
+from mtrain.models import attention
 from mtrain.models.base import batch_keys
 
 Batch = dict[str, Any]
@@ -360,7 +361,11 @@ class Trainer:
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> Batch:
         """This process's rows of a global batch (`local_rows`) -> global arrays sharded
-        along ``batch``."""
+        along ``batch``. A batch with a row of more packed examples than the model's
+        cudnn_segments attention takes is refused (`attention.check_segments`)."""
+        table = attention.segment_table_size(getattr(self.model, "config", None))
+        if table:
+            attention.check_segments(batch, table)
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v),
                                                       self.batch_shape)

@@ -147,6 +147,126 @@ def test_cudnn_call_is_the_packed_mask(monkeypatch):
     assert {(c[1], c[2]) for c in calls} == {((4, 1, 64, 64), "bool"), ((4, 1, 64, 96), "bool")}
 
 
+def softmax_attention(q, k, v, dense):
+    """`attention.reference` without its layout constraint (the emulated kernel runs inside
+    the flash path's shard_map, on one shard)."""
+    logits = jnp.where(dense, jnp.einsum("blhk,bmhk->bhlm", q, k), attention.NEG_INF)
+    return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(logits, axis=-1), v)
+
+
+def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale,
+                          mask_type, **unused):
+    """cuDNN's packed-segment layout as jax documents it, on the CPU: segment s of a row holds
+    positions [offset, offset + length); it attends within itself (causally under
+    PADDING_CAUSAL). Positions outside every segment are never written by cuDNN: here they
+    come out NaN, forward and backward, so that a caller who used them would fail."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    assert scale == 1.0 and not unused, unused
+
+    def labels(lengths, offsets, n):  # [b, n]: 1 + the segment holding each position, or 0
+        pos = jnp.arange(n)[None, None]
+        start = offsets[:, :-1, None]
+        inside = (lengths[..., None] >= 0) & (pos >= start) & (pos < start + lengths[..., None])
+        return jnp.where(inside.any(1), jnp.argmax(inside, 1) + 1, 0)
+
+    causal = mask_type == cudnn.MaskType.PADDING_CAUSAL
+
+    def parts(query, memory):  # (custom_vjp's functions must not close over traced values)
+        mask = attention.AttentionMask(query, memory, causal).dense()
+        return mask, (query > 0)[..., None, None], (memory > 0)[..., None, None]
+
+    @jax.custom_vjp
+    def attend(q, k, v, query, memory):
+        mask, written_q, _ = parts(query, memory)
+        return jnp.where(written_q, softmax_attention(q, k, v, mask), jnp.nan)
+
+    def forward(q, k, v, query, memory):
+        mask, written_q, _ = parts(query, memory)
+        out, vjp = jax.vjp(lambda q, k, v: softmax_attention(q, k, v, mask), q, k, v)
+        return jnp.where(written_q, out, jnp.nan), (vjp, query, memory)
+
+    def backward(saved, g):
+        vjp, query, memory = saved
+        _, written_q, written_k = parts(query, memory)
+        dq, dk, dv = vjp(jnp.where(written_q, g, 0))
+        return (jnp.where(written_q, dq, jnp.nan), jnp.where(written_k, dk, jnp.nan),
+                jnp.where(written_k, dv, jnp.nan), None, None)
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v, labels(q_seqlen, q_offsets, q.shape[1]),
+                  labels(kv_seqlen, kv_offsets, k.shape[1]))
+
+
+def on_a_gpu_emulated(monkeypatch):
+    """A 'gpu' backend whose cuDNN kernels run on the CPU: the masked one through jax's XLA
+    implementation, the packed layout through `emulated_cudnn_packed`. Returns the calls."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    calls, original = [], jax.nn.dot_product_attention
+
+    def masked(*args, implementation=None, **kwargs):
+        calls.append("cudnn")
+        return original(*args, implementation="xla", **kwargs)
+
+    def packed(*args, **kwargs):
+        calls.append(("cudnn_segments", kwargs["q_offsets"].shape))
+        return emulated_cudnn_packed(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", masked)
+    monkeypatch.setattr(cudnn, "dot_product_attention", packed)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    return calls
+
+
+def test_segment_layout():
+    """cuDNN's table of a packed row: each segment's length and start, -1 after the last."""
+    ids = jnp.asarray([[1, 1, 2, 2, 2, 0], [1] * 6, [0] * 6, [3, 4, 4, 5, 0, 0]], jnp.int32)
+    lengths, offsets, most = attention.segment_layout(ids, 3)
+    np.testing.assert_array_equal(lengths, [[2, 3, -1], [6, -1, -1], [-1, -1, -1], [1, 2, 1]])
+    np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1], [-1] * 4,
+                                            [0, 1, 3, -1]])
+    assert int(most) == 3
+    assert int(attention.segment_layout(ids, 2)[2]) == 3  # more than the table holds
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_segments_matches_the_reference(monkeypatch, causal):
+    """mtrain's use of cuDNN's packed layout (the table, the zeroed padding), with the kernel
+    emulated as documented: equal to the reference on real positions, no NaN from the
+    positions cuDNN leaves unwritten, forward or backward; NaN where a row holds more
+    segments than the table."""
+    calls = on_a_gpu_emulated(monkeypatch)
+    ids = packed_ids(4, 64, segments=4, seed=11)  # 1-4 segments and padding
+    mask = attention.AttentionMask.of_self(ids, causal=causal)
+    q, k, v = qkv(4, 64, 64, seed=11)
+    ref = lambda q, k, v: attention.reference(q, k, v, mask)  # noqa: E731
+    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, "cudnn_segments"), ref,
+                q, k, v, ids > 0)
+    assert ("cudnn_segments", (4, attention.CUDNN_MAX_SEGMENTS + 1)) in calls
+    # A table of 2 segments per row, with rows of up to 4: never a wrong number, NaN (the
+    # emulated kernel would leave segments 3 and 4 unwritten; the real one too).
+    out = attention._cudnn_segments(q, k, v, ids, ids, causal, max_segments=2)
+    assert np.isnan(out[ids > 0]).all() and not np.isnan(out[ids == 0]).any()
+    # And over the mesh: each shard of the batch builds its own table.
+    layout = Layout("batch:4;model:2", "batch:batch;heads:model")
+    with layout.activate(layout.make_mesh(jax.devices()[:8])):
+        assert_same(jax.jit(lambda q, k, v: attention.flash(q, k, v, mask, "cudnn_segments")),
+                    ref, q, k, v, ids > 0)
+
+
+def test_cudnn_segments_honours_segments(monkeypatch):
+    on_a_gpu_emulated(monkeypatch)
+    ids = jnp.asarray(np.repeat([[1] * 32 + [2] * 32], 2, axis=0), jnp.int32)
+    q, k, v = qkv(2, 64, 64, seed=4)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
+    packed = attention.flash(q, k, v, mask, "cudnn_segments")
+    alone = attention.flash(*(jnp.roll(x, -32, axis=1) for x in (q, k, v)), mask, "cudnn_segments")
+    np.testing.assert_allclose(packed[:, 32:], alone[:, :32], **TOL)
+    unsegmented = attention.reference(q, k, v, attention.AttentionMask.of_self(ids * 0 + 1, True))
+    assert np.abs(packed[:, 32:] - unsegmented[:, 32:]).max() > 0.1
+
+
 def test_kernel_choice_and_errors(monkeypatch):
     ids = packed_ids(2, 128, 2)
     q, k, v = qkv(2, 128, 128)
@@ -270,16 +390,28 @@ def test_flash_inside_sgp_replicas():
     np.testing.assert_allclose(losses["flash"], losses["einsum"], rtol=1e-5)
 
 
-def test_cudnn_packed_layout_arguments():
-    """benchmarks/attention.py's candidate for cuDNN's packed layout (GPU only): its
-    per-segment lengths and start offsets, -1 after a row's last segment."""
-    import importlib.util
-    import os
+def test_a_batch_beyond_the_segment_table_is_refused(monkeypatch):
+    """cudnn_segments' table holds `flash_max_segments` examples per row: a batch with a
+    row of more is a one-line data error before any step (the kernel would give NaN)."""
+    from mtrain.errors import DataError
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "attention.py")
-    spec = importlib.util.spec_from_file_location("attention_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    lengths, offsets = bench.segment_table(np.array([[1, 1, 2, 2, 2, 0], [1] * 6]), 3)
-    np.testing.assert_array_equal(lengths, [[2, 3, -1], [6, -1, -1]])
-    np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1]])
+    batch = test_trainer.packed_batches(1)[0]  # 3 examples in every row
+    config = dataclasses.replace(test_trainer.CONFIG, dropout_rate=0.0,
+                                 flash_kernel="cudnn_segments", flash_max_segments=1)
+    # On the CPU, 'auto' attention is the einsum path: no table, nothing refused.
+    test_trainer.make_trainer("", "", config=config).place_batch(batch)
+    on_a_gpu_emulated(monkeypatch)
+    monkeypatch.setattr(attention, "_compute_capability", lambda: 9.0)
+    for table in (2, 3):
+        config = dataclasses.replace(test_trainer.CONFIG, dropout_rate=0.0, d_kv=8,
+                                     activation_dtype="bfloat16",
+                                     flash_kernel="cudnn_segments", flash_max_segments=table)
+        trainer = test_trainer.make_trainer("", "", config=config)
+        if table == 2:
+            with pytest.raises(DataError, match=r"holds 3 packed examples \(targets_segment_ids\)"
+                                                r".*flash_max_segments=2"):
+                trainer.place_batch(batch)
+        else:
+            trainer.place_batch(batch)
+    einsum = dataclasses.replace(config, attention="einsum", flash_max_segments=1)
+    test_trainer.make_trainer("", "", config=einsum).place_batch(batch)  # no table used

@@ -265,6 +265,8 @@ H100_MEASURED = [
     ("flash", 4, 1, 10.0, 8192 / 77745),
     ("dot_product", 4, 16, 26.2, 8192 / 45747),  # mtrain with the dense packed mask
     ("dot_product", 16, 16, 93.0, None),  # XLA's out-of-memory report: the step needs 93 GiB
+    ("flash", 16, 16, 23.39, 32768 / 85404),  # mtrain, flash 'cudnn' (benchmarks/gpu.sh)
+    ("flash", 4, 16, 8.86, 8192 / 70914),
 ]
 
 

@@ -84,8 +84,9 @@ class MultiHeadAttention(nn.Module):
     `implementation`: 'einsum' (the plain path, `attention.reference`), 'dot_product'
     (`jax.nn.dot_product_attention` with the dense mask: cuDNN on GPU where it applies, XLA
     elsewhere), 'flash' (`attention.flash` with `flash_kernel`: segment ids, no [length,
-    memory_length] logits) or 'auto' (flash on GPU and TPU where its kernel takes the
-    activations, see `attention.flash_refusal`; else einsum). The fused paths have no
+    memory_length] logits; `flash_max_segments`: the table of 'cudnn_segments') or 'auto'
+    (flash on GPU and TPU where its kernel takes the activations, see
+    `attention.flash_refusal`; else einsum). The fused paths have no
     attention dropout: while training with dropout, 'auto' keeps the einsum path.
 
     Incremental decoding (`decode_index` given, self-attention only): `x` is one position
@@ -101,6 +102,7 @@ class MultiHeadAttention(nn.Module):
     dtype: Dtype = jnp.float32
     implementation: str = "einsum"
     flash_kernel: str = "auto"
+    flash_max_segments: int = attention.CUDNN_MAX_SEGMENTS
 
     def _path(self, deterministic: bool, decode_index) -> str:
         """'einsum', 'dot_product' or 'flash' for this call."""
@@ -133,7 +135,8 @@ class MultiHeadAttention(nn.Module):
             key, value, mask = self._cached(key, value, decode_index)
         path = self._path(deterministic, decode_index)
         if path == "flash":
-            out = attention.flash(q, key, value, mask, self.flash_kernel)
+            out = attention.flash(q, key, value, mask, self.flash_kernel,
+                                  self.flash_max_segments)
         elif path == "dot_product":
             dense = mask.dense()
             out = jax.nn.dot_product_attention(

@@ -47,7 +47,10 @@ class TransformerConfig:
     # attention; no attention dropout) or 'auto' (flash on GPU and TPU where its kernel
     # takes the activations: cuDNN's, bfloat16; einsum on CPU and elsewhere).
     attention: str = "auto"
-    flash_kernel: str = "auto"  # 'auto' (cudnn on GPU, splash elsewhere), 'cudnn', 'splash', 'triton'
+    # 'auto' (cudnn on GPU, splash elsewhere), 'cudnn' (cuDNN given the packed mask),
+    # 'cudnn_segments' (cuDNN's packed-segment layout, Hopper on), 'splash', 'triton'.
+    flash_kernel: str = "auto"
+    flash_max_segments: int = 64  # cudnn_segments' table: packed examples per row at most
 
     @property
     def dtype(self):
@@ -63,6 +66,9 @@ class TransformerConfig:
         if self.flash_kernel not in attention.FLASH_KERNELS:
             raise ValueError(f"transformer.flash_kernel must be one of "
                              f"{', '.join(attention.FLASH_KERNELS)}, got {self.flash_kernel!r}")
+        if self.flash_max_segments < 1:
+            raise ValueError(f"transformer.flash_max_segments must be at least 1, got "
+                             f"{self.flash_max_segments}")
         if self.attention == "flash" and self.dropout_rate > 0:
             raise ValueError("transformer.attention='flash' has no attention dropout, and "
                              f"transformer.dropout_rate is {self.dropout_rate}: set it to 0, or "
@@ -99,7 +105,8 @@ class Block(nn.Module):
 
         def attend(name):
             return layers.MultiHeadAttention(c.num_heads, c.d_kv, c.dropout_rate, c.dtype,
-                                             c.attention, c.flash_kernel, name=name)
+                                             c.attention, c.flash_kernel,
+                                             c.flash_max_segments, name=name)
 
         y = layers.RMSNorm(dtype=c.dtype, name="attention_norm")(x)
         y = attend("self_attention")(y, y, mask, deterministic, decode_index)
