@@ -431,7 +431,7 @@ BAD_INPUTS = [
     (["--gin_param=transformer.remat_policy='most'"], "remat_policy"),
     (["--gin_param=transformer.attention='flash'", "--gin_param=transformer.dropout_rate=0.1"],
      "transformer.attention='flash' has no attention dropout, and transformer.dropout_rate is 0.1"),
-    (["--gin_param=transformer.flash_kernel='fast'"], "transformer.flash_kernel must be one of auto, cudnn, splash, triton"),
+    (["--gin_param=transformer.flash_kernel='fast'"], "transformer.flash_kernel must be one of auto, cudnn, cudnn_segments, splash, triton"),
     (["--gin_param=transformer.attention='flash'", "--gin_param=transformer.dropout_rate=0.0",
       "--gin_param=transformer.flash_kernel='cudnn'"],
      "transformer.attention='flash': flash_kernel='cudnn' needs a GPU; use 'splash' or 'auto' here"),

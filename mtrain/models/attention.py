@@ -48,7 +48,6 @@ from mtrain import layout as layout_lib
 
 NEG_INF = -1e9
 FLASH_KERNELS = ("auto", "cudnn", "cudnn_segments", "splash", "triton")
-CUDNN_NEEDS_A_GPU = "flash_kernel='cudnn' needs a GPU; use 'splash' or 'auto' here"
 # The default size of cudnn_segments' table: packed examples per row at most.
 CUDNN_MAX_SEGMENTS = 64
 
@@ -114,6 +113,10 @@ def _compute_capability() -> float:
     return float(getattr(jax.devices()[0], "compute_capability", "0"))
 
 
+def _needs_a_gpu(kernel: str) -> str:
+    return f"flash_kernel={kernel!r} needs a GPU; use 'splash' or 'auto' here"
+
+
 def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
     """Why `flash` with `kernel` cannot run on `backend` for activations of `dtype` and heads
     of `d_kv` (None: it can). Only cuDNN refuses; the Pallas kernels take any. On the
@@ -124,7 +127,7 @@ def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
     if not kernel.startswith("cudnn"):
         return None
     if backend != "gpu":
-        return CUDNN_NEEDS_A_GPU.replace("'cudnn'", repr(kernel))
+        return _needs_a_gpu(kernel)
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return (f"cuDNN's flash attention takes bfloat16 or float16 activations, not "
                 f"{jnp.dtype(dtype).name}")
@@ -238,7 +241,7 @@ def _triton(q, k, v, query_ids, memory_ids, causal):
 
 def _cudnn(q, k, v, query_ids, memory_ids, causal):
     if jax.default_backend() != "gpu":
-        raise ValueError(f"transformer.{CUDNN_NEEDS_A_GPU}")
+        raise ValueError(f"transformer.{_needs_a_gpu('cudnn')}")
     length = q.shape[1]
     # cuDNN takes a mask (as a bias) in training only over even lengths.
     q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)
@@ -276,7 +279,7 @@ def _cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_M
     refuses such a batch first). cuDNN writes nothing at padding positions: their outputs
     are set to 0, and no gradient leaves them."""
     if jax.default_backend() != "gpu":
-        raise ValueError(f"transformer.{CUDNN_NEEDS_A_GPU}".replace("'cudnn'", "'cudnn_segments'"))
+        raise ValueError(f"transformer.{_needs_a_gpu('cudnn_segments')}")
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # no public API for it
 
     del memory_ids  # the same as query_ids for self-attention (checked by `flash`)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from mtrain.layout import constrain
 from mtrain.models import attention, layers
+from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
 
 
@@ -50,7 +51,8 @@ class TransformerConfig:
     # 'auto' (cudnn on GPU, splash elsewhere), 'cudnn' (cuDNN given the packed mask),
     # 'cudnn_segments' (cuDNN's packed-segment layout, Hopper on), 'splash', 'triton'.
     flash_kernel: str = "auto"
-    flash_max_segments: int = 64  # cudnn_segments' table: packed examples per row at most
+    # cudnn_segments' table: packed examples per row at most.
+    flash_max_segments: int = CUDNN_MAX_SEGMENTS
 
     @property
     def dtype(self):
