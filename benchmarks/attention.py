@@ -56,19 +56,17 @@ def candidates(ids, segments):
     mask = attention.AttentionMask.of_self(ids, causal=True)
     backend = jax.default_backend()
     kernels = {"gpu": ("cudnn", "cudnn_segments"), "tpu": ("splash",)}.get(backend, ("splash",))
-    out = {f"mtrain flash '{k}'": functools.partial(flash, mask=mask, kernel=k) for k in kernels}
+    out = {f"mtrain flash '{k}'": functools.partial(attention.flash, mask=mask, kernel=k)
+           for k in kernels}
     if backend == "gpu":
         for table in sorted({segments, 256} - {attention.CUDNN_MAX_SEGMENTS}):
             out[f"  'cudnn_segments', table of {table}"] = functools.partial(
                 attention._cudnn_segments, query_ids=ids, memory_ids=ids, causal=True,
                 max_segments=table)
     if backend != "tpu":  # last: Triton compiles slowly
-        out["mtrain flash 'triton'"] = functools.partial(flash, mask=mask, kernel="triton")
+        out["mtrain flash 'triton'"] = functools.partial(attention.flash, mask=mask,
+                                                         kernel="triton")
     return out
-
-
-def flash(q, k, v, mask, kernel):
-    return attention.flash(q, k, v, mask, kernel)
 
 
 def relative_errors(fn, ids, q, k, v):

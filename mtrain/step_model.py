@@ -62,9 +62,8 @@ def attention_kernel(c: TransformerConfig) -> str:
     """'flash' or 'dense': what the model's attention is on a GPU (see
     `layers.MultiHeadAttention`): 'auto' is flash there unless training applies attention
     dropout or the kernel does not take the activations (cuDNN: float32)."""
-    if c.attention == "flash" or (c.attention == "auto" and c.dropout_rate == 0.0 and
-                                  attention.flash_refusal(c.flash_kernel, "gpu", c.dtype,
-                                                          c.d_kv) is None):
+    dropping = c.attention == "auto" and c.dropout_rate > 0.0
+    if attention.uses_flash(c.attention, c.flash_kernel, "gpu", c.dtype, c.d_kv) and not dropping:
         return "flash"
     return "dense"
 

@@ -153,6 +153,8 @@ class Trainer:
         batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
         activation memory."""
         self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
+        # The size of the model's cudnn_segments table (None: its attention has none).
+        self.segment_table = attention.segment_table_size(getattr(model, "config", None))
         self.loss_config = loss_config or LossConfig()
         if batch_size % num_microbatches:
             raise ConfigError(f"batch_size {batch_size} is not divisible into "
@@ -363,9 +365,8 @@ class Trainer:
         """This process's rows of a global batch (`local_rows`) -> global arrays sharded
         along ``batch``. A batch with a row of more packed examples than the model's
         cudnn_segments attention takes is refused (`attention.check_segments`)."""
-        table = attention.segment_table_size(getattr(self.model, "config", None))
-        if table:
-            attention.check_segments(batch, table)
+        if self.segment_table:
+            attention.check_segments(batch, self.segment_table)
         return {
             k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v),
                                                       self.batch_shape)

@@ -42,9 +42,11 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mtrain import layout as layout_lib
+from mtrain.errors import DataError
 
 NEG_INF = -1e9
 FLASH_KERNELS = ("auto", "cudnn", "cudnn_segments", "splash", "triton")
@@ -138,6 +140,14 @@ def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
     if kernel == "cudnn_segments" and backend == jax.default_backend() and not hopper:
         return "flash_kernel='cudnn_segments' (cuDNN's packed layout) needs a Hopper GPU or later"
     return None
+
+
+def uses_flash(implementation: str, kernel: str, backend: str, dtype, d_kv: int) -> bool:
+    """Whether attention `implementation` ('flash', 'auto', ...) runs the flash kernels on
+    `backend`: 'flash' always, 'auto' off the CPU where `kernel` takes the model (attention
+    dropout in training aside, see `layers.MultiHeadAttention`)."""
+    return implementation == "flash" or (implementation == "auto" and backend != "cpu" and
+                                         flash_refusal(kernel, backend, dtype, d_kv) is None)
 
 
 def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
@@ -251,15 +261,20 @@ def _cudnn(q, k, v, query_ids, memory_ids, causal):
                                         implementation="cudnn")[:, :length]
 
 
+def segment_starts(ids, xp=jnp):
+    """Where a segment of `ids` [batch, length] starts (an id > 0 unlike the one before it),
+    by `xp` (jax.numpy in the step, numpy on the host)."""
+    return (ids > 0) & (ids != xp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
+
+
 def segment_layout(ids, max_segments: int):
     """cuDNN's packed layout of the segments of `ids` [batch, length] (each a run of equal
     ids > 0, as packing makes them): the length of each [batch, max_segments] and its start
     [batch, max_segments + 1], -1 after a row's last (the `q_seqlen` and `q_offsets` of jax's
     `fused_attention_stablehlo.dot_product_attention`); and the most segments of any row,
     which may exceed `max_segments` (the table then holds only the first ones)."""
-    real = ids > 0
-    starts = real & (ids != jnp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-    ends = real & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
+    starts = segment_starts(ids, jnp)
+    ends = (ids > 0) & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
     first = jax.vmap(lambda row, size: jnp.nonzero(row, size=size, fill_value=-1)[0],
                      in_axes=(0, None))
     offsets = first(starts, max_segments + 1).astype(jnp.int32)
@@ -295,30 +310,21 @@ def _cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_M
 
 def segment_table_size(config) -> int | None:
     """The size of cudnn_segments' table where a transformer config (`TransformerConfig`)
-    runs that kernel here (attention 'flash', or 'auto' off the CPU where cuDNN takes the
-    model); None where its self-attention takes another path."""
-    if getattr(config, "flash_kernel", None) != "cudnn_segments":
+    runs that kernel here; None where its self-attention takes another path."""
+    if getattr(config, "flash_kernel", None) != "cudnn_segments" or not uses_flash(
+            config.attention, config.flash_kernel, jax.default_backend(), config.dtype,
+            config.d_kv):
         return None
-    backend = jax.default_backend()
-    runs = config.attention == "flash" or (config.attention == "auto" and backend != "cpu" and
-                                           flash_refusal("cudnn_segments", backend,
-                                                         config.dtype, config.d_kv) is None)
-    return config.flash_max_segments if runs else None
+    return config.flash_max_segments
 
 
 def check_segments(batch: dict, table: int) -> None:
     """Refuses a batch (numpy, host side) with a row of more packed examples than
     cudnn_segments' table holds: the kernel would only give NaN for it."""
-    import numpy as np
-
-    from mtrain.errors import DataError
-
     for key, ids in batch.items():
         if not key.endswith("_segment_ids"):
             continue
-        ids = np.asarray(ids)
-        starts = (ids > 0) & (ids != np.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-        most = int(starts.sum(axis=1).max(initial=0))
+        most = int(segment_starts(np.asarray(ids), np).sum(axis=1).max(initial=0))
         if most > table:
             raise DataError(f"a row of the batch holds {most} packed examples ({key}), and "
                             f"flash_kernel='cudnn_segments' takes at most "

@@ -108,10 +108,8 @@ class MultiHeadAttention(nn.Module):
         """'einsum', 'dot_product' or 'flash' for this call."""
         use = self.implementation
         if use == "auto":
-            backend = jax.default_backend()
-            refused = backend == "cpu" or attention.flash_refusal(
-                self.flash_kernel, backend, self.dtype, self.d_kv)
-            use = "einsum" if refused else "flash"
+            use = "flash" if attention.uses_flash(use, self.flash_kernel, jax.default_backend(),
+                                                  self.dtype, self.d_kv) else "einsum"
         if decode_index is not None or (self.dropout_rate > 0.0 and not deterministic):
             return "einsum"
         return use
