@@ -2,12 +2,13 @@
 # The GPU benchmark set (issue 17), within 10 minutes on one H100:
 #   1. attention alone: each flash kernel on packed rows, checked against the XLA reference
 #      and timed (benchmarks/attention.py);
-#   2. the 1B decoder of configs/models/lm_1b.gin (bf16, remat dots) on packed rows with each
-#      flash kernel, each row in a process of its own: tokens/s, MFU, compile time, peak memory;
+#   2. the 1B decoder of configs/models/lm_1b.gin (bf16, remat dots) on packed rows with
+#      'auto' (on Hopper: cuDNN's packed layout with a table fitted to the rows) and each
+#      flash kernel, each row in a process of its own: tokens/s, MFU, compile time, peak
+#      memory, and the kernel that ran;
 #   3. the same model on unpacked rows against the plain jax.jit + optax baseline (bf16,
-#      cuDNN is_causal flash attention, remat dots, Adafactor) in the same process, with
-#      mtrain's default kernel and then with cuDNN's packed layout (a table of one example
-#      per row): each ends with 'ratio mtrain/plain'.
+#      cuDNN is_causal flash attention, remat dots, Adafactor) in the same process, mtrain
+#      with its defaults ('auto': a table of one example per row): 'ratio mtrain/plain'.
 # Run it on a machine with a GPU whose Python has jax with CUDA, flax and optax: it measures
 # this checkout's mtrain (put first on PYTHONPATH; nothing needs installing) and imports
 # neither gin nor TensorFlow. Elsewhere it says so and exits 0.
@@ -29,6 +30,3 @@ timeout 180 "$PYTHON" benchmarks/attention.py || echo "benchmarks/attention.py: 
 # spares the others), then the comparison.
 "$PYTHON" benchmarks/throughput.py --preset=gpu --isolate --row_timeout=150 --compare=gpu \
   --batch_size=16 --length=2048 --steps=5 --rounds=3 --table_steps=10 "$@"
-# The comparison again with cuDNN's packed layout, its table of one (one example per row).
-"$PYTHON" benchmarks/throughput.py --preset=none --compare=gpu --flash_kernel=cudnn_segments \
-  --flash_max_segments=1 --batch_size=16 --length=2048 --steps=5 --rounds=3 "$@"

@@ -31,8 +31,9 @@ jax.nn.dot_product_attention): tokens/s, median step time over `--table_steps` s
 compilation, model FLOP/s per device and MFU (against the device's peak: the table in
 mtrain/targets.py, or on CPU a float32 matmul measured at start), compile time, and peak
 memory per device (the device's own count where it keeps one, else XLA's memory analysis of
-the compiled step), and the seconds the parameter initialisation takes to compile and run
-(``init``).
+the compiled step), the seconds the parameter initialisation takes to compile and run
+(``init``), and the attention kernel the step ran (with 'auto' on a Hopper GPU, cuDNN's
+packed layout with a table fitted to the rows, or the masked kernel).
 
     python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1] [--preset cpu]
     python benchmarks/throughput.py --cpu_devices 8 --mesh_shape batch:8 --layout_rules batch:batch
@@ -83,8 +84,7 @@ REFERENCE = dict(vocab_size=8192, d_model=256, d_ff=1024, num_heads=4, d_kv=64, 
 ONE_B = dict(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16, d_kv=128, num_layers=16,
              activation_dtype="bfloat16", remat_policy="dots", attention="auto", max_length=2048)
 FLASH_1B = {**ONE_B, "attention": "flash"}  # (a kernel that refuses the model is an error)
-# cuDNN's packed layout with a table to match packed_batch's rows (at most 3 examples each).
-SEGMENTS_1B = {**FLASH_1B, "flash_kernel": "cudnn_segments", "flash_max_segments": 4}
+MASKED_1B = {**FLASH_1B, "flash_kernel": "cudnn"}  # cuDNN given the packed mask, whatever the rows
 PRESETS = {
     "cpu": [
         ("reference", {}, 16, 128, 1),
@@ -97,12 +97,12 @@ PRESETS = {
          16, 256, 1),
     ],
     "gpu": [
-        ("1B, packed, flash 'cudnn' (auto)", FLASH_1B, 16, 2048, 1),
-        ("1B, packed, flash 'cudnn_segments', table 4", SEGMENTS_1B, 16, 2048, 1),
-        ("1B, packed, flash 'cudnn' (auto)", FLASH_1B, 4, 2048, 1),
-        ("1B, packed, flash 'cudnn_segments', table 4", SEGMENTS_1B, 4, 2048, 1),
+        ("1B, packed, flash 'auto'", FLASH_1B, 16, 2048, 1),
+        ("1B, packed, flash 'cudnn' (masked)", MASKED_1B, 16, 2048, 1),
+        ("1B, packed, flash 'auto'", FLASH_1B, 4, 2048, 1),
+        ("1B, packed, flash 'cudnn' (masked)", MASKED_1B, 4, 2048, 1),
         ("1B, packed, flash 'triton'", {**FLASH_1B, "flash_kernel": "triton"}, 16, 2048, 1),
-        ("1B, packed, flash (auto), scanned layers", {**FLASH_1B, "scan_layers": True}, 16, 2048, 1),
+        ("1B, packed, flash 'auto', scanned layers", {**FLASH_1B, "scan_layers": True}, 16, 2048, 1),
     ],
 }
 # What each preset compares with the plain implementation: the model and whether the plain
@@ -281,7 +281,7 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     init_s = time.perf_counter() - t0
     batch = trainer.place_batch(packed_batch(batch_size, length, config.vocab_size))
     t0 = time.perf_counter()
-    compiled = trainer.compile_train_step()
+    compiled = trainer.compile_train_step(batch)  # for its attention table, if any
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
     state, metrics = compiled(state, batch)  # the first run also warms up
@@ -305,8 +305,23 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     print(f"{label:<48} {params / 1e6:>7.1f}M {batch_size:>4}x{length:<5} "
           f"{batch_size * length / step:>10,.0f} {step * 1e3:>9.1f} {flops / 1e12:>8.3f} "
           f"{100 * flops / peak if peak else float('nan'):>5.1f}% {compile_s:>8.1f} "
-          f"{init_s:>6.1f} {peak_mem / 2**30:>7.2f} GiB ({how})", flush=True)
+          f"{init_s:>6.1f} {peak_mem / 2**30:>7.2f} GiB ({how}) {kernel_ran(trainer, batch)}",
+          flush=True)
     del state, batch, compiled
+
+
+def kernel_ran(trainer, batch) -> str:
+    """The attention kernel a train step of `trainer` on `batch` runs."""
+    from mtrain.models import attention
+
+    config = trainer.model.config
+    if batch.segment_table:
+        return f"cudnn_segments, table {batch.segment_table} (auto)"
+    if not attention.uses_flash(config.attention, config.flash_kernel, jax.default_backend(),
+                                config.dtype, config.d_kv):
+        return config.attention if config.attention != "auto" else "einsum (auto)"
+    kernel = config.flash_kernel
+    return kernel if kernel != "auto" else f"{attention.default_kernel()} (auto)"
 
 
 def isolated(i, label, preset, args):
@@ -348,7 +363,7 @@ def main(args):
     if preset != "none":
         print(f"\n{'model (preset ' + preset + ')':<48} {'params':>8} {'batch':>10} "
               f"{'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} {'MFU':>6} {'compile':>8} "
-              f"{'init':>6} {'peak memory':>11}", flush=True)
+              f"{'init':>6} {'peak memory':>11}  kernel", flush=True)
         rows = PRESETS[preset]
         chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(len(rows))
         for i in chosen:
@@ -381,14 +396,14 @@ def main(args):
     print(f"model: vocab {config.vocab_size} d_model {config.d_model} d_ff {config.d_ff} "
           f"heads {config.num_heads}x{config.d_kv} layers {config.num_layers} dropout "
           f"{config.dropout_rate} {config.activation_dtype} remat {config.remat_policy}; batch "
-          f"{b} x length {l} = {tokens_per_step} tokens/step; attention {config.attention}, "
-          f"flash kernel {config.flash_kernel} (table {config.flash_max_segments})"
+          f"{b} x length {l} = {tokens_per_step} tokens/step"
           + ("; one example per row (plain: bf16, is_causal flash attention, remat dots)"
              if fast else "; packed rows"))
 
     np_batch = (unpacked_batch if fast else packed_batch)(b, l, config.vocab_size)
     m_state = trainer.init_state()
     m_batch = trainer.place_batch(np_batch)
+    print(f"mtrain's attention: {kernel_ran(trainer, m_batch)}")
     # Same initial parameters for the plain version: fresh copies on one device, as a plain dict.
     device = jax.devices()[0]
     p_params = jax.tree.map(lambda x: jax.device_put(np.asarray(x), device), m_state.params)

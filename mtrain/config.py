@@ -25,8 +25,8 @@ import gin
 
 from mtrain import optimizer
 from mtrain.errors import ConfigError
+from mtrain.losses import LossConfig
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
-from mtrain.trainer import LossConfig
 from mtrain.translation import DecodingConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -9,7 +10,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtrain import layout as layout_lib
+from mtrain.errors import ConfigError
 from mtrain.layout import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The loss: `z_loss` (Mesh-TF's default 1e-4), `label_smoothing` and `chunks` (gin:
+    ``loss.z_loss``, ...).
+
+    `chunks` > 1 computes the training loss and its gradient that many slices of the
+    sequence at a time (`chunked_cross_entropy`): the [batch, length, vocab] logits
+    never exist whole. 1 forms them whole; 0 (default) picks: the most slices, at most 16,
+    that keep a slice's logits at 2**21 or more elements per device (8 MiB in float32).
+    Evaluation always forms the logits (it needs them for accuracy).
+    """
+
+    z_loss: float = 1e-4
+    label_smoothing: float = 0.0
+    chunks: int = 0
+
+    def num_chunks(self, length: int, logits_per_device: int) -> int:
+        """The number of slices for sequences of `length` whose logits have
+        `logits_per_device` elements on each device."""
+        if self.chunks < 0 or (self.chunks and length % self.chunks):
+            raise ConfigError(f"loss.chunks={self.chunks} must be 0 (automatic) or divide the "
+                              f"sequence length {length}")
+        if self.chunks:
+            return self.chunks
+        return max(c for c in range(1, min(16, length) + 1)
+                   if length % c == 0 and (c == 1 or logits_per_device // c >= 2**21))
 
 
 def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smoothing: float = 0.0):

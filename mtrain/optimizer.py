@@ -1,9 +1,12 @@
-"""Adafactor with Mesh-TF's defaults and the `linear_warmup * rsqrt_decay` schedule."""
+"""Adafactor with Mesh-TF's defaults, the `linear_warmup * rsqrt_decay` schedule, and the
+logical names of an optimizer state's leaves (for its sharding)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 
 def learning_rate_schedule(
@@ -60,3 +63,39 @@ def adafactor(
         factored=factored,
         eps=epsilon,
     )
+
+
+def state_names(opt_state, params, param_names):
+    """Logical names for every optimizer-state leaf, taken from the parameter it belongs to.
+
+    optax states hold trees shaped like the parameters (Adafactor: row/column second-moment
+    factors and full second moments). A leaf with the parameter's shape gets its names; a
+    factored statistic (one dimension reduced away) gets the names of the dimensions it kept;
+    anything else (step counters) is replicated.
+    """
+    params_def = jax.tree_util.tree_structure(params)
+
+    def match(leaf, p, names):
+        if leaf.shape == p.shape:
+            return PartitionSpec(*names)
+        if len(leaf.shape) == len(p.shape) - 1:
+            kept = {
+                tuple(n for j, n in enumerate(names) if j != i)
+                for i in range(len(p.shape))
+                if tuple(d for j, d in enumerate(p.shape) if j != i) == tuple(leaf.shape)
+            }
+            if len(kept) == 1:
+                return PartitionSpec(*kept.pop())
+        return PartitionSpec()
+
+    def walk(node):
+        if jax.tree_util.tree_structure(node) == params_def:
+            return jax.tree_util.tree_map(match, node, params, param_names)
+        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+        if not children:
+            return node  # an empty container (optax's EmptyState)
+        if len(children) == 1 and children[0] is node:
+            return PartitionSpec()  # a leaf that does not belong to a parameter
+        return treedef.unflatten([walk(c) for c in children])
+
+    return walk(opt_state)

@@ -6,6 +6,11 @@ optimizer-state leaf (from the parameter it belongs to) and of every batch featu
 (``("batch", "length")``). The state is created already sharded by a jitted
 init, so the full model never exists on one device, and the train step is jitted with those
 shardings and donates the old state.
+
+A batch placed on the devices (`Trainer.place_batch`) is a `PlacedBatch`: its arrays, and
+the attention kernel's table for its packing where the model's 'auto' attention fits one to
+each batch (`attention.adapts_segment_table`). The table is part of the batch's pytree
+structure, so the jitted steps compile once per table size, like once per shape.
 """
 
 from __future__ import annotations
@@ -23,14 +28,40 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain import losses
+from mtrain import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
 from mtrain.layout import (Layout, LayoutError, constrain, is_names, logical_names,
                            tree_shardings)
+from mtrain.losses import LossConfig
 from mtrain.models import attention
 from mtrain.models.base import batch_keys
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
+
+
+class PlacedBatch(dict):
+    """A batch on the devices: feature name -> global array, and `segment_table`, the size of
+    cuDNN's packed-segment table its self-attention runs with (None: the model's own
+    kernel). A pytree whose structure (what jit compiles for) holds the table."""
+
+    def __init__(self, arrays: dict, segment_table: int | None = None):
+        super().__init__(arrays)
+        self.segment_table = segment_table
+
+    def like(self, arrays: dict) -> "PlacedBatch":
+        """Other arrays (e.g. a microbatch's) with this batch's table."""
+        return PlacedBatch(arrays, self.segment_table)
+
+
+def _flatten_batch(batch: PlacedBatch):
+    keys = tuple(sorted(batch))
+    return [(jax.tree_util.DictKey(k), batch[k]) for k in keys], (keys, batch.segment_table)
+
+
+jax.tree_util.register_pytree_with_keys(
+    PlacedBatch, _flatten_batch,
+    lambda aux, arrays: PlacedBatch(dict(zip(aux[0], arrays)), aux[1]))
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -44,70 +75,6 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """The loss: `z_loss` (Mesh-TF's default 1e-4), `label_smoothing` and `chunks` (gin:
-    ``loss.z_loss``, ...).
-
-    `chunks` > 1 computes the training loss and its gradient that many slices of the
-    sequence at a time (`losses.chunked_cross_entropy`): the [batch, length, vocab] logits
-    never exist whole. 1 forms them whole; 0 (default) picks: the most slices, at most 16,
-    that keep a slice's logits at 2**21 or more elements per device (8 MiB in float32).
-    Evaluation always forms the logits (it needs them for accuracy).
-    """
-
-    z_loss: float = 1e-4
-    label_smoothing: float = 0.0
-    chunks: int = 0
-
-    def num_chunks(self, length: int, logits_per_device: int) -> int:
-        """The number of slices for sequences of `length` whose logits have
-        `logits_per_device` elements on each device."""
-        if self.chunks < 0 or (self.chunks and length % self.chunks):
-            raise ConfigError(f"loss.chunks={self.chunks} must be 0 (automatic) or divide the "
-                              f"sequence length {length}")
-        if self.chunks:
-            return self.chunks
-        return max(c for c in range(1, min(16, length) + 1)
-                   if length % c == 0 and (c == 1 or logits_per_device // c >= 2**21))
-
-
-def _opt_state_names(opt_state, params, param_names):
-    """Logical names for every optimizer-state leaf, taken from the parameter it belongs to.
-
-    optax states hold trees shaped like the parameters (Adafactor: row/column second-moment
-    factors and full second moments). A leaf with the parameter's shape gets its names; a
-    factored statistic (one dimension reduced away) gets the names of the dimensions it kept;
-    anything else (step counters) is replicated.
-    """
-    params_def = jax.tree_util.tree_structure(params)
-
-    def match(leaf, p, names):
-        if leaf.shape == p.shape:
-            return PartitionSpec(*names)
-        if len(leaf.shape) == len(p.shape) - 1:
-            kept = {
-                tuple(n for j, n in enumerate(names) if j != i)
-                for i in range(len(p.shape))
-                if tuple(d for j, d in enumerate(p.shape) if j != i) == tuple(leaf.shape)
-            }
-            if len(kept) == 1:
-                return PartitionSpec(*kept.pop())
-        return PartitionSpec()
-
-    def walk(node):
-        if jax.tree_util.tree_structure(node) == params_def:
-            return jax.tree_util.tree_map(match, node, params, param_names)
-        children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
-        if not children:
-            return node  # an empty container (optax's EmptyState)
-        if len(children) == 1 and children[0] is node:
-            return PartitionSpec()  # a leaf that does not belong to a parameter
-        return treedef.unflatten([walk(c) for c in children])
-
-    return walk(opt_state)
 
 
 def step_metrics(grads, loss, xent, tokens) -> dict:
@@ -153,8 +120,10 @@ class Trainer:
         batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
         activation memory."""
         self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
-        # The size of the model's cudnn_segments table (None: its attention has none).
+        # The size of the model's cudnn_segments table (None: its attention has none), and
+        # whether its 'auto' attention runs that kernel with a table fitted to each batch.
         self.segment_table = attention.segment_table_size(getattr(model, "config", None))
+        self.fits_segment_table = attention.adapts_segment_table(getattr(model, "config", None))
         self.loss_config = loss_config or LossConfig()
         if batch_size % num_microbatches:
             raise ConfigError(f"batch_size {batch_size} is not divisible into "
@@ -171,7 +140,7 @@ class Trainer:
         # Parameters and optimizer state are stored by the parameter layout rules too.
         param_shardings = tree_shardings(layout, mesh, param_names, abstract_params, True)
         abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-        opt_names = _opt_state_names(abstract_opt, abstract_params, param_names)
+        opt_names = optimizer_lib.state_names(abstract_opt, abstract_params, param_names)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = TrainState(
             step=replicated,
@@ -214,11 +183,17 @@ class Trainer:
 
     def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False):
         """The model's logits for a packed batch (its `features`, each with segment ids and
-        positions); with `return_hidden` its final hidden states and output kernel."""
+        positions); with `return_hidden` its final hidden states and output kernel. A
+        `PlacedBatch` with a `segment_table` runs the model's attention by cuDNN's packed
+        layout with that table."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
-        return self.model.apply({"params": params}, *args, deterministic=deterministic,
-                                rngs=rngs, **kwargs)
+        model, table = self.model, getattr(batch, "segment_table", None)
+        if table is not None:
+            model = model.clone(config=dataclasses.replace(
+                model.config, flash_kernel="cudnn_segments", flash_max_segments=table))
+        return model.apply({"params": params}, *args, deterministic=deterministic, rngs=rngs,
+                           **kwargs)
 
     def _init_variables(self, key):
         with self.layout.activate(self.mesh):
@@ -291,6 +266,7 @@ class Trainer:
         micro = {name: constrain(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
                                  (None, *BATCH_NAMES))
                  for name, x in batch.items()}
+        micro = batch.like(micro) if isinstance(batch, PlacedBatch) else micro
 
         def step(total, inputs):
             i, microbatch = inputs
@@ -338,10 +314,15 @@ class Trainer:
         ahead-of-time compilation takes, with nothing allocated."""
         return with_shardings(self.abstract_state, self.state_shardings)
 
-    def abstract_batch(self) -> Batch:
-        """A batch as shapes with its sharding (for ahead-of-time compilation)."""
+    def abstract_batch(self, batch: PlacedBatch | None = None) -> PlacedBatch:
+        """A batch as shapes with its sharding (for ahead-of-time compilation): that of
+        `batch` (a placed batch, with its table), else one of the model's features with the
+        model's own attention kernel."""
+        if batch is not None:
+            return jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
         ids = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-        return {name: ids for name in batch_keys(self.model.features)}
+        return PlacedBatch({name: ids for name in batch_keys(self.model.features)})
 
     def with_layout(self, layout: Layout) -> "Trainer":
         """The same model, optimizer, batch, seed and settings on another layout (over the
@@ -361,29 +342,34 @@ class Trainer:
         the model; 1/P of them each when P hosts lie along the batch dimension."""
         return local_rows(self.batch_sharding, self.batch_shape)
 
-    def place_batch(self, batch: dict[str, np.ndarray]) -> Batch:
+    def place_batch(self, batch: dict[str, np.ndarray]) -> PlacedBatch:
         """This process's rows of a global batch (`local_rows`) -> global arrays sharded
-        along ``batch``. A batch with a row of more packed examples than the model's
-        cudnn_segments attention takes is refused (`attention.check_segments`)."""
+        along ``batch``, with the attention table fitted to its rows where the model's
+        attention takes one (`fits_segment_table`, `attention.auto_table`). A batch with a
+        row of more packed examples than the model's cudnn_segments attention takes is
+        refused (`attention.check_segments`)."""
         if self.segment_table:
             attention.check_segments(batch, self.segment_table)
-        return {
+        table = attention.auto_table(batch) if self.fits_segment_table else None
+        return PlacedBatch({
             k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v),
                                                       self.batch_shape)
             for k, v in batch.items()
-        }
+        }, table)
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         return self._train_step(state, batch)
 
-    def lower_train_step(self):
-        """The train step lowered from abstract state and batch (nothing allocated): its
-        `.as_text()` is the HLO, its `.compile()` the program the planner measures."""
-        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch())
+    def lower_train_step(self, batch: PlacedBatch | None = None):
+        """The train step lowered from abstract state and batch (nothing allocated; the
+        batch's shapes and table are `batch`'s if given): its `.as_text()` is the HLO, its
+        `.compile()` the program the planner measures."""
+        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch))
 
-    def compile_train_step(self):
-        """The train step compiled ahead of time from abstract shapes."""
-        return self.lower_train_step().compile()
+    def compile_train_step(self, batch: PlacedBatch | None = None):
+        """The train step compiled ahead of time from abstract shapes (see
+        `lower_train_step`)."""
+        return self.lower_train_step(batch).compile()
 
     def eval_step(self, params, batch: Batch) -> dict:
         return self._eval_step(params, batch)

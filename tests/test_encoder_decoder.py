@@ -13,8 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from mtrain import optimizer
 from mtrain.layout import Layout
+from mtrain.losses import LossConfig
 from mtrain.models.transformer import EncoderDecoder, TransformerConfig
-from mtrain.trainer import LossConfig, Trainer
+from mtrain.trainer import Trainer
 
 CONFIG = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, d_kv=8,
                            num_layers=2, dropout_rate=0.1, max_length=16)

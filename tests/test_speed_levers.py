@@ -15,7 +15,8 @@ from mtrain.hlo_cost import hlo_cost
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.errors import ConfigError
-from mtrain.trainer import LossConfig, Trainer
+from mtrain.losses import LossConfig
+from mtrain.trainer import Trainer
 from mtrain.translation import DecodingConfig, Translator
 
 CONFIG = TransformerConfig(vocab_size=256, d_model=32, d_ff=64, num_heads=2, d_kv=16,

@@ -29,6 +29,12 @@ the [length, memory_length] logits:
 it under `jax.shard_map` over the mesh dimensions that split ``batch`` and ``heads``, so a
 kernel that XLA cannot partition sees only its own rows and heads.
 
+On a Hopper GPU, ``'auto'`` goes one step further in training and evaluation
+(`adapts_segment_table`): `Trainer.place_batch` counts the packed examples of the batch's
+fullest row and, where cuDNN's packed layout with a table to match is faster than the masked
+kernel (`auto_table`), the step runs ``cudnn_segments`` with that table. Each table size is
+compiled once, when a batch first needs it.
+
 A padding query (segment 0) of splash and cuDNN is given the segment of the first memory
 position, so that no row of their mask is empty (in encoder-decoder attention a padded
 target may have no padded input to see). What padding positions compute is never used (the
@@ -105,8 +111,8 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None):
 
 def default_kernel(backend: str | None = None) -> str:
     """The kernel of ``flash_kernel='auto'`` on `backend` (default: this process's): the
-    masked cuDNN kernel on a GPU (on an H100 the fastest for any packing, see
-    `_cudnn_segments`), splash elsewhere."""
+    masked cuDNN kernel on a GPU (correct for any packing; `Trainer` swaps in cuDNN's packed
+    layout per batch where that is faster, see `auto_table`), splash elsewhere."""
     return "cudnn" if (backend or jax.default_backend()) == "gpu" else "splash"
 
 
@@ -308,6 +314,40 @@ def _cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_M
     return jnp.where(real & (most <= max_segments), out, jnp.where(real, jnp.nan, 0))
 
 
+# The largest table 'auto' gives cudnn_segments; a batch whose rows need more runs the masked
+# kernel. On an H100 (16 x 2048, 16 heads x 128, forward + backward) the packed layout took
+# 2.17 ms with a table of 4, 5.36 ms of 64 and 15.18 ms of 256 (about 1.96 ms + 0.052 ms per
+# entry), the masked kernel 4.7 ms: they cross at about 53 entries.
+AUTO_TABLE_LIMIT = 32
+
+
+def adapts_segment_table(config) -> bool:
+    """Whether a `TransformerConfig`'s attention runs cudnn_segments with a table fitted to
+    each batch (`auto_table`), here: ``flash_kernel='auto'`` on a GPU that takes the packed
+    layout (Hopper on), attention that is flash in training (no attention dropout), and one
+    process (the processes of a multi-host run would each fit their own rows and compile
+    different steps: they run the masked kernel)."""
+    if config is None or config.flash_kernel != "auto" or config.dropout_rate > 0:
+        return False
+    backend = jax.default_backend()
+    return (default_kernel(backend) == "cudnn" and jax.process_count() == 1 and
+            uses_flash(config.attention, "cudnn_segments", backend, config.dtype, config.d_kv))
+
+
+def most_segments(batch: dict) -> dict[str, int]:
+    """The most packed examples in one row of a host (numpy) batch, for each of its
+    ``*_segment_ids`` features."""
+    return {key: int(segment_starts(np.asarray(ids), np).sum(axis=1).max(initial=0))
+            for key, ids in batch.items() if key.endswith("_segment_ids")}
+
+
+def auto_table(batch: dict) -> int | None:
+    """The cudnn_segments table for a host batch under 'auto': the smallest power of two that
+    holds its fullest row, or None (the masked kernel) beyond `AUTO_TABLE_LIMIT`."""
+    table = 1 << max(max(most_segments(batch).values(), default=0) - 1, 0).bit_length()
+    return table if table <= AUTO_TABLE_LIMIT else None
+
+
 def segment_table_size(config) -> int | None:
     """The size of cudnn_segments' table where a transformer config (`TransformerConfig`)
     runs that kernel here; None where its self-attention takes another path."""
@@ -321,10 +361,7 @@ def segment_table_size(config) -> int | None:
 def check_segments(batch: dict, table: int) -> None:
     """Refuses a batch (numpy, host side) with a row of more packed examples than
     cudnn_segments' table holds: the kernel would only give NaN for it."""
-    for key, ids in batch.items():
-        if not key.endswith("_segment_ids"):
-            continue
-        most = int(segment_starts(np.asarray(ids), np).sum(axis=1).max(initial=0))
+    for key, most in most_segments(batch).items():
         if most > table:
             raise DataError(f"a row of the batch holds {most} packed examples ({key}), and "
                             f"flash_kernel='cudnn_segments' takes at most "
