@@ -65,18 +65,6 @@ def test_gin_param_overrides_file_and_relative_model_dir(data_dir, tmp_path, mon
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "2" / "state" / "_METADATA")
 
 
-def test_resume_continues_the_same_loss_curve(data_dir, tmp_path):
-    common = ["run.log_every=1", "run.checkpoint_every=3", "transformer.dropout_rate=0.1"]
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert cli(straight, "run.train_steps=6", *common) == 0
-    assert cli(stopped, "run.train_steps=3", *common) == 0
-    assert cli(stopped, "run.train_steps=6", *common) == 0
-    a, b = train_losses(straight), train_losses(stopped)
-    assert sorted(b) == [1, 2, 3, 4, 5, 6]
-    for step in range(1, 7):
-        assert b[step] == pytest.approx(a[step], rel=1e-6), step
-
-
 def test_layouts_give_the_same_first_step_loss(data_dir, tmp_path):
     first = ["run.train_steps=1", "run.log_every=1", "run.eval_split='test'"]
     losses = []
