@@ -77,6 +77,15 @@ def state_signature(abstract_state) -> dict[str, str]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
 
 
+def _write_whole_replicas() -> None:
+    """Has orbax copy each replicated array off the devices whole, from one replica, rather
+    than a slice from each replica ("replica-parallel"). On CPU the devices share the host's
+    memory, so the slicing only adds work: a small jitted slice compiled per parameter shape
+    and replica, about 2 s on each run's first save."""
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
 class Checkpoints:
     """Keeps the last `keep` checkpoints of a model dir."""
 
@@ -88,6 +97,8 @@ class Checkpoints:
         # orbax's tensorstore writer needs an absolute path (a relative one fails in the
         # background save thread, after the step has moved on).
         self.directory = epath.Path(directory).absolute()
+        if jax.default_backend() == "cpu":
+            _write_whole_replicas()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_period or None, create=True,
             enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,

@@ -68,9 +68,9 @@ def test_gin_param_overrides_file_and_relative_model_dir(data_dir, tmp_path, mon
 def test_layouts_give_the_same_first_step_loss(data_dir, tmp_path):
     first = ["run.train_steps=1", "run.log_every=1", "run.eval_split='test'"]
     losses = []
-    for name, params in [("dp4mp2", []), ("dp8", ["run.mesh_shape='batch:8'"])]:
-        assert cli(tmp_path / name, *first, *params, files=("quickstart.gin",)) == 0
-        losses.append(train_losses(tmp_path / name)[1])
+    # The quickstart's batch:4;model:2 (test_trainer checks every other 8-device layout).
+    assert cli(tmp_path / "dp4mp2", *first, files=("quickstart.gin",)) == 0
+    losses.append(train_losses(tmp_path / "dp4mp2")[1])
     # One device, in a process of its own made with --cpu_devices=1.
     proc = run_cli("--gin_file=quickstart.gin", "--cpu_devices=1", "--gin_param=run.mesh_shape=''",
                    *[f"--gin_param={p}" for p in [*TINY, *first]],
@@ -78,7 +78,6 @@ def test_layouts_give_the_same_first_step_loss(data_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     losses.append(train_losses(tmp_path / "single")[1])
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-    assert losses[2] == pytest.approx(losses[0], rel=1e-5)
 
 
 def run_cli(*args, cwd=REPO):

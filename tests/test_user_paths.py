@@ -5,8 +5,10 @@ itself (as on a fresh machine), and every later run loads what it built.
 For the LM quickstart and for the WMT14 translation experiment: train 4 steps, run the
 same command again to 6, and end bit for bit where a run of 6 steps that was never
 stopped ends (a checkpoint every 2 steps: few steps, since each costs time and the paths
-are the same at any step); then change a setting that the checkpoints cannot follow (refused in one
-line, nothing changed) and one that they can (the layout, to FSDP: it resumes)."""
+are the same at any step). For the quickstart, then change a setting that the checkpoints
+cannot follow (refused in one line, nothing changed) and one that they can (the layout, to
+FSDP: it resumes); the checks behind both are the same for every task, so the translation
+experiment leaves them out."""
 
 import json
 import os
@@ -77,6 +79,8 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     losses = [{r["step"]: r["train/loss"] for r in records(d) if "train/loss" in r}
               for d in (stopped, straight)]
     assert losses[0] == losses[1] and sorted(losses[0]) == [2, 4, 6]
+    if name != "quickstart":
+        return
 
     # A setting that decides the data: refused in one line, the model dir untouched.
     before = digest(stopped)
