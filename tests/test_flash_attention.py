@@ -465,6 +465,13 @@ def test_auto_fits_the_segment_table_to_each_batch(monkeypatch):
     step(packed, 4, {("cudnn_segments", (test_trainer.B, 5))})
     step(single, 1, {("cudnn_segments", (test_trainer.B, 2))})
     step(packed, 4, set())  # compiled once per table
+    # Compiled ahead of time for a placed batch, as benchmarks/throughput.py runs its rows: the
+    # program takes that batch (a program for another table would refuse its structure) and
+    # computes what the jitted step does.
+    placed = auto.place_batch(packed)
+    _, ahead = auto.compile_train_step(placed)(auto.init_state(), placed)
+    _, jitted = auto.train_step(auto.init_state(), placed)
+    np.testing.assert_allclose(ahead["loss"], jitted["loss"], rtol=1e-6)
     monkeypatch.setattr(attention, "AUTO_TABLE_LIMIT", 2)
     step(packed, None, {"cudnn"})  # more examples per row than 'auto' fits a table to
     # Where the packed layout is not taken, the 'auto' kernel stays the masked one.
