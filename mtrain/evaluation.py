@@ -94,9 +94,9 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     vocab = exp.vocab
     key = ("heldout", exp.eval_split, exp.sequence_length)
     if key not in exp.cache:
-        counts = np.ones(vocab.vocab_size)
-        for text in exp.source.texts("train", limit=max_texts):
-            np.add.at(counts, vocab.encode_example(text, exp.sequence_length)[0], 1)
+        train_ids = [i for text in exp.source.texts("train", limit=max_texts)
+                     for i in vocab.encode_example(text, exp.sequence_length)[0]]
+        counts = 1.0 + np.bincount(np.asarray(train_ids, np.int64), minlength=vocab.vocab_size)
         log_p = np.log(counts / counts.sum())
         log_loss, tokens, words = 0.0, 0, 0
         for text in exp.source.texts(exp.eval_split):

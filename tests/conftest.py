@@ -4,7 +4,10 @@
 faster on CPU; tests check results, not speed.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from mtrain.cpu_devices import simulate_cpu_devices  # imports no jax
 
@@ -13,19 +16,31 @@ os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
+# Tests compile the same small programs many times (every run of one config, in this process
+# and in the `python -m mtrain` processes they start, which inherit these variables): one
+# persistent compilation cache for the session compiles each once. jax writes an entry
+# without a lock, so processes that run side by side, or that a test kills, start without it
+# (`no_compilation_cache`): they could read an entry another is still writing, or leave a
+# damaged one, and jax warns on stderr when it reads one.
+_CACHE = tempfile.mkdtemp(prefix="mtrain-jax-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices; was jax imported before conftest?"
-
-import tempfile  # noqa: E402
+# This process compiles many more small programs, most of them once: cache the slower ones.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import pytest  # noqa: E402
 
-# Tests compile the same small programs many times (every CLI run of one config): a
-# persistent compilation cache for the session compiles each once.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="mtrain-jax-cache-"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+def no_compilation_cache(env: dict) -> dict:
+    """`env` for a process that runs beside another or that a test kills: without the
+    session's compilation cache."""
+    return {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                              "JAX_PERSISTENT_CACHE"))}
 
 
 @pytest.fixture(scope="module")

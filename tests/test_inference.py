@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import no_compilation_cache
 from mtrain.__main__ import main
 from mtrain.data.bible import bible_split_verses
 from mtrain.inference import _Progress
@@ -48,7 +49,7 @@ def test_a_killed_infer_keeps_the_lines_it_translated(data_dir, tmp_path):
                f"--input_file={tmp_path / 'in.txt'}", f"--output_file={out}",
                "--gin_param=decoding.batch_size=4", *argv]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ})
+                            stderr=subprocess.DEVNULL, env=no_compilation_cache(os.environ))
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:

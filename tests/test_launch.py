@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import no_compilation_cache
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = sorted(os.path.join(LAUNCH, f) for f in os.listdir(LAUNCH) if f.endswith(".sh")) + [
@@ -141,7 +143,7 @@ def test_local_dry_run_and_bad_arguments():
 def test_local_launcher_runs_two_processes(data_dir, tmp_path):
     from tiny_config import TINY
 
-    env = dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable)
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable))
     code, out, err = launch(
         "local.sh", "--num_processes=2", "--cpu_devices=4", "--",
         "--gin_file=tasks/bible_lm.gin", "--gin_param=run.mesh_shape='batch:4;model:2'",

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import no_compilation_cache
 from mtrain.__main__ import main
 from tiny_config import TINY
 
@@ -31,7 +32,8 @@ def start_processes(model_dir, *params, heartbeat=100, files=FILES):
     argv = [*files, *[f"--gin_param={p}" for p in [*TINY, *params]],
             f"--model_dir={model_dir}", "--cpu_devices=4", f"--coordinator_address={address}",
             "--num_processes=2", "--distributed_timeout=60", f"--heartbeat_timeout={heartbeat}"]
-    env = dict(os.environ, XLA_FLAGS="")  # each process simulates its own 4 devices
+    # Each process simulates its own 4 devices.
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
     return [subprocess.Popen([sys.executable, "-m", "mtrain", *argv, f"--process_id={i}"],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)

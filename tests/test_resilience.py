@@ -25,6 +25,7 @@ from mtrain.checkpoints import Checkpoints
 from mtrain.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.trainer import Trainer
+from conftest import no_compilation_cache
 from model_dirs import digest, saved_state
 from tiny_config import TINY
 
@@ -37,8 +38,9 @@ def argv(model_dir, *params):
     return FILES + [f"--gin_param={p}" for p in [*PARAMS, *params]] + [f"--model_dir={model_dir}"]
 
 
-def subprocess_cli(model_dir, *params):
+def subprocess_cli(model_dir, *params, cache=True):
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = env if cache else no_compilation_cache(env)
     return subprocess.Popen([sys.executable, "-m", "mtrain", "--cpu_devices=8",
                              *argv(model_dir, *params)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -118,7 +120,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bit_for_bit(data_dir, 
     common = ["run.train_steps=8", "run.checkpoint_every=2"]
     straight = subprocess_cli(tmp_path / "straight", *common)
     assert straight.wait(timeout=300) == 0, straight.communicate()
-    killed = subprocess_cli(tmp_path / "killed", *common)
+    killed = subprocess_cli(tmp_path / "killed", *common, cache=False)
     wait_for_step(tmp_path / "killed", 5, killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
@@ -170,12 +172,14 @@ def test_a_second_ctrl_c_aborts():
 def test_two_runs_on_one_model_dir(data_dir, tmp_path):
     """The second run stops at once with the first one's pid, and changes nothing; the first
     trains on undisturbed."""
-    first = subprocess_cli(tmp_path / "run", "run.train_steps=1000", "run.checkpoint_every=2")
+    first = subprocess_cli(tmp_path / "run", "run.train_steps=1000", "run.checkpoint_every=2",
+                           cache=False)
     wait_for_step(tmp_path / "run", 3, first)
     lock = json.loads((tmp_path / "run" / "mtrain.lock").read_text())
     assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
     started = time.time()
-    second = subprocess_cli(tmp_path / "run", "run.train_steps=1000", "run.checkpoint_every=2")
+    second = subprocess_cli(tmp_path / "run", "run.train_steps=1000", "run.checkpoint_every=2",
+                            cache=False)
     out, err = second.communicate(timeout=120)
     assert second.returncode == 2 and time.time() - started < 30, err
     lines = err.strip().splitlines()
