@@ -20,9 +20,21 @@ def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
     """Token-level loss, perplexity and accuracy over the whole held-out split, and for
     language models the word-level perplexity and the unigram baseline."""
     totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0}
+
+    def add(sums):  # in float64 on the host: token counts stay exact past 2**24
+        sums = jax.device_get(sums)
+        return {k: totals[k] + float(sums[k]) for k in totals}
+
+    # At most two batches in flight, as in training: the host prepares and places the next
+    # batch while the devices evaluate the previous one, then fetches the previous sums.
+    previous = None
     for batch in exp.eval_batches():
-        sums = jax.device_get(exp.trainer.eval_step(params, exp.trainer.place_batch(batch)))
-        totals = {k: totals[k] + float(sums[k]) for k in totals}
+        sums = exp.trainer.eval_step(params, exp.trainer.place_batch(batch))
+        if previous is not None:
+            totals = add(previous)
+        previous = sums
+    if previous is not None:
+        totals = add(previous)
     n = max(totals["num_tokens"], 1.0)
     loss = totals["xent_sum"] / n
     results = {

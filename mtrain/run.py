@@ -75,12 +75,18 @@ def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_
     )
 
 
-def planned_vocab_size() -> int:
-    """The vocabulary size a run would have, without data: that of ``vocabulary.path`` if
-    bound, else ``vocabulary.size`` (sentencepiece trains exactly that many pieces)."""
-    path = config.bound("vocabulary.path", None)
+def planned_vocab_size(model_dir: str | None = None) -> int:
+    """The vocabulary size a run would have, without data: that of the vocabulary recorded
+    in `model_dir` if any (see `vocabulary`), else of ``vocabulary.path`` if bound, else
+    ``vocabulary.size`` (sentencepiece trains exactly that many pieces)."""
+    recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else ""
+    path = recorded if os.path.exists(recorded) else config.bound("vocabulary.path", None)
     return load_vocabulary(path).vocab_size if path else config.bound("vocabulary.size",
                                                                       DEFAULT_VOCAB_SIZE)
+
+
+def _padded(vocab_size: int) -> int:
+    return 128 * math.ceil(vocab_size / 128)
 
 
 def _check_data_dir(data_dir: str) -> None:
@@ -221,6 +227,45 @@ def build(
         raise ConfigError(f"run.batch_size={batch_size} must split into run.num_microbatches="
                           f"{num_microbatches} microbatches of a multiple of {data_ways} rows "
                           f"(the mesh's batch dimension)")
+    def build_model(vocab_size: int):
+        """The model, its schedule, trainer and SGP for a vocabulary of `vocab_size` pieces,
+        padded to a multiple of 128 so that it splits over any mesh dimension up to 128 (the
+        extra ids never occur in the data)."""
+        try:
+            model_config = config.transformer(vocab_size=_padded(vocab_size))
+            if activation_dtype is not None:
+                model_config = dataclasses.replace(model_config, activation_dtype=activation_dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if model_config.max_length < sequence_length:
+            raise ConfigError(f"run.sequence_length={sequence_length} is longer than "
+                              f"transformer.max_length={model_config.max_length}")
+        schedule = config.learning_rate_schedule(train_steps=train_steps)
+        # Updates with a non-finite gradient leave parameters and optimizer state as they were.
+        opt = optax.apply_if_finite(optimizer(schedule), max_nonfinite_steps)
+        built = (model or config.MODELS[task_obj.kind])(model_config)
+        features = ("inputs", "targets")[1 - (task_obj.kind == "translation"):]
+        if built.features != features:
+            raise ConfigError(f"run.model {type(built).__name__} takes {built.features}, but "
+                              f"task {task!r} gives {features}")
+        trainer = Trainer(built, opt, layout, mesh, batch_size, sequence_length, seed=seed,
+                          loss_config=config.loss(), num_microbatches=num_microbatches)
+        sgp = None
+        if data_parallel == "sgp":
+            try:
+                sgp = SGPTrainer(trainer, overlap=sgp_overlap, average_every=sgp_average_every)
+            except ValueError as e:
+                raise ConfigError(f"run.data_parallel='sgp': {e}") from None
+        elif sgp_overlap or sgp_average_every:
+            raise ConfigError("run.sgp_overlap and run.sgp_average_every need "
+                              "run.data_parallel='sgp'")
+        return model_config, built, schedule, trainer, sgp
+
+    # What needs no data is built and checked before the data is prepared (minutes on a fresh
+    # machine), for the vocabulary size the settings ask for; built again if the prepared
+    # vocabulary has another.
+    planned = planned_vocab_size(None if restart or planning else model_dir)
+    model_config, built, schedule, trainer, sgp = build_model(planned)
     source = vocab = None
     if not planning:
         # Process 0 prepares the dataset and trains the vocabulary (once, into data_dir);
@@ -232,39 +277,9 @@ def build(
                 vocab = vocabulary(task_obj, source, data_dir,
                                    model_dir=None if restart else model_dir)
             distributed.sync(f"mtrain_data_prepared_{turn}")
-    vocab_size = planned_vocab_size() if planning else vocab.vocab_size
-    # Pad the model's vocabulary to a multiple of 128 so that it splits over any mesh
-    # dimension up to 128; the extra ids never occur in the data.
-    try:
-        model_config = config.transformer(vocab_size=128 * math.ceil(vocab_size / 128))
-        if activation_dtype is not None:
-            model_config = dataclasses.replace(model_config, activation_dtype=activation_dtype)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if model_config.max_length < sequence_length:
-        raise ConfigError(
-            f"run.sequence_length={sequence_length} is longer than "
-            f"transformer.max_length={model_config.max_length}"
-        )
-    schedule = config.learning_rate_schedule(train_steps=train_steps)
-    # Updates with a non-finite gradient leave parameters and optimizer state as they were.
-    opt = optax.apply_if_finite(optimizer(schedule), max_nonfinite_steps)
+        if _padded(vocab.vocab_size) != _padded(planned):
+            model_config, built, schedule, trainer, sgp = build_model(vocab.vocab_size)
     translation = task_obj.kind == "translation"
-    model = (model or config.MODELS[task_obj.kind])(model_config)
-    if model.features != ("inputs", "targets")[1 - translation:]:
-        raise ConfigError(f"run.model {type(model).__name__} takes {model.features}, but task "
-                          f"{task!r} gives {('inputs', 'targets')[1 - translation:]}")
-    trainer = Trainer(model, opt, layout, mesh, batch_size, sequence_length, seed=seed,
-                      loss_config=config.loss(), num_microbatches=num_microbatches)
-    sgp = None
-    if data_parallel == "sgp":
-        try:
-            sgp = SGPTrainer(trainer, overlap=sgp_overlap, average_every=sgp_average_every)
-        except ValueError as e:
-            raise ConfigError(f"run.data_parallel='sgp': {e}") from None
-    elif sgp_overlap or sgp_average_every:
-        raise ConfigError("run.sgp_overlap and run.sgp_average_every need "
-                          "run.data_parallel='sgp'")
     translator = None
     if translation and not planning:
         try:
@@ -281,7 +296,7 @@ def build(
         eval_split=eval_split, schedule=schedule, mode=mode,
         optimizer_settings=config.settings(optimizer), config_text=config.operative(),
         translator=translator,
-        flops_per_step=model.analytic_flops(batch_size, sequence_length),
+        flops_per_step=built.analytic_flops(batch_size, sequence_length),
         profile_steps=tuple(profile_steps) if profile_steps else None,
         sgp=sgp,
     )

@@ -21,7 +21,8 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 # persistent compilation cache for the session compiles each once. jax writes an entry
 # without a lock, so processes that run side by side, or that a test kills, start without it
 # (`no_compilation_cache`): they could read an entry another is still writing, or leave a
-# damaged one, and jax warns on stderr when it reads one.
+# damaged one, and jax warns on stderr when it reads one. So do processes that compile large
+# programs no other test compiles (the paper configs): writing them costs seconds each.
 _CACHE = tempfile.mkdtemp(prefix="mtrain-jax-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -37,8 +38,8 @@ import pytest  # noqa: E402
 
 
 def no_compilation_cache(env: dict) -> dict:
-    """`env` for a process that runs beside another or that a test kills: without the
-    session's compilation cache."""
+    """`env` for a process that runs beside another, that a test kills, or that compiles
+    large programs once: without the session's compilation cache."""
     return {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE",
                                                               "JAX_PERSISTENT_CACHE"))}
 

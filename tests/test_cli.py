@@ -8,6 +8,7 @@ import sys
 import gin
 import pytest
 
+from mtrain import run as run_lib
 from mtrain.__main__ import main
 from tiny_config import TINY
 
@@ -103,6 +104,45 @@ def test_missing_gin_file_and_too_many_devices(tmp_path):
     assert proc.returncode == 2
     assert "needs 8 devices, but 1 are available" in proc.stderr and "--cpu_devices" in proc.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_settings_that_cannot_work_are_refused_before_the_data_is_prepared(tmp_path, capsys,
+                                                                          monkeypatch):
+    """On a fresh machine, preparing the data and training the vocabulary take minutes: a
+    model or layout setting that cannot work is refused first, and nothing is written."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home), XLA_FLAGS="--xla_backend_optimization_level=0")
+    env.pop("MTRAIN_DATA_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "mtrain", "--gin_file=quickstart.gin",
+                           "--cpu_devices=8", "--gin_param=transformer.remat_policy='most'",
+                           f"--model_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "transformer.remat_policy must be one of" in proc.stderr
+    assert not [p for p in (home / ".cache").rglob("*") if p.is_file()]  # no data, no vocabulary
+    # In this process, with an empty data dir: settings the trainer checks (the layout).
+    data = tmp_path / "data"
+    monkeypatch.setenv("MTRAIN_DATA_DIR", str(data))
+    try:
+        for bad, message in [("transformer.num_heads=3", "'heads' of size 3 is not divisible "
+                                                         "by mesh dimension 'model' of size 2"),
+                             ("run.sequence_length=64", "run.sequence_length=64 is longer than "
+                                                        "transformer.max_length=32")]:
+            capsys.readouterr()
+            assert cli(tmp_path / "run", bad) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and message in lines[0], lines
+            assert not list(data.rglob("*")), bad
+        # The model is built for the vocabulary size the settings plan; were the prepared
+        # vocabulary's another, it is built again for that one.
+        monkeypatch.setattr(run_lib, "planned_vocab_size", lambda model_dir=None: 100)
+        run_lib.parse_config(["tasks/bible_lm.gin", "layouts/dp4_mp2.gin"], TINY)
+        exp = run_lib.build(model_dir=str(tmp_path / "run"))
+        assert exp.vocab.vocab_size == 256
+        assert exp.model_config.vocab_size == exp.trainer.model.config.vocab_size == 256
+    finally:
+        gin.clear_config()
 
 
 def test_help_explains_every_flag():

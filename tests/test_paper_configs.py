@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import no_compilation_cache
 from mtrain import config as mtrain_config
 from mtrain import run as run_lib
 from mtrain import tasks
@@ -110,7 +111,8 @@ def test_every_paper_config_compiles_its_train_step_on_its_paper_mesh():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    # Programs no other test compiles: caching them would only cost time.
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0"))
     proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL, *PAPER], capture_output=True,
                           text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ import jax
 import optax
 import pytest
 
+from conftest import no_compilation_cache
 from mtrain import planner
 from mtrain import run as run_lib
 from mtrain.__main__ import main
@@ -169,8 +170,10 @@ def test_a_step_too_big_for_the_target_does_not_fit():
 
 
 def run_plan(*args):
+    # Programs no other test compiles: caching them would only cost time.
     proc = subprocess.run([sys.executable, "-m", "mtrain", "--mode=plan", *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env=no_compilation_cache(os.environ))
     return proc
 
 
