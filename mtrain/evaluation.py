@@ -4,6 +4,7 @@ search translations for translation tasks."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -106,9 +107,10 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     vocab = exp.vocab
     key = ("heldout", exp.eval_split, exp.sequence_length)
     if key not in exp.cache:
-        train_ids = [i for text in exp.source.texts("train", limit=max_texts)
-                     for i in vocab.encode_example(text, exp.sequence_length)[0]]
-        counts = 1.0 + np.bincount(np.asarray(train_ids, np.int64), minlength=vocab.vocab_size)
+        train_ids = np.fromiter(itertools.chain.from_iterable(
+            vocab.encode_example(text, exp.sequence_length)[0]
+            for text in exp.source.texts("train", limit=max_texts)), np.int64)
+        counts = 1.0 + np.bincount(train_ids, minlength=vocab.vocab_size)
         log_p = np.log(counts / counts.sum())
         log_loss, tokens, words = 0.0, 0, 0
         for text in exp.source.texts(exp.eval_split):

@@ -52,8 +52,8 @@ def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_
     that names a different one is a `ConfigError`. Otherwise `path` if given, else one
     trained once on the task's training text (every feature: one joint vocabulary for
     translation) and cached next to the data."""
-    recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else None
-    if recorded and os.path.exists(recorded):
+    recorded = _recorded_vocabulary(model_dir)
+    if recorded:
         vocab = load_vocabulary(recorded)
         if path and load_vocabulary(path).digest != vocab.digest:
             raise ConfigError(f"vocabulary.path={path} is not the vocabulary the checkpoints "
@@ -79,10 +79,15 @@ def planned_vocab_size(model_dir: str | None = None) -> int:
     """The vocabulary size a run would have, without data: that of the vocabulary recorded
     in `model_dir` if any (see `vocabulary`), else of ``vocabulary.path`` if bound, else
     ``vocabulary.size`` (sentencepiece trains exactly that many pieces)."""
-    recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else ""
-    path = recorded if os.path.exists(recorded) else config.bound("vocabulary.path", None)
+    path = _recorded_vocabulary(model_dir) or config.bound("vocabulary.path", None)
     return load_vocabulary(path).vocab_size if path else config.bound("vocabulary.size",
                                                                       DEFAULT_VOCAB_SIZE)
+
+
+def _recorded_vocabulary(model_dir: str | None) -> str | None:
+    """The path of the vocabulary recorded in `model_dir`, if it has one."""
+    recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else None
+    return recorded if recorded and os.path.exists(recorded) else None
 
 
 def _padded(vocab_size: int) -> int:
@@ -227,6 +232,8 @@ def build(
         raise ConfigError(f"run.batch_size={batch_size} must split into run.num_microbatches="
                           f"{num_microbatches} microbatches of a multiple of {data_ways} rows "
                           f"(the mesh's batch dimension)")
+    translation = task_obj.kind == "translation"
+
     def build_model(vocab_size: int):
         """The model, its schedule, trainer and SGP for a vocabulary of `vocab_size` pieces,
         padded to a multiple of 128 so that it splits over any mesh dimension up to 128 (the
@@ -244,7 +251,7 @@ def build(
         # Updates with a non-finite gradient leave parameters and optimizer state as they were.
         opt = optax.apply_if_finite(optimizer(schedule), max_nonfinite_steps)
         built = (model or config.MODELS[task_obj.kind])(model_config)
-        features = ("inputs", "targets")[1 - (task_obj.kind == "translation"):]
+        features = ("inputs", "targets")[1 - translation:]
         if built.features != features:
             raise ConfigError(f"run.model {type(built).__name__} takes {built.features}, but "
                               f"task {task!r} gives {features}")
@@ -279,7 +286,6 @@ def build(
             distributed.sync(f"mtrain_data_prepared_{turn}")
         if _padded(vocab.vocab_size) != _padded(planned):
             model_config, built, schedule, trainer, sgp = build_model(vocab.vocab_size)
-    translation = task_obj.kind == "translation"
     translator = None
     if translation and not planning:
         try:
