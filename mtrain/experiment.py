@@ -9,10 +9,10 @@ import dataclasses
 
 import jax
 import optax
+from etils import epy
 
 from mtrain import tasks as tasks_lib
 from mtrain.checkpoints import state_signature
-from mtrain.data.pipeline import batches
 from mtrain.data.sources import TextSource
 from mtrain.layout import Layout
 from mtrain.models.base import shape_fields
@@ -21,6 +21,9 @@ from mtrain.sgp import SGPTrainer
 from mtrain.trainer import Trainer
 from mtrain.translation import Translator
 from mtrain.vocabulary import Vocabulary
+
+with epy.lazy_imports():  # it imports TensorFlow, which a plan does not need
+    from mtrain.data import pipeline
 
 
 @dataclasses.dataclass
@@ -66,7 +69,7 @@ class Experiment:
     def _batches(self, split: str, train: bool):
         """This process's rows of each global batch (`Trainer.local_rows`)."""
         start, stop = self.trainer.local_rows()
-        return batches(
+        return pipeline.batches(
             self.source, self.vocab, split, self.task.features, self.sequence_length,
             self.batch_size, self.seed, train=train,
             shard=(start // (stop - start), self.batch_size // (stop - start)),

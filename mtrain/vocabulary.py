@@ -8,6 +8,8 @@
 Inside tf.data, `encode_tf` tokenises a batch of strings with one SentencePiece call.
 """
 
+from __future__ import annotations
+
 import hashlib
 import io
 import itertools
@@ -19,7 +21,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 import sentencepiece as spm
-import tensorflow as tf
+from etils import epy
+
+with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not for plans
+    import tensorflow as tf
 
 from mtrain.errors import UserError
 

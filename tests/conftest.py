@@ -44,6 +44,18 @@ def no_compilation_cache(env: dict) -> dict:
                                                               "JAX_PERSISTENT_CACHE"))}
 
 
+def split_import_times(stderr: str) -> tuple[set[str], list[str]]:
+    """The stderr of `python -X importtime ...`: (the top-level packages it imported, its
+    other lines)."""
+    packages, lines = set(), []
+    for line in stderr.splitlines():
+        if line.startswith("import time:"):
+            packages.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+        elif line.strip():
+            lines.append(line)
+    return packages, lines
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """A data dir (vocabularies, prepared datasets) shared by the tests of a module."""

@@ -9,6 +9,7 @@ import gin
 import pytest
 
 from mtrain import run as run_lib
+from conftest import split_import_times
 from mtrain.__main__ import main
 from tiny_config import TINY
 
@@ -114,13 +115,17 @@ def test_settings_that_cannot_work_are_refused_before_the_data_is_prepared(tmp_p
     home.mkdir()
     env = dict(os.environ, HOME=str(home), XLA_FLAGS="--xla_backend_optimization_level=0")
     env.pop("MTRAIN_DATA_DIR", None)
-    proc = subprocess.run([sys.executable, "-m", "mtrain", "--gin_file=quickstart.gin",
-                           "--cpu_devices=8", "--gin_param=transformer.remat_policy='most'",
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "mtrain",
+                           "--gin_file=quickstart.gin", "--cpu_devices=8",
+                           "--gin_param=transformer.remat_policy='most'",
                            f"--model_dir={tmp_path / 'run'}"], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "transformer.remat_policy must be one of" in proc.stderr
+    imported, lines = split_import_times(proc.stderr)
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "transformer.remat_policy must be one of" in lines[0]
     assert not [p for p in (home / ".cache").rglob("*") if p.is_file()]  # no data, no vocabulary
+    # Nor did it spend seconds importing what only the input pipeline needs.
+    assert "jax" in imported and not imported & {"tensorflow", "tensorflow_datasets"}
     # In this process, with an empty data dir: settings the trainer checks (the layout).
     data = tmp_path / "data"
     monkeypatch.setenv("MTRAIN_DATA_DIR", str(data))

@@ -12,7 +12,7 @@ import jax
 import optax
 import pytest
 
-from conftest import no_compilation_cache
+from conftest import no_compilation_cache, split_import_times
 from mtrain import planner
 from mtrain import run as run_lib
 from mtrain.__main__ import main
@@ -169,9 +169,9 @@ def test_a_step_too_big_for_the_target_does_not_fit():
     assert "DOES NOT FIT" in planner.format_plan(p)
 
 
-def run_plan(*args):
+def run_plan(*args, python_flags=()):
     # Programs no other test compiles: caching them would only cost time.
-    proc = subprocess.run([sys.executable, "-m", "mtrain", "--mode=plan", *args],
+    proc = subprocess.run([sys.executable, *python_flags, "-m", "mtrain", "--mode=plan", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=600,
                           env=no_compilation_cache(os.environ))
     return proc
@@ -179,8 +179,12 @@ def run_plan(*args):
 
 def test_cli_plans_the_largest_paper_lm_on_its_512_cores():
     # A process of its own: the plan simulates the 512 devices it needs.
-    proc = run_plan("--gin_file=paper/lm_size_5.gin", "--target=tpu-v2", "--format=json")
+    proc = run_plan("--gin_file=paper/lm_size_5.gin", "--target=tpu-v2", "--format=json",
+                    python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stderr
+    # A plan reads no data: it does not spend seconds importing the input pipeline's TensorFlow.
+    imported, _ = split_import_times(proc.stderr)
+    assert "jax" in imported and not imported & {"tensorflow", "tensorflow_datasets"}
     report = json.loads(proc.stdout)
     assert report["num_devices"] == 512 and report["mesh_shape"] == "batch:16;model:32"
     d, f, h, k, v = 1024, 262144, 256, 256, 32768

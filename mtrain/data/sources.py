@@ -21,6 +21,8 @@ TFDS datasets (lm1b, wmt14) are `TfdsSource`s, prepared by the real TFDS builder
 (tfds_prepare.py) and read by index from their array_record files.
 """
 
+from __future__ import annotations
+
 import abc
 import hashlib
 import sys
@@ -28,7 +30,10 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-import tensorflow as tf
+from etils import epy
+
+with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not for plans
+    import tensorflow as tf
 
 from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
 from mtrain.errors import DataError
