@@ -2,23 +2,26 @@
 fixture prepares data, so the first run builds the TFDS dataset and trains the vocabulary
 itself (as on a fresh machine), and every later run loads what it built.
 
-For the LM quickstart and for the WMT14 translation experiment: train 4 steps, run the
-same command again to 6, and end bit for bit where a run of 6 steps that was never
-stopped ends (a checkpoint every 2 steps: few steps, since each costs time and the paths
-are the same at any step). For the quickstart, then change a setting that the checkpoints
+For the LM quickstart and for the WMT14 translation experiment: a first run killed while
+TFDS writes the dataset; then train 4 steps, run the same command again to 6, and end bit
+for bit where a run of 6 steps that was never stopped ends (a checkpoint every 2 steps: few
+steps, since each costs time and the paths are the same at any step). For the quickstart, then change a setting that the checkpoints
 cannot follow (refused in one line, nothing changed) and one that they can (the layout, to
 FSDP: it resumes); the checks behind both are the same for every task, so the translation
 experiment leaves them out."""
 
 import json
+import glob
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 
+from conftest import no_compilation_cache
 from model_dirs import digest, saved_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,13 +40,31 @@ EXPERIMENTS = {
 }
 
 
-def mtrain(home, files, params, model_dir, *more):
-    """`python -m mtrain` on 8 CPU devices, with `home` as HOME and nothing else set."""
+def command(home, files, params, model_dir, *more):
+    """(argv, env) of `python -m mtrain` on 8 CPU devices, with `home` as HOME and nothing
+    else set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MTRAIN_", "XLA_"))}
     env.update(HOME=str(home), XLA_FLAGS="--xla_backend_optimization_level=0")
     args = [sys.executable, "-m", "mtrain", "--cpu_devices=8", *files,
             *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}", *more]
+    return args, env
+
+
+def mtrain(home, files, params, model_dir, *more):
+    args, env = command(home, files, params, model_dir, *more)
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def killed_when(appears, home, files, params, model_dir):
+    """Starts `mtrain` and SIGKILLs it as soon as a path matching the glob `appears` exists."""
+    args, env = command(home, files, params, model_dir)
+    with subprocess.Popen(args, cwd=REPO, env=no_compilation_cache(env),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        while proc.poll() is None and not glob.glob(str(appears)):
+            time.sleep(0.01)
+        proc.kill()
+        stderr = proc.communicate(timeout=60)[1].decode()
+    assert glob.glob(str(appears)), f"it ended before {appears} appeared: {stderr}"
 
 
 def records(model_dir):
@@ -60,9 +81,15 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     common = [*params, "run.checkpoint_every=2", "run.log_every=2"]
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
 
+    # The first run on this machine is killed while TFDS writes the dataset (into its
+    # "incomplete" directory); the next one builds it again, whole.
+    cache = home / ".cache" / "mtrain"
+    killed_when(cache / tfds_dir / dataset.split(":")[0] / "incomplete.*", home, files,
+                [*common, "run.train_steps=4"], stopped)
+    assert not (stopped / "checkpoints").exists()
+
     first = mtrain(home, files, [*common, "run.train_steps=4"], stopped)
     assert first.returncode == 0, first.stderr
-    cache = home / ".cache" / "mtrain"
     assert f"preparing {dataset} in {cache / tfds_dir}" in first.stderr  # built here
     assert "sentencepiece vocabulary" in first.stderr
 
