@@ -20,8 +20,14 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        """A flag that is wrong: one line, as every other mistake (the usage is --help's)."""
+        raise UserError(f"{message} (see --help)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _ArgumentParser(
         prog="python -m mtrain",
         description="Train or evaluate a mesh-sharded Transformer described by gin files.",
     )
@@ -168,7 +174,11 @@ def _loop_closed(error: BaseException | None) -> bool:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UserError as e:
+        print(f"mtrain: error: {e}", file=sys.stderr)
+        return 2
     _quiet_library_noise(args.verbose)
     if args.mode != "plan" and (args.auto_layout or args.devices is not None):
         print("mtrain: error: --auto_layout and --devices go with --mode=plan", file=sys.stderr)

@@ -449,6 +449,8 @@ BAD_INPUTS = [
     (["--gin_param=run.data_parallel='gossip'"], "run.data_parallel must be 'allreduce' or 'sgp'"),
     (["--gin_param=run.data_source='shipped'"], "applies to TFDS tasks only"),
     (["--cpu_devices=0"], "--cpu_devices must be at least 1"),
+    (["--mode=evaluate"], "argument --mode: invalid choice: 'evaluate' (choose from"),
+    (["--learning_rate=0.1"], "unrecognized arguments: --learning_rate=0.1 (see --help)"),
     (["--auto_layout"], "--auto_layout and --devices go with --mode=plan"),
     (["--mode=eval", "--restart"], "--restart goes with --mode=train"),
     (["--mode=plan", "--target=tpu-v9"], "unknown --target 'tpu-v9'"),
