@@ -70,6 +70,14 @@ class DataIteratorRestore(ocp.args.CheckpointArgs):
     iterator: Any
 
 
+def require_checkpoints(directory, missing: str) -> None:
+    """Raises a CheckpointError saying `missing` (what to do) unless `directory` holds a
+    checkpoint's step directory; reads only (a `Checkpoints` would create `directory`)."""
+    path = epath.Path(directory)
+    if not (path.is_dir() and any(p.name.isdigit() for p in path.iterdir())):
+        raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+
+
 def state_signature(abstract_state) -> dict[str, str]:
     """Every leaf of a (train) state as ``{path: "dtype[shape]"}``: what a checkpoint of it
     must hold for a restore into it."""

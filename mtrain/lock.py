@@ -1,4 +1,5 @@
-"""One training run per model dir, and a model dir that can really be written.
+"""One training run per model dir, a model dir that can really be written, and one run at a
+time preparing the data.
 
     lock = ModelDirLock(model_dir)
     lock.check_free()   # read-only: fails at once if a live run holds the dir
@@ -16,10 +17,16 @@ With several processes only process 0 takes the lock (see `acquire_on_process_0`
 `check_writable` writes and deletes a file, so that an unwritable directory (read-only,
 full, no permission, whatever the user) fails before the first step instead of at the
 first checkpoint.
+
+`check_data_dir` makes the data dir. `preparing_data(data_dir)` is held while a run prepares
+datasets and vocabularies in it: runs started together on a fresh machine take turns, and
+the later ones reuse what the first made instead of building the same files at once (the
+second would find the first's half-written raw tree and fail).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -28,10 +35,13 @@ import socket
 import sys
 import tempfile
 
-from mtrain.errors import UserError
+import filelock
+
+from mtrain.errors import ConfigError, UserError
 
 log = logging.getLogger("mtrain")
 LOCK_FILE = "mtrain.lock"
+DATA_LOCK_FILE = ".mtrain-prepare.lock"
 
 
 class ModelDirInUse(UserError):
@@ -52,6 +62,16 @@ def check_writable(directory: str, what: str) -> None:
             os.unlink(probe)
     except OSError as e:
         raise UserError(f"cannot write {what} {directory}: {e.strerror or e}") from None
+
+
+def check_data_dir(data_dir: str) -> None:
+    """The data dir is a directory, or can be made one."""
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+        reason = "is not a directory" if os.path.exists(data_dir) else f"cannot be made: {e.strerror}"
+        raise ConfigError(f"the data dir {data_dir} (run.data_dir, or $MTRAIN_DATA_DIR) "
+                          f"{reason}") from None
 
 
 def _alive(pid: int) -> bool:
@@ -141,3 +161,27 @@ class ModelDirLock:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+@contextlib.contextmanager
+def preparing_data(data_dir: str):
+    """Holds `data_dir`'s preparation lock, waiting (with one line on stderr) while another
+    process holds it. An OS lock (`filelock`): the system releases it when its process
+    dies, so it is never stale. A data dir where it cannot be made (read-only, prepared
+    elsewhere) is used without it."""
+    lock = filelock.FileLock(os.path.join(data_dir, DATA_LOCK_FILE))
+    try:
+        try:
+            lock.acquire(blocking=False)
+        except filelock.Timeout:
+            print(f"waiting for another mtrain process to finish preparing data in {data_dir}",
+                  file=sys.stderr, flush=True)
+            lock.acquire()
+    except OSError as e:
+        log.debug("preparing %s without a lock: %s", data_dir, e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()

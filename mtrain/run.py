@@ -24,11 +24,13 @@ from mtrain import distributed
 from mtrain import planner
 from mtrain import tasks as tasks_lib
 from mtrain import training
+from mtrain.checkpoints import require_checkpoints
 from mtrain.errors import ConfigError
 from mtrain.evaluation import evaluate
 from mtrain.experiment import Experiment
 from mtrain.inference import check_output_file, infer
 from mtrain.layout import Layout, LayoutError
+from mtrain.lock import check_data_dir, preparing_data
 from mtrain.metrics import MetricsWriter, log
 from mtrain.scoring import score
 from mtrain.sgp import SGPTrainer
@@ -92,16 +94,6 @@ def _recorded_vocabulary(model_dir: str | None) -> str | None:
 
 def _padded(vocab_size: int) -> int:
     return 128 * math.ceil(vocab_size / 128)
-
-
-def _check_data_dir(data_dir: str) -> None:
-    """The data dir is a directory, or can be made one."""
-    try:
-        os.makedirs(data_dir, exist_ok=True)
-    except OSError as e:
-        reason = "is not a directory" if os.path.exists(data_dir) else f"cannot be made: {e.strerror}"
-        raise ConfigError(f"the data dir {data_dir} (run.data_dir, or $MTRAIN_DATA_DIR) "
-                          f"{reason}") from None
 
 
 def _positive(name: str, value) -> None:
@@ -207,7 +199,7 @@ def build(
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
     task_obj = tasks_lib.get_task(task)
     if mode != "plan":
-        _check_data_dir(data_dir)
+        check_data_dir(data_dir)
     if mode == "infer" and task_obj.kind != "translation":
         raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
     if init_from and not os.path.isdir(init_from):
@@ -279,10 +271,11 @@ def build(
         # the others wait, then load what it made.
         for turn in ("first", "rest"):
             if (jax.process_index() == 0) == (turn == "first"):
-                source = task_obj.source(data_dir, data_source)
-                source.check_split(eval_split)
-                vocab = vocabulary(task_obj, source, data_dir,
-                                   model_dir=None if restart else model_dir)
+                with preparing_data(data_dir):  # one run at a time (on a fresh machine)
+                    source = task_obj.source(data_dir, data_source)
+                    source.check_split(eval_split)
+                    vocab = vocabulary(task_obj, source, data_dir,
+                                       model_dir=None if restart else model_dir)
             distributed.sync(f"mtrain_data_prepared_{turn}")
         if _padded(vocab.vocab_size) != _padded(planned):
             model_config, built, schedule, trainer, sgp = build_model(vocab.vocab_size)
@@ -321,10 +314,12 @@ def run(input_file: str | None = None, output_file: str | None = None,
     model_dir from the command line) say."""
     mode = overrides.get("mode") or config.bound("run.mode", "train")
     model_dir = overrides.get("model_dir") or config.bound("run.model_dir", None)
-    # What can fail at once, before data and compilation: another run in the model dir, an
-    # output file that could not be written.
+    # What can fail at once, before data and compilation: another run in the model dir, no
+    # checkpoint to read, an output file that could not be written.
     if mode == "train" and model_dir:
         training.check_model_dir_free(model_dir)
+    if mode in ("eval", "infer", "score") and model_dir:
+        require_checkpoints(os.path.join(model_dir, "checkpoints"), "train first (--mode=train)")
     if mode in ("infer", "score"):
         check_output_file(output_file)
     exp = build(restart=restart, **overrides)

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from mtrain import distributed, targets
-from mtrain.checkpoints import CheckpointError, Checkpoints
+from mtrain.checkpoints import CheckpointError, Checkpoints, require_checkpoints
 from mtrain.errors import Interrupted, TrainingDiverged, UserError
 from mtrain.evaluation import evaluate
 from mtrain.lock import ModelDirInUse, ModelDirLock, check_writable
@@ -168,8 +168,7 @@ def restore_for_reading(exp, directory: str, step: int | None = None,
     """(state, step) of checkpoint `step` (default: the latest) in `directory`, into this
     run's shardings, without the input position: for eval, infer and init_from. Reads only;
     `missing` says what to do when `directory` holds no checkpoint."""
-    if not os.path.isdir(directory):  # Checkpoints would create it
-        raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+    require_checkpoints(directory, missing)
     checkpoints = Checkpoints(directory, exp.keep_checkpoints)
     try:
         steps = checkpoints.all_steps()

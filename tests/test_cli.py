@@ -133,7 +133,9 @@ def test_settings_that_cannot_work_are_refused_before_the_data_is_prepared(tmp_p
         for bad, message in [("transformer.num_heads=3", "'heads' of size 3 is not divisible "
                                                          "by mesh dimension 'model' of size 2"),
                              ("run.sequence_length=64", "run.sequence_length=64 is longer than "
-                                                        "transformer.max_length=32")]:
+                                                        "transformer.max_length=32"),
+                             ("run.mode='eval'", f"no checkpoints in {tmp_path / 'run'}/"
+                                                 f"checkpoints; train first")]:
             capsys.readouterr()
             assert cli(tmp_path / "run", bad) == 2
             lines = capsys.readouterr().err.strip().splitlines()

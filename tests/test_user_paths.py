@@ -17,12 +17,14 @@ import subprocess
 import sys
 import time
 
+import filelock
 import jax
 import numpy as np
 import pytest
 
 from conftest import no_compilation_cache
 from model_dirs import digest, saved_state
+from mtrain.lock import DATA_LOCK_FILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,3 +129,34 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     assert "resuming from the checkpoint of step 6" in moved.stderr
     assert "parameter_rules='d_model:batch'" in moved.stderr
     assert records(stopped)[-1]["step"] == 7
+
+
+def test_runs_started_together_on_a_fresh_machine_prepare_the_data_once(tmp_path):
+    """Two experiments started at once on a fresh HOME: one builds lm1b and its vocabulary,
+    the other waits for it, then uses them (it had failed on the first's half-written raw
+    tree). Each process builds its run and stops there: the race is in the data."""
+    home = tmp_path / "home"
+    data = home / ".cache" / "mtrain"
+    data.mkdir(parents=True)
+    script = ("import sys; from mtrain.cpu_devices import simulate_cpu_devices; "
+              "simulate_cpu_devices(8); from mtrain import run; "
+              "run.parse_config(['quickstart.gin'], []); "
+              "print(run.build(model_dir=sys.argv[1]).vocab.digest)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MTRAIN_", "XLA_"))}
+    env.update(HOME=str(home), TF_CPP_MIN_LOG_LEVEL="3")
+    with filelock.FileLock(str(data / DATA_LOCK_FILE)):  # until both wait for it
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"run{i}")],
+                                  cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(2)]
+        for proc in procs:  # each says that it waits (after what libraries may log first)
+            lines = [proc.stderr.readline()]
+            while lines[-1] and "waiting for another mtrain process" not in lines[-1]:
+                lines.append(proc.stderr.readline())
+            assert lines[-1].strip() == (f"waiting for another mtrain process to finish "
+                                         f"preparing data in {data}"), lines
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert outputs[0][0] == outputs[1][0]  # the same vocabulary
+    stderr = "".join(err for _, err in outputs)
+    assert stderr.count("preparing lm1b:1.1.0") == 1, stderr
+    assert stderr.count("sentencepiece vocabulary") == 1, stderr
