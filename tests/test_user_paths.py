@@ -84,7 +84,7 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
 
     # The first run on this machine is killed while TFDS writes the dataset (into its
-    # "incomplete" directory); the next one builds it again, whole.
+    # "incomplete" directory); the next one removes that and builds it again, whole.
     cache = home / ".cache" / "mtrain"
     killed_when(cache / tfds_dir / dataset.split(":")[0] / "incomplete.*", home, files,
                 [*common, "run.train_steps=4"], stopped)
@@ -93,6 +93,8 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     first = mtrain(home, files, [*common, "run.train_steps=4"], stopped)
     assert first.returncode == 0, first.stderr
     assert f"preparing {dataset} in {cache / tfds_dir}" in first.stderr  # built here
+    assert "left by a preparation that did not finish" in first.stderr  # and removed
+    assert not glob.glob(str(cache / tfds_dir / dataset.split(":")[0] / "incomplete.*"))
     assert "sentencepiece vocabulary" in first.stderr
 
     again = mtrain(home, files, [*common, "run.train_steps=6"], stopped)

@@ -34,7 +34,7 @@ import tensorflow_datasets as tfds
 import tree
 from absl import logging as absl_logging
 from etils import epath
-from tensorflow_datasets.core import file_adapters
+from tensorflow_datasets.core import constants, file_adapters
 from tensorflow_datasets.core.utils import tqdm_utils
 
 from mtrain.data.make_offline import LM1B_HELDOUT_DIR, LM1B_TRAIN_DIR, tree_for
@@ -75,6 +75,7 @@ def prepare(name: str, data_dir: str | os.PathLike, data_source: str | os.PathLi
         source = None if data_source is None else epath.Path(data_source).expanduser().absolute()
         if source is not None:
             _check_raw_tree(builder, source)
+        _remove_unfinished(builder)
         print(f"preparing {name} in {data_dir} from {source or 'the web'}",
               file=sys.stderr, flush=True)
         # GCS only hosts tfrecord datasets, and asking whether it has one needs a network.
@@ -85,6 +86,18 @@ def prepare(name: str, data_dir: str | os.PathLike, data_source: str | os.PathLi
         else:
             _prepare_offline(builder, name, source, download_config, wanted_format)
     return builder
+
+
+def _remove_unfinished(builder) -> None:
+    """Deletes what preparations of the builder's dataset that were killed left: TFDS builds
+    into ``incomplete.<random>_<version>`` beside the version's directory and renames it when
+    done. mtrain prepares holding the data dir's lock (`lock.preparing_data`), so none of
+    them is still under way."""
+    version = epath.Path(builder.data_dir)
+    for unfinished in version.parent.glob(f"{constants.INCOMPLETE_PREFIX}*_{version.name}"):
+        print(f"removing {unfinished}, left by a preparation that did not finish",
+              file=sys.stderr, flush=True)
+        unfinished.rmtree()
 
 
 def _prepare_online(builder, name, download_config, file_format) -> None:
