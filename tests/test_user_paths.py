@@ -5,13 +5,13 @@ itself (as on a fresh machine), and every later run loads what it built.
 For the LM quickstart and for the WMT14 translation experiment: a first run killed while
 TFDS writes the dataset; then train 4 steps, run the same command again to 6, and end bit
 for bit where a run of 6 steps that was never stopped ends (a checkpoint every 2 steps: few
-steps, since each costs time and the paths are the same at any step). For the quickstart, then change a setting that the checkpoints
-cannot follow (refused in one line, nothing changed) and one that they can (the layout, to
-FSDP: it resumes); the checks behind both are the same for every task, so the translation
-experiment leaves them out."""
+steps, since each costs time and the paths are the same at any step). For the quickstart,
+then change a setting that the checkpoints cannot follow (refused in one line, nothing
+changed) and one that they can (the layout, to FSDP: it resumes); the checks behind both are
+the same for every task, so the translation experiment leaves them out."""
 
-import json
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -42,14 +42,18 @@ EXPERIMENTS = {
 }
 
 
-def command(home, files, params, model_dir, *more):
-    """(argv, env) of `python -m mtrain` on 8 CPU devices, with `home` as HOME and nothing
-    else set."""
+def user_env(home):
+    """The environment of a user whose HOME is `home`, with nothing of mtrain's set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MTRAIN_", "XLA_"))}
     env.update(HOME=str(home), XLA_FLAGS="--xla_backend_optimization_level=0")
+    return env
+
+
+def command(home, files, params, model_dir, *more):
+    """(argv, env) of `python -m mtrain` on 8 CPU devices, with `home` as HOME."""
     args = [sys.executable, "-m", "mtrain", "--cpu_devices=8", *files,
             *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}", *more]
-    return args, env
+    return args, user_env(home)
 
 
 def mtrain(home, files, params, model_dir, *more):
@@ -86,15 +90,15 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     # The first run on this machine is killed while TFDS writes the dataset (into its
     # "incomplete" directory); the next one removes that and builds it again, whole.
     cache = home / ".cache" / "mtrain"
-    killed_when(cache / tfds_dir / dataset.split(":")[0] / "incomplete.*", home, files,
-                [*common, "run.train_steps=4"], stopped)
+    unfinished = cache / tfds_dir / dataset.split(":")[0] / "incomplete.*"
+    killed_when(unfinished, home, files, [*common, "run.train_steps=4"], stopped)
     assert not (stopped / "checkpoints").exists()
 
     first = mtrain(home, files, [*common, "run.train_steps=4"], stopped)
     assert first.returncode == 0, first.stderr
     assert f"preparing {dataset} in {cache / tfds_dir}" in first.stderr  # built here
     assert "left by a preparation that did not finish" in first.stderr  # and removed
-    assert not glob.glob(str(cache / tfds_dir / dataset.split(":")[0] / "incomplete.*"))
+    assert not glob.glob(str(unfinished))
     assert "sentencepiece vocabulary" in first.stderr
 
     again = mtrain(home, files, [*common, "run.train_steps=6"], stopped)
@@ -144,8 +148,8 @@ def test_runs_started_together_on_a_fresh_machine_prepare_the_data_once(tmp_path
               "simulate_cpu_devices(8); from mtrain import run; "
               "run.parse_config(['quickstart.gin'], []); "
               "print(run.build(model_dir=sys.argv[1]).vocab.digest)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MTRAIN_", "XLA_"))}
-    env.update(HOME=str(home), TF_CPP_MIN_LOG_LEVEL="3")
+    # Side by side: without the tests' compilation cache (see conftest).
+    env = no_compilation_cache(dict(user_env(home), TF_CPP_MIN_LOG_LEVEL="3"))
     with filelock.FileLock(str(data / DATA_LOCK_FILE)):  # until both wait for it
         procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"run{i}")],
                                   cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
