@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from etils import epath
 
 from mtrain import distributed
 from mtrain.errors import IncompatibleRun, UserError
+from mtrain.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
 
@@ -103,8 +105,10 @@ class Checkpoints:
         `cleanup_tmp`: delete the temporary directories of saves that never finished (only
         for the one run that writes the directory)."""
         # orbax's tensorstore writer needs an absolute path (a relative one fails in the
-        # background save thread, after the step has moved on).
-        self.directory = epath.Path(directory).absolute()
+        # background save thread, after the step has moved on). Not epath's absolute(): it
+        # makes gs://b/d a local path.
+        self.directory = epath.Path(directory if is_remote(directory) else
+                                    os.path.abspath(directory))
         if jax.default_backend() == "cpu":
             _write_whole_replicas()
         options = ocp.CheckpointManagerOptions(

@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+from etils import epath
 
 from mtrain.bleu import corpus_bleu
 from mtrain.metrics import MetricsWriter, log
@@ -78,7 +79,7 @@ def bleu(exp, params, step: int) -> dict:
              hypotheses[0], references[0], scores["signature"])
     if jax.process_index() == 0:
         path = os.path.join(exp.model_dir, "decodes", f"{exp.eval_split}-{step}.tsv")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
         flat = lambda text: " ".join(text.replace("\t", " ").splitlines())  # noqa: E731
         write_atomically(path, "".join(f"{flat(s)}\t{flat(r)}\t{flat(h)}\n" for s, r, h in
                                        zip(inputs, references, hypotheses)))

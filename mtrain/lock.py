@@ -12,16 +12,21 @@ second to finish would delete the first one's checkpoints. The lock file names i
 so the error says who holds it. A lock left by a run that died (SIGKILL, a crash) on this
 host, whose process no longer exists, is taken over with a warning; one held from another
 host cannot be checked from here, and stays until its run ends or a person deletes it.
-With several processes only process 0 takes the lock (see `acquire_on_process_0`).
+With several processes only process 0 takes the lock (`training._lock`). A model dir in a
+bucket (gs://) is not locked: a bucket has no exclusive create through TensorFlow's gfile,
+and the lock of a preempted pod could not be told from a live one's, so a restarted job
+would wait for a person; one job per bucket dir is the launcher's to keep, as with T5X and
+MaxText.
 
 `check_writable` writes and deletes a file, so that an unwritable directory (read-only,
 full, no permission, whatever the user) fails before the first step instead of at the
 first checkpoint.
 
-`check_data_dir` makes the data dir. `preparing_data(data_dir)` is held while a run prepares
-datasets and vocabularies in it: runs started together on a fresh machine take turns, and
-the later ones reuse what the first made instead of building the same files at once (the
-second would find the first's half-written raw tree and fail).
+`check_data_dir` makes the data dir, which is local: each host prepares its own copy.
+`preparing_data(data_dir)` is held while a run prepares datasets and vocabularies in it:
+runs started together on a fresh machine take turns, and the later ones reuse what the
+first made instead of building the same files at once (the second would find the first's
+half-written raw tree and fail).
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import sys
 import tempfile
 
 import filelock
+from etils import epath
 
 from mtrain.errors import ConfigError, UserError
+from mtrain.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
 LOCK_FILE = "mtrain.lock"
@@ -51,6 +58,16 @@ class ModelDirInUse(UserError):
 def check_writable(directory: str, what: str) -> None:
     """Creates `directory` if needed and writes a file into it (then deletes it); raises a
     UserError naming `what` (e.g. "the model dir") if either fails."""
+    if is_remote(directory):
+        probe = epath.Path(directory) / f".mtrain-write-test-{socket.gethostname()}-{os.getpid()}"
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"mtrain")
+            probe.unlink()
+        except Exception as e:  # the bucket's client raises errors of its own
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"cannot write {what} {directory}: {reason}") from None
+        return
     try:
         os.makedirs(directory, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".mtrain-write-test-")
@@ -65,7 +82,10 @@ def check_writable(directory: str, what: str) -> None:
 
 
 def check_data_dir(data_dir: str) -> None:
-    """The data dir is a directory, or can be made one."""
+    """The data dir is a local directory, or can be made one."""
+    if is_remote(data_dir):
+        raise ConfigError(f"the data dir {data_dir} (run.data_dir, or $MTRAIN_DATA_DIR) must be "
+                          f"a local path: each host prepares its own copy of the data there")
     try:
         os.makedirs(data_dir, exist_ok=True)
     except OSError as e:
@@ -91,6 +111,7 @@ class ModelDirLock:
         self.model_dir = model_dir
         self.path = os.path.join(model_dir, LOCK_FILE)
         self.held = False
+        self.unlocked = is_remote(model_dir)  # a bucket: see the module docstring
 
     def _holder(self) -> dict | None:
         """The lock's contents, None if there is no lock ({} if it cannot be parsed)."""
@@ -116,12 +137,16 @@ class ModelDirLock:
 
     def check_free(self) -> None:
         """Raises ModelDirInUse if a live run holds the lock; writes nothing."""
+        if self.unlocked:
+            return
         holder = self._holder()
         if holder is not None and not self._stale(holder):
             raise self._in_use(holder)
 
     def acquire(self) -> None:
         """Takes the lock (taking over a stale one with a warning), or raises ModelDirInUse."""
+        if self.unlocked:
+            return
         record = json.dumps({
             "host": socket.gethostname(), "pid": os.getpid(),
             "since": datetime.datetime.now().isoformat(timespec="seconds"),

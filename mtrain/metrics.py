@@ -1,4 +1,5 @@
-"""Where metrics go: the console, ``<model_dir>/metrics.jsonl`` and TensorBoard event files.
+"""Where metrics go: the console, ``<model_dir>/metrics.jsonl`` and TensorBoard event files
+(in a gs:// model dir too, through etils.epath like the model dir's other files).
 
 Every record is a step and a flat dict of named metrics (``train/loss``, ``eval/perplexity``,
 ...). Only process 0 writes.
@@ -12,6 +13,9 @@ import math
 import os
 
 import jax
+from etils import epath
+
+from mtrain.textfiles import append_text, is_remote
 
 log = logging.getLogger("mtrain")
 
@@ -47,16 +51,18 @@ class MetricsWriter:
         self.path = os.path.join(model_dir, "metrics.jsonl")
         self._tb = None
         if self.enabled:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter, record_writer
 
+            if is_remote(model_dir):
+                record_writer.register_writer_factory(os.fspath(model_dir).split("://")[0],
+                                                      _BucketEventFiles())
             self._tb = SummaryWriter(model_dir, flush_secs=10)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
+        append_text(self.path, json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
         for name, value in metrics.items():
             if math.isfinite(value):
                 self._tb.add_scalar(name, value, step)
@@ -65,3 +71,29 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+class _BucketEventFile:
+    """An event file in a bucket, for tensorboardX: kept in memory and written whole at each
+    flush (an object cannot be appended to), through epath. tensorboardX's own gs:// writer
+    needs google-cloud-storage, and uploads again whenever it is garbage-collected."""
+
+    def __init__(self, path: str):
+        self.path, self.data = epath.Path(path), bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def flush(self) -> None:
+        self.path.write_bytes(bytes(self.data))
+
+    close = flush
+
+
+class _BucketEventFiles:
+    """tensorboardX's writer factory for a URL scheme (`record_writer.register_writer_factory`)."""
+
+    open = staticmethod(_BucketEventFile)
+
+    def directory_check(self, path: str) -> None:
+        """A bucket has no directories to make."""

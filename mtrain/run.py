@@ -18,6 +18,7 @@ import sys
 import gin
 import jax
 import optax
+from etils import epath
 
 from mtrain import MODES, config
 from mtrain import distributed
@@ -89,7 +90,7 @@ def planned_vocab_size(model_dir: str | None = None) -> int:
 def _recorded_vocabulary(model_dir: str | None) -> str | None:
     """The path of the vocabulary recorded in `model_dir`, if it has one."""
     recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else None
-    return recorded if recorded and os.path.exists(recorded) else None
+    return recorded if recorded and epath.Path(recorded).exists() else None
 
 
 def _padded(vocab_size: int) -> int:
@@ -202,7 +203,7 @@ def build(
         check_data_dir(data_dir)
     if mode == "infer" and task_obj.kind != "translation":
         raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
-    if init_from and not os.path.isdir(init_from):
+    if init_from and not epath.Path(init_from).is_dir():
         raise ConfigError(f"run.init_from={init_from!r} is not a directory; name the model dir "
                           f"of the run to start from")
     eval_split = eval_split or task_obj.eval_split

@@ -1,4 +1,11 @@
-"""Text files in and out of the CLI's modes: lines read whole, outputs replaced atomically."""
+"""Files in and out: the CLI's text inputs and outputs, and the files of a model dir.
+
+A model dir may be local or in a bucket (``gs://``, which `launch/tpu.sh` requires): its files
+go through `etils.epath`, which reads and writes both. A local file is replaced atomically
+(written to a temporary name, then renamed); an object in a bucket is replaced whole by a
+single write, and cannot be appended to, so `append_text` rewrites it there (metrics.jsonl,
+the one file that grows, is a few kB per thousand steps).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,14 @@ import os
 import sys
 import tempfile
 
+from etils import epath
+
 from mtrain.errors import ConfigError
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether `path` is a URL (gs://, s3://, ...) rather than a local path."""
+    return "://" in os.fspath(path)
 
 
 def read_lines(input_file: str | None) -> list[str]:
@@ -21,14 +35,32 @@ def read_lines(input_file: str | None) -> list[str]:
         raise ConfigError(f"cannot read --input_file {input_file}: {reason}") from None
 
 
-def write_atomically(output_file: str | None, text: str) -> None:
-    """`text` to `output_file` (None or '-': stdout); a file is replaced only when whole."""
+def write_atomically(output_file: str | os.PathLike | None, data: str | bytes) -> None:
+    """`data` to `output_file` (None or '-': stdout); a reader never sees half of it."""
     if output_file in (None, "-"):
-        sys.stdout.write(text)
+        sys.stdout.write(data)
         sys.stdout.flush()
+        return
+    content = data.encode("utf-8") if isinstance(data, str) else data
+    if is_remote(output_file):
+        epath.Path(output_file).write_bytes(content)
         return
     directory = os.path.dirname(os.path.abspath(output_file))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mtrain-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, output_file)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+        os.replace(tmp, output_file)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Appends `text` to the file `path` (creating it); in a bucket, rewrites the object."""
+    if not is_remote(path):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+        return
+    path = epath.Path(path)
+    path.write_text((path.read_text() if path.exists() else "") + text)

@@ -29,6 +29,7 @@ import time
 
 import jax
 import numpy as np
+from etils import epath
 
 from mtrain import distributed, targets
 from mtrain.checkpoints import CheckpointError, Checkpoints, require_checkpoints
@@ -36,6 +37,7 @@ from mtrain.errors import Interrupted, TrainingDiverged, UserError
 from mtrain.evaluation import evaluate
 from mtrain.lock import ModelDirInUse, ModelDirLock, check_writable
 from mtrain.metrics import MetricsWriter, log
+from mtrain.textfiles import write_atomically
 
 # A run's files in its model dir: moved aside by a restart.
 VOCABULARY_FILE = "vocabulary.model"  # the vocabulary of the checkpoints (run.vocabulary)
@@ -58,9 +60,8 @@ def train(exp, restart: bool = False) -> dict:
             batches = exp.train_batches()
             state, start = _restore_or_init(exp, checkpoints, batches)
             if jax.process_index() == 0:
-                with open(os.path.join(exp.model_dir, "config.gin"), "w") as f:
-                    f.write(exp.config_text)
-                if not os.path.exists(os.path.join(exp.model_dir, VOCABULARY_FILE)):
+                write_atomically(os.path.join(exp.model_dir, "config.gin"), exp.config_text)
+                if not epath.Path(exp.model_dir, VOCABULARY_FILE).exists():
                     exp.vocab.save(os.path.join(exp.model_dir, VOCABULARY_FILE))
             writer = MetricsWriter(exp.model_dir)
             with _closing(writer.close):
@@ -115,18 +116,19 @@ def _on_process_0(action, model_dir: str) -> None:
 def _move_aside_for_restart(model_dir: str) -> None:
     """--restart: moves the checkpoints, metrics, config and TensorBoard events of the model
     dir into a new ``before-restart-<n>/`` inside it (nothing is deleted)."""
-    names = [n for n in sorted(os.listdir(model_dir))
-             if n in RUN_FILES or n.startswith("events.out.tfevents")]
+    model_dir = epath.Path(model_dir)
+    names = sorted(p.name for p in model_dir.iterdir()
+                   if p.name in RUN_FILES or p.name.startswith("events.out.tfevents"))
     if not names:
         return
     n = 1
-    while os.path.exists(os.path.join(model_dir, f"before-restart-{n}")):
+    while (model_dir / f"before-restart-{n}").exists():
         n += 1
-    target = os.path.join(model_dir, f"before-restart-{n}")
+    target = model_dir / f"before-restart-{n}"
     if jax.process_index() == 0:
-        os.mkdir(target)
+        target.mkdir()
         for name in names:
-            os.rename(os.path.join(model_dir, name), os.path.join(target, name))
+            (model_dir / name).rename(target / name)
     distributed.sync("mtrain_restart")
     log.warning("--restart: moved %s to %s; training from step 0", ", ".join(names), target)
 
@@ -156,7 +158,7 @@ def _restore_or_init(exp, checkpoints: Checkpoints, iterator):
 def _params_from(exp):
     """The parameters of checkpoint `init_step` (default: the latest) of run `init_from`."""
     where = exp.init_from
-    if os.path.isdir(os.path.join(where, "checkpoints")):
+    if epath.Path(where, "checkpoints").is_dir():
         where = os.path.join(where, "checkpoints")
     state, step = restore_for_reading(exp, where, exp.init_step,
                                       missing="run.init_from must name the model dir of a run")

@@ -15,18 +15,18 @@ import io
 import itertools
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 import sentencepiece as spm
-from etils import epy
+from etils import epath, epy
 
 with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not for plans
     import tensorflow as tf
 
 from mtrain.errors import UserError
+from mtrain.textfiles import write_atomically
 
 PAD_ID = 0
 EOS_ID = 1
@@ -77,16 +77,9 @@ class Vocabulary:
         return self._proto
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the .model file to `path` atomically (a reader never sees half of it)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._proto)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        """Writes the .model file to `path` (local or a bucket) whole: a reader never sees half
+        of it."""
+        write_atomically(path, self._proto)
 
     @property
     def digest(self) -> str:
@@ -143,9 +136,10 @@ def load_vocabulary(path: str | os.PathLike) -> Vocabulary:
     """Loads a SentencePiece .model file; raises VocabularyError if it is missing or invalid."""
     path = str(path)
     try:
-        proto = Path(path).read_bytes()
-    except OSError as e:
-        raise VocabularyError(f"cannot read sentencepiece vocabulary {path}: {e.strerror}") from None
+        proto = epath.Path(path).read_bytes()
+    except Exception as e:  # OSError locally; a bucket's client raises errors of its own
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise VocabularyError(f"cannot read sentencepiece vocabulary {path}: {reason}") from None
     try:
         return Vocabulary(proto, path)
     except VocabularyError:

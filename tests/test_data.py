@@ -1,6 +1,7 @@
 """Input pipeline: Bible splits, packing, host sharding, resumable iterators, eval passes."""
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -195,6 +196,28 @@ def test_restored_iterator_continues_exactly(vocab, tmp_path):
     other = lm_batches(EN, vocab, "train", LENGTH, BATCH, seed=6, train=True, window=WINDOW)
     with pytest.raises(IncompatibleRun, match=r"saved by another pipeline: seed=5 there, 6 here"):
         other.restore(tmp_path)
+
+
+def test_a_position_saved_by_an_older_mtrain_restores_and_a_damaged_one_is_an_error(vocab,
+                                                                                   tmp_path):
+    """Older runs saved the tf.data state with tf.train.Checkpoint (``<prefix>.index`` and
+    ``.data-*`` instead of ``<prefix>.state``): their checkpoints resume exactly too."""
+    batches = train_batches(vocab)
+    for _ in range(2):
+        next(batches)
+    batches.save(tmp_path)
+    prefix = batches.state_prefix(tmp_path)
+    os.remove(prefix + ".state")
+    tf.train.Checkpoint(iterator=batches._iterator).write(prefix)
+    expected = [next(batches) for _ in range(3)]
+    restored = train_batches(vocab)
+    restored.restore(tmp_path)
+    assert_same([next(restored) for _ in range(3)], expected)
+    batches.save(tmp_path / "damaged")
+    with open(batches.state_prefix(tmp_path / "damaged") + ".state", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="cannot restore the input pipeline"):
+        train_batches(vocab).restore(tmp_path / "damaged")
 
 
 def test_a_different_number_of_processes_resumes_by_fast_forwarding(vocab, tmp_path):

@@ -44,11 +44,13 @@ from typing import Iterator
 
 import numpy as np
 import tensorflow as tf
+from etils import epath
 
 from mtrain.data import packing
 from mtrain.data.packing import no_autograph
 from mtrain.data.sources import TextSource
 from mtrain.errors import DataError, IncompatibleRun
+from mtrain.textfiles import write_atomically
 from mtrain.vocabulary import Vocabulary
 
 LM_FEATURES = {"targets": "text"}  # packed key <- source feature
@@ -210,7 +212,6 @@ class BatchIterator:
         self.start = self.position = position  # the dataset begins after `start` batches
         self.dataset = self._make(position)
         self._iterator = iter(self.dataset)
-        self._checkpoint = tf.train.Checkpoint(iterator=self._iterator)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -230,12 +231,16 @@ class BatchIterator:
                     start=self.start)
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Writes this process's iterator state under `directory`; returns its prefix."""
-        tf.io.gfile.makedirs(os.fspath(directory))
+        """Writes this process's iterator state under `directory` (local or a bucket): the
+        tf.data state as a serialized tensor in ``<prefix>.state``, the position and config
+        in ``<prefix>.json``; returns the prefix."""
+        epath.Path(directory).mkdir(parents=True, exist_ok=True)
         prefix = self.state_prefix(directory)
-        self._checkpoint.write(prefix)
-        with tf.io.gfile.GFile(prefix + ".json", "w") as f:
-            json.dump(self._saved(), f, indent=1, sort_keys=True)
+        # What tf.train.Checkpoint saves of an iterator, as bytes, so that it is written like
+        # every other file of a model dir (epath), not by TensorFlow's file system.
+        state = self._iterator._serialize_to_tensors()["_STATE"]
+        write_atomically(prefix + ".state", tf.io.serialize_tensor(state).numpy())
+        write_atomically(prefix + ".json", json.dumps(self._saved(), indent=1, sort_keys=True))
         return prefix
 
     def restore(self, directory: str | os.PathLike) -> None:
@@ -243,12 +248,12 @@ class BatchIterator:
         process's saved tf.data state, or, when the run was saved by a different number of
         processes, by fast-forwarding to the saved position."""
         prefix = self.state_prefix(directory)
-        saved_files = tf.io.gfile.glob(os.path.join(os.fspath(directory), "input_pipeline.*.json"))
+        saved_files = sorted(os.fspath(p) for p in
+                             epath.Path(directory).glob("input_pipeline.*.json"))
         if not saved_files:
             raise DataError(f"no input pipeline state under {directory}")
         own = prefix + ".json"
-        with tf.io.gfile.GFile(own if own in saved_files else saved_files[0]) as f:
-            saved = json.load(f)
+        saved = json.loads(epath.Path(own if own in saved_files else saved_files[0]).read_text())
         position, start = saved.pop("position", None), saved.pop("start", 0)
         saved_shard = tuple(saved.pop("shard", ()))
         config = dict(self.config)
@@ -265,7 +270,12 @@ class BatchIterator:
             if start != self.start:
                 self._start(start)  # the saved state is of a dataset built to start there
             try:
-                self._checkpoint.read(prefix).assert_consumed()
+                if epath.Path(prefix + ".state").exists():
+                    state = tf.io.parse_tensor(epath.Path(prefix + ".state").read_bytes(),
+                                               out_type=tf.variant)
+                    self._iterator._restore_from_tensors({"_STATE": state})
+                else:  # saved by an older mtrain, as a tf.train.Checkpoint
+                    tf.train.Checkpoint(iterator=self._iterator).read(prefix).assert_consumed()
             except (tf.errors.OpError, AssertionError) as e:
                 raise DataError(f"cannot restore the input pipeline from {prefix}: "
                                 f"{type(e).__name__}") from None
