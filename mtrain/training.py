@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
 import signal
 import time
@@ -121,12 +122,11 @@ def _move_aside_for_restart(model_dir: str) -> None:
                    if p.name in RUN_FILES or p.name.startswith("events.out.tfevents"))
     if not names:
         return
-    n = 1
-    while (model_dir / f"before-restart-{n}").exists():
-        n += 1
+    n = next(n for n in itertools.count(1) if not (model_dir / f"before-restart-{n}").exists())
     target = model_dir / f"before-restart-{n}"
     if jax.process_index() == 0:
-        target.mkdir()
+        target.mkdir()  # and a file in it: in a bucket, gcsfs's "directory" is a prefix in use
+        (target / "RESTARTED").write_text(f"moved here by --restart: {', '.join(names)}\n")
         for name in names:
             (model_dir / name).rename(target / name)
     distributed.sync("mtrain_restart")

@@ -5,16 +5,20 @@ gcp-storage-emulator (a test dependency) with what tensorstore needs of it and i
   deletes (412 when one fails, 304 for a read whose object is unchanged): orbax's OCDBT
   checkpoints update their manifest with them, and without them two writers overwrite each
   other's;
+- ``moveTo``, with which gcsfs renames an object (it retries for minutes without it);
 - a listen backlog for tensorstore's many connections (http.server's default of 5 resets
   some): the emulator serves one request at a time.
 """
 
 import http.server
+import json
+import re
 import sys
 from urllib.parse import parse_qs, unquote, urlparse
 
 from gcp_storage_emulator import server
 from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
 
 
 def _object(path: str, query: dict) -> tuple[str, str] | None:
@@ -53,9 +57,31 @@ def _refused(handler, method) -> bool:
     return True
 
 
+def _moved(handler, method) -> bool:
+    """Answers a ``moveTo`` (and returns True): a copy, then the source deleted."""
+    move = re.fullmatch(r".*/b/([^/]+)/o/(.+)/moveTo/o/([^?]+)", urlparse(handler.path).path)
+    if method != "POST" or move is None:
+        return False
+    bucket, source, target = move[1], unquote(move[2]), unquote(move[3])
+    handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+    try:
+        moved = objects._copy(f"http://{handler.headers.get('Host')}", handler.storage, bucket,
+                              source, bucket, target)
+        handler.storage.delete_file(bucket, source)
+        status, body = 200, json.dumps(moved).encode()
+    except NotFound:
+        status, body = 404, b""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+    return True
+
+
 def _with_preconditions(method):
     def do(handler):
-        if not _refused(handler, method):
+        if not (_refused(handler, method) or _moved(handler, method)):
             server.Router(handler).handle(method)
     return do
 

@@ -1,5 +1,5 @@
 """A model dir in a bucket (``gs://``), as `launch/tpu.sh` runs: train, run the same command
-again, evaluate, start another run from it; and a data dir there is refused.
+again, evaluate, start another run from it, --restart; and a data dir there is refused.
 
 The bucket is a GCS emulator (gcp-storage-emulator, a test dependency, with preconditions
 added: see gcs_emulator.py). orbax writes the
@@ -65,11 +65,11 @@ def bucket(monkeypatch, tmp_path):
     assert not (tmp_path / "gs:").exists()
 
 
-def cli(model_dir, *params, mode=None):
+def cli(model_dir, *params, mode=None, more=()):
     argv = ["--gin_file=tasks/bible_lm.gin", "--gin_file=layouts/dp4_mp2.gin",
             *[f"--gin_param={p}" for p in [*TINY, "run.log_every=2", "run.checkpoint_every=2",
                                           *params]],
-            f"--model_dir={model_dir}", *([f"--mode={mode}"] if mode else [])]
+            f"--model_dir={model_dir}", *([f"--mode={mode}"] if mode else []), *more]
     return main(argv)
 
 
@@ -104,6 +104,14 @@ def test_a_model_dir_in_a_bucket(bucket, data_dir, tmp_path, capfd):
     capfd.readouterr()
     assert cli(tmp_path / "local", "run.train_steps=2", f"run.init_from='{run}'") == 0
     assert f"starting from the parameters of step 6 of {run}/checkpoints" in capfd.readouterr().err
+
+    # --restart moves the run's files aside, within the bucket, and trains from step 0.
+    assert cli(run, "run.train_steps=2", more=["--restart"]) == 0
+    moved = {p.name for p in epath.Path(run, "before-restart-1").iterdir()}
+    assert {"checkpoints", "metrics.jsonl", "config.gin", "vocabulary.model"} <= moved
+    assert sorted(p.name for p in epath.Path(run, "before-restart-1", "checkpoints").iterdir()) \
+        == ["2", "4", "6"]
+    assert [r["step"] for r in records(run) if "train/loss" in r] == [2]
 
 
 def test_a_data_dir_in_a_bucket_is_refused(tmp_path, capsys, monkeypatch):
