@@ -55,6 +55,21 @@ class ModelDirInUse(UserError):
     """Another run trains into the same model dir."""
 
 
+def _reason(e: Exception) -> str:
+    """The first line of a bucket client's error (they raise errors of their own)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def check_reachable(directory: str, what: str) -> None:
+    """Raises a one-line UserError naming `what` if `directory` is in a bucket that cannot be
+    reached (no network, no credentials); a local one always can."""
+    if is_remote(directory):
+        try:
+            epath.Path(directory).exists()
+        except Exception as e:
+            raise UserError(f"cannot reach {what} {directory}: {_reason(e)}") from None
+
+
 def check_writable(directory: str, what: str) -> None:
     """Creates `directory` if needed and writes a file into it (then deletes it); raises a
     UserError naming `what` (e.g. "the model dir") if either fails."""
@@ -64,9 +79,8 @@ def check_writable(directory: str, what: str) -> None:
             probe.parent.mkdir(parents=True, exist_ok=True)
             probe.write_bytes(b"mtrain")
             probe.unlink()
-        except Exception as e:  # the bucket's client raises errors of its own
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"cannot write {what} {directory}: {reason}") from None
+        except Exception as e:
+            raise UserError(f"cannot write {what} {directory}: {_reason(e)}") from None
         return
     try:
         os.makedirs(directory, exist_ok=True)

@@ -31,7 +31,7 @@ from mtrain.evaluation import evaluate
 from mtrain.experiment import Experiment
 from mtrain.inference import check_output_file, infer
 from mtrain.layout import Layout, LayoutError
-from mtrain.lock import check_data_dir, preparing_data
+from mtrain.lock import check_data_dir, check_reachable, preparing_data
 from mtrain.metrics import MetricsWriter, log
 from mtrain.scoring import score
 from mtrain.sgp import SGPTrainer
@@ -199,13 +199,17 @@ def build(
         raise ConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     data_dir = data_dir or os.environ.get("MTRAIN_DATA_DIR") or os.path.expanduser("~/.cache/mtrain")
     task_obj = tasks_lib.get_task(task)
-    if mode != "plan":
-        check_data_dir(data_dir)
     if mode == "infer" and task_obj.kind != "translation":
         raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
-    if init_from and not epath.Path(init_from).is_dir():
-        raise ConfigError(f"run.init_from={init_from!r} is not a directory; name the model dir "
-                          f"of the run to start from")
+    if mode != "plan":
+        check_reachable(model_dir, "the model dir")
+    if init_from:
+        check_reachable(init_from, "run.init_from")
+        if not epath.Path(init_from).is_dir():
+            raise ConfigError(f"run.init_from={init_from!r} is not a directory; name the model "
+                              f"dir of the run to start from")
+    if mode != "plan":
+        check_data_dir(data_dir)  # makes it: after the checks that write nothing
     eval_split = eval_split or task_obj.eval_split
     layout = Layout(mesh_shape, layout_rules, parameter_layout_rules, drop_unused_rules=True)
     for kind, dropped in (("layout rules", layout.dropped_rules),

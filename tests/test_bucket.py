@@ -1,23 +1,25 @@
 """A model dir in a bucket (``gs://``), as `launch/tpu.sh` runs: train, run the same command
 again, evaluate, start another run from it, --restart; and a data dir there is refused.
 
-The bucket is a GCS emulator (gcp-storage-emulator, a test dependency, with preconditions
-added: see gcs_emulator.py). orbax writes the
-checkpoints through tensorstore (pointed at it by TENSORSTORE_GCS_HTTP_URL), and mtrain its
-own files (metrics, TensorBoard events, config, vocabulary, input position) through
-etils.epath. epath reaches gs:// through TensorFlow's gfile when TensorFlow is
-installed, and gfile cannot be pointed at an emulator, so here epath takes its other backend,
-gcsfs, which honours STORAGE_EMULATOR_HOST. What this tests is that every file of the model
-dir goes through those libraries, none through the local file system, and that nothing
-relies on what a bucket cannot do (append to an object, hold a lock).
+The bucket is a GCS emulator: gcp-storage-emulator (a test dependency) with what tensorstore
+and gcsfs need of it added, in tests/gcs_emulator.py. orbax writes the checkpoints through
+tensorstore (pointed at it by TENSORSTORE_GCS_HTTP_URL), and mtrain its own files (metrics,
+TensorBoard events, config, vocabulary, input position) through etils.epath. epath reaches
+gs:// through TensorFlow's gfile when TensorFlow is installed, and gfile cannot be pointed at
+an emulator, so here epath takes its other backend, gcsfs, which honours
+STORAGE_EMULATOR_HOST. What this tests is that every file of the model dir goes through
+those libraries, none through the local file system, and that nothing relies on what a
+bucket cannot do (append to an object, hold a lock, make an empty directory).
 """
 
+import http.server
 import json
 import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -128,3 +130,41 @@ def test_a_bucket_that_cannot_be_written_is_one_error(bucket, data_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) <= 3 and "Traceback" not in "".join(err), err
     assert err[-1].startswith("mtrain: error: cannot write the model dir gs://no-such-bucket/run"), err
+
+
+class _Forbidden(http.server.BaseHTTPRequestHandler):
+    """A storage endpoint that refuses every request, as GCS does without credentials or
+    permission."""
+
+    def _refuse(self):
+        body = b'{"error": {"code": 403, "message": "no access"}}'
+        self.send_response(403)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_bucket_without_access_is_one_error(monkeypatch, tmp_path, capsys):
+    """Refused before any data is prepared, and nothing is written anywhere."""
+    with http.server.HTTPServer(("localhost", 0), _Forbidden) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://localhost:{server.server_port}")
+        monkeypatch.setattr(gpath, "_is_tf_installed", lambda: False)
+        monkeypatch.setattr(logging.getLogger("gcsfs"), "level", logging.ERROR)
+        monkeypatch.setenv("MTRAIN_DATA_DIR", str(tmp_path / "data"))
+        monkeypatch.chdir(tmp_path)
+        for params in [(), (f"run.init_from='gs://{BUCKET}/run'",)]:
+            model_dir = f"gs://{BUCKET}/run" if not params else tmp_path / "local"
+            assert cli(model_dir, "run.train_steps=2", *params) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            what = "run.init_from" if params else "the model dir"
+            assert len(err) == 1 and err[0].startswith(
+                f"mtrain: error: cannot reach {what} gs://{BUCKET}/run: Forbidden"), err
+        server.shutdown()
+    assert os.listdir(tmp_path) == []
