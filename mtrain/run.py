@@ -201,8 +201,6 @@ def build(
     task_obj = tasks_lib.get_task(task)
     if mode == "infer" and task_obj.kind != "translation":
         raise ConfigError(f"--mode=infer translates, but task {task!r} is a {task_obj.kind} task")
-    if mode != "plan":
-        check_reachable(model_dir, "the model dir")
     if init_from:
         check_reachable(init_from, "run.init_from")
         if not epath.Path(init_from).is_dir():
@@ -319,8 +317,11 @@ def run(input_file: str | None = None, output_file: str | None = None,
     model_dir from the command line) say."""
     mode = overrides.get("mode") or config.bound("run.mode", "train")
     model_dir = overrides.get("model_dir") or config.bound("run.model_dir", None)
-    # What can fail at once, before data and compilation: another run in the model dir, no
-    # checkpoint to read, an output file that could not be written.
+    # What can fail at once, before data and compilation: a bucket that cannot be reached,
+    # another run in the model dir, no checkpoint to read, an output file that could not be
+    # written.
+    if mode != "plan" and model_dir:
+        check_reachable(model_dir, "the model dir")
     if mode == "train" and model_dir:
         training.check_model_dir_free(model_dir)
     if mode in ("eval", "infer", "score") and model_dir:

@@ -159,12 +159,14 @@ def test_a_bucket_without_access_is_one_error(monkeypatch, tmp_path, capsys):
         monkeypatch.setattr(logging.getLogger("gcsfs"), "level", logging.ERROR)
         monkeypatch.setenv("MTRAIN_DATA_DIR", str(tmp_path / "data"))
         monkeypatch.chdir(tmp_path)
-        for params in [(), (f"run.init_from='gs://{BUCKET}/run'",)]:
-            model_dir = f"gs://{BUCKET}/run" if not params else tmp_path / "local"
-            assert cli(model_dir, "run.train_steps=2", *params) == 2
+        remote, local = f"gs://{BUCKET}/run", tmp_path / "local"
+        for model_dir, mode, params, what in [
+                (remote, "train", (), "the model dir"),
+                (remote, "eval", (), "the model dir"),  # not "no checkpoints; train first"
+                (local, "train", (f"run.init_from='{remote}'",), "run.init_from")]:
+            assert cli(model_dir, "run.train_steps=2", *params, mode=mode) == 2
             err = capsys.readouterr().err.strip().splitlines()
-            what = "run.init_from" if params else "the model dir"
             assert len(err) == 1 and err[0].startswith(
-                f"mtrain: error: cannot reach {what} gs://{BUCKET}/run: Forbidden"), err
+                f"mtrain: error: cannot reach {what} {remote}: Forbidden"), err
         server.shutdown()
     assert os.listdir(tmp_path) == []
