@@ -27,3 +27,9 @@ class Interrupted(Exception):
 class DataError(UserError, ValueError):
     """A data request that cannot work: an unknown split or language, too little data, an
     input state saved by a different pipeline."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of what `e` says (its class's name if nothing): a library's error in a
+    one-line message."""
+    return next(iter(str(e).splitlines()), type(e).__name__)

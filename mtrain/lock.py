@@ -43,7 +43,7 @@ import tempfile
 import filelock
 from etils import epath
 
-from mtrain.errors import ConfigError, UserError
+from mtrain.errors import ConfigError, UserError, first_line
 from mtrain.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
@@ -55,19 +55,14 @@ class ModelDirInUse(UserError):
     """Another run trains into the same model dir."""
 
 
-def _reason(e: Exception) -> str:
-    """The first line of a bucket client's error (they raise errors of their own)."""
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
 def check_reachable(directory: str, what: str) -> None:
     """Raises a one-line UserError naming `what` if `directory` is in a bucket that cannot be
     reached (no network, no credentials); a local one always can."""
     if is_remote(directory):
         try:
             epath.Path(directory).exists()
-        except Exception as e:
-            raise UserError(f"cannot reach {what} {directory}: {_reason(e)}") from None
+        except Exception as e:  # a bucket's client raises errors of its own
+            raise UserError(f"cannot reach {what} {directory}: {first_line(e)}") from None
 
 
 def check_writable(directory: str, what: str) -> None:
@@ -80,7 +75,7 @@ def check_writable(directory: str, what: str) -> None:
             probe.write_bytes(b"mtrain")
             probe.unlink()
         except Exception as e:
-            raise UserError(f"cannot write {what} {directory}: {_reason(e)}") from None
+            raise UserError(f"cannot write {what} {directory}: {first_line(e)}") from None
         return
     try:
         os.makedirs(directory, exist_ok=True)

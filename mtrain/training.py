@@ -125,7 +125,7 @@ def _move_aside_for_restart(model_dir: str) -> None:
     n = next(n for n in itertools.count(1) if not (model_dir / f"before-restart-{n}").exists())
     target = model_dir / f"before-restart-{n}"
     if jax.process_index() == 0:
-        target.mkdir()  # and a file in it: in a bucket, gcsfs's "directory" is a prefix in use
+        target.mkdir()  # and a file in it: in a bucket a directory is the prefix of an object
         (target / "RESTARTED").write_text(f"moved here by --restart: {', '.join(names)}\n")
         for name in names:
             (model_dir / name).rename(target / name)

@@ -25,7 +25,7 @@ from etils import epath, epy
 with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not for plans
     import tensorflow as tf
 
-from mtrain.errors import UserError
+from mtrain.errors import UserError, first_line
 from mtrain.textfiles import write_atomically
 
 PAD_ID = 0
@@ -138,7 +138,7 @@ def load_vocabulary(path: str | os.PathLike) -> Vocabulary:
     try:
         proto = epath.Path(path).read_bytes()
     except Exception as e:  # OSError locally; a bucket's client raises errors of its own
-        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        reason = getattr(e, "strerror", None) or first_line(e)
         raise VocabularyError(f"cannot read sentencepiece vocabulary {path}: {reason}") from None
     try:
         return Vocabulary(proto, path)
