@@ -69,8 +69,21 @@ class MetricsWriter:
         log.info("step %d  %s", step, "  ".join(f"{k} {_format(v)}" for k, v in metrics.items()))
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        if self._tb is None:
+            return
+        tb, self._tb = self._tb, None
+        writers = list(tb.all_writers.values())
+        try:
+            tb.close()
+        except OSError:
+            # The events could not be written (a full disk). tensorboardX would try again at
+            # exit, from an atexit handler per file, and print a traceback (as would its
+            # writer thread, left running): give them up, and stop the thread.
+            for events in (w.event_writer for w in writers):
+                if not events._closed:
+                    events._worker.stop()
+                    events._closed = True
+            raise
 
 
 class _BucketEventFile:

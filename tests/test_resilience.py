@@ -509,6 +509,29 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(trained, case, tmp_path
     gin.clear_config()  # a bad binding must not stay for the next test
 
 
+def test_events_that_cannot_be_written_are_not_tried_again_at_exit(tmp_path, monkeypatch):
+    """A full disk fails the TensorBoard events' last flush when the run closes its metrics
+    writer; tensorboardX's atexit handler would then flush again and print a traceback after
+    the run's one-line error (seen in test_full_disk_during_save_is_one_clear_error)."""
+    from tensorboardX.event_file_writer import EventFileWriter
+
+    from mtrain.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path))
+    writer.write(1, {"loss": 1.0})
+    event_writers = [w.event_writer for w in writer._tb.all_writers.values()]
+
+    def full(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(EventFileWriter, "flush", full)
+    with pytest.raises(OSError, match="No space left"):
+        writer.close()
+    for event_writer in event_writers:  # what tensorboardX's handlers do at exit
+        event_writer.close()
+    writer.close()  # and a second close is nothing
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1.5 MB file system (tmpfs) that fills up after a few tiny checkpoints."""
