@@ -17,12 +17,13 @@ length, `attention.CUDNN_MAX_SEGMENTS` per row; also timed with tables of other 
 cuDNN runs every entry of the table, empty or not), 'triton' and 'splash'), on rows of
 --segments examples and on rows of --many_segments short ones (sentence-length examples, as
 LM1B packs); and cuDNN on unpacked rows (`is_causal=True`, for scale: it ignores segments,
-so it is timed but not checked). tokamax 0.0.12 (`tokamax.dot_product_attention`) takes no
-segment ids, only a dense mask, so it adds nothing over 'cudnn' here and is not a candidate.
+so it is timed but not checked). 'triton' is tokamax's Pallas Triton kernel
+(`tokamax.dot_product_attention`, given the packed mask): where tokamax is not installed it
+is reported as one that cannot run.
 
     python benchmarks/attention.py [--batch 16 --length 2048 --heads 16 --d_kv 128]
 
-On a CPU only the Pallas kernels run (interpret mode) and sizes default small.
+On a CPU only splash runs (interpret mode) and sizes default small.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def candidates(ids, segments):
             out[f"  'cudnn_segments', table of {table}"] = functools.partial(
                 attention._cudnn_segments, query_ids=ids, memory_ids=ids, causal=True,
                 max_segments=table)
-    if backend != "tpu":  # last: Triton compiles slowly
+    if backend == "gpu":  # last: Triton compiles slowly
         out["mtrain flash 'triton'"] = functools.partial(attention.flash, mask=mask,
                                                          kernel="triton")
     return out

@@ -1,8 +1,9 @@
 """The flash attention kernels compute what the einsum reference computes, on packed rows.
 
-The Pallas kernels (splash: TPU; triton: GPU) run here in Pallas' interpret mode, which
-executes the kernels' own code (blocking, online softmax, segment masking, the custom
-backward) with XLA on the CPU. cuDNN cannot run on a CPU at all: for it, what mtrain adds
+The Pallas kernels (splash: TPU; triton: GPU, tokamax's) run here in Pallas' interpret
+mode, which executes the kernels' own code (blocking, online softmax, segment masking, and
+splash's custom backward) with XLA on the CPU; tokamax's Triton backward cannot run there
+(see `triton_interpreted`). cuDNN cannot run on a CPU at all: for it, what mtrain adds
 (the mask it builds and the arguments it passes to `jax.nn.dot_product_attention`) is
 checked by running the same call with jax's XLA implementation.
 
@@ -69,9 +70,61 @@ def assert_same(fn, ref, q, k, v, real):
         np.testing.assert_allclose(g, r, **TOL, err_msg=f"d{name}")
 
 
+def triton_interpreted(monkeypatch):
+    """A 'gpu' backend on which tokamax's Triton kernel runs on this CPU: its forward in
+    Pallas' interpret mode (the kernel's own code), its gradient that of the same call on
+    XLA. The kernel's backward cannot run in the interpreter, which binds `program_id` only
+    outside control flow, and that kernel calls it under `pl.when`: `benchmarks/attention.py`
+    checks it against the reference on a GPU. Returns the implementations called."""
+    import tokamax
+    from jax.experimental.pallas import tpu as pltpu
+
+    calls, original, backend = [], tokamax.dot_product_attention, jax.default_backend
+
+    def on_cpu(q, k, v, mask, **kwargs):  # tokamax told 'gpu' would ask for TF32 products
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", backend)
+            return original(q, k, v, mask=mask, **kwargs)
+
+    def interpreted(q, k, v, *, mask, implementation, **kwargs):
+        calls.append(implementation)
+
+        @jax.custom_vjp
+        def attend(q, k, v, mask):
+            # (pltpu's switch turns on the interpreter of every Pallas kernel: given True,
+            # jax's own HLO one, which runs Triton kernels)
+            with tokamax.config.cross_compile(True), pltpu.force_tpu_interpret_mode(True):
+                return on_cpu(q, k, v, mask, implementation=implementation, **kwargs)
+
+        def on_xla(q, k, v, mask):
+            return on_cpu(q, k, v, mask, implementation="xla", **kwargs)
+
+        def backward(saved, g):
+            q, k, v, mask = saved
+            return (*jax.vjp(lambda q, k, v: on_xla(q, k, v, mask), q, k, v)[1](g), None)
+
+        attend.defvjp(lambda q, k, v, mask: (attend(q, k, v, mask), (q, k, v, mask)), backward)
+        return attend(q, k, v, mask)
+
+    monkeypatch.setattr(tokamax, "dot_product_attention", interpreted)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    return calls
+
+
+@pytest.fixture
+def on(monkeypatch):
+    """on(kernel): where `kernel` runs here (the Triton one through `triton_interpreted`)."""
+    def backend_of(kernel):
+        if kernel == "triton":
+            triton_interpreted(monkeypatch)
+        return kernel
+    return backend_of
+
+
 @pytest.mark.parametrize("kernel", ["splash", "triton"])
 @pytest.mark.parametrize("length", [128, 256, 40])  # 40: a ragged length, padded inside
-def test_self_attention_kernels_match_the_reference(kernel, length):
+def test_self_attention_kernels_match_the_reference(on, kernel, length):
+    kernel = on(kernel)
     ids = packed_ids(4, length, segments=4)
     mask = attention.AttentionMask.of_self(ids, causal=True)
     q, k, v = qkv(4, length, length)
@@ -80,7 +133,8 @@ def test_self_attention_kernels_match_the_reference(kernel, length):
 
 
 @pytest.mark.parametrize("kernel", ["splash", "triton"])
-def test_non_causal_self_attention_matches_the_reference(kernel):  # the encoder's
+def test_non_causal_self_attention_matches_the_reference(on, kernel):  # the encoder's
+    kernel = on(kernel)
     ids = packed_ids(4, 128, segments=3, seed=1)
     mask = attention.AttentionMask.of_self(ids, causal=False)
     q, k, v = qkv(4, 128, 128, seed=1)
@@ -88,22 +142,25 @@ def test_non_causal_self_attention_matches_the_reference(kernel):  # the encoder
                 lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, ids > 0)
 
 
-def test_splash_cross_attention_matches_the_reference():
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
+def test_cross_attention_matches_the_reference(on, kernel):
     """Encoder-decoder attention: other lengths, other segment ids, padding on both sides,
     and a row of targets longer than its inputs (padded queries with no padded key)."""
+    kernel = on(kernel)
     targets, inputs = packed_ids(4, 128, 3, seed=2), packed_ids(4, 256, 3, seed=3)
     inputs = inputs.at[0].set(jnp.where(targets[0, :1] > 0, jnp.maximum(inputs[0], 1), 0))
     mask = attention.AttentionMask(targets, inputs)
     q, k, v = qkv(4, 128, 256, seed=2)
-    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, "splash"),
+    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, kernel),
                 lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, targets > 0)
 
 
 @pytest.mark.parametrize("kernel", ["splash", "triton"])
-def test_segments_are_honoured(kernel):
+def test_segments_are_honoured(on, kernel):
     """Two examples packed in one row: what the second computes must not depend on the
     first. A kernel that ignored segment ids (attended across the packed examples, as one
     path of a reference implementation was found to do) fails here."""
+    kernel = on(kernel)
     ids = jnp.asarray(np.repeat([[1] * 64 + [2] * 64], 2, axis=0), jnp.int32)
     q, k, v = qkv(2, 128, 128, seed=4)
     packed = attention.flash(q, k, v, attention.AttentionMask.of_self(ids, causal=True), kernel)
@@ -270,14 +327,18 @@ def test_cudnn_segments_honours_segments(monkeypatch):
 def test_kernel_choice_and_errors(monkeypatch):
     ids = packed_ids(2, 128, 2)
     q, k, v = qkv(2, 128, 128)
-    with pytest.raises(ValueError, match="needs a GPU"):
-        attention.flash(q, k, v, attention.AttentionMask(ids, ids), "cudnn")
-    # triton takes one array of segment ids: given two (encoder-decoder attention, even of
-    # equal lengths), the default kernel runs instead.
-    other = packed_ids(2, 128, 3, seed=7)
-    cross = attention.AttentionMask(ids, other)
-    np.testing.assert_allclose(attention.flash(q, k, v, cross, "triton") * (ids > 0)[..., None, None],
-                               attention.reference(q, k, v, cross) * (ids > 0)[..., None, None], **TOL)
+    for kernel in attention.GPU_KERNELS:
+        with pytest.raises(ValueError, match=f"flash_kernel='{kernel}' needs a GPU"):
+            attention.flash(q, k, v, attention.AttentionMask.of_self(ids, True), kernel)
+        with pytest.raises(ValueError, match=f"flash_kernel='{kernel}' needs a GPU"):
+            TransformerConfig(attention="flash", flash_kernel=kernel)
+    # On a GPU without tokamax, triton is a one-line configuration error.
+    with monkeypatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        m.setattr(attention, "_tokamax_missing", lambda: True)
+        with pytest.raises(ValueError, match=r"flash_kernel='triton' needs tokamax: "
+                                             r"pip install 'mtrain\[gpu\]'"):
+            TransformerConfig(attention="flash", flash_kernel="triton")
     with pytest.raises(ValueError, match="attention='flash' has no attention dropout"):
         TransformerConfig(attention="flash", dropout_rate=0.1)
     with pytest.raises(ValueError, match="flash_kernel must be one of"):

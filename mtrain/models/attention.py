@@ -9,10 +9,11 @@ the [length, memory_length] logits:
 - ``splash``: Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
   the TPU kernel, with segment ids. On CPU it runs in Pallas' interpret mode: slow, and what
   the tests use to check it against the reference.
-- ``triton``: the Pallas GPU (Triton) flash attention with segment ids
-  (`jax.experimental.pallas.ops.gpu.attention.mha`); self-attention only (it takes one set
-  of segment ids: encoder-decoder attention then uses the default kernel), and interpret
-  mode on CPU as well.
+- ``triton``: tokamax's Pallas Triton flash attention (`tokamax.dot_product_attention`,
+  which the JAX team points to in place of `jax.experimental.pallas.ops.gpu.attention`),
+  given the packed mask as cuDNN is; a GPU kernel for what cuDNN refuses (float32
+  activations, other head sizes). It needs a GPU and tokamax (`pip install 'mtrain[gpu]'`):
+  `flash_refusal` says so before anything is traced.
 - ``cudnn``: cuDNN's fused flash attention through `jax.nn.dot_product_attention`, given the
   packed mask (a [batch, 1, length, memory_length] boolean, not the float logits; cuDNN
   turns it into a bias). It needs a GPU, bfloat16 or float16 activations and a head size
@@ -125,17 +126,27 @@ def _needs_a_gpu(kernel: str) -> str:
     return f"flash_kernel={kernel!r} needs a GPU; use 'splash' or 'auto' here"
 
 
+def _tokamax_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tokamax") is None
+
+
 def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
     """Why `flash` with `kernel` cannot run on `backend` for activations of `dtype` and heads
-    of `d_kv` (None: it can). Only cuDNN refuses; the Pallas kernels take any. On the
-    backend of this process, jax's own checks (`check_is_flash_attention`): heads up to 256
-    from Hopper (compute capability 9.0) on, 128 before, and the packed layout from Hopper
-    on; for another backend (a plan for a GPU target, made on a CPU), the lower limit."""
+    of `d_kv` (None: it can). The GPU kernels need a GPU, triton tokamax as well; splash
+    takes any model. cuDNN's are jax's own checks (`check_is_flash_attention`): bfloat16 or
+    float16, heads up to 256 from Hopper (compute capability 9.0) on, 128 before, and the
+    packed layout from Hopper on; for another backend (a plan for a GPU target, made on a
+    CPU), the lower limit."""
     kernel = kernel if kernel != "auto" else default_kernel(backend)
-    if not kernel.startswith("cudnn"):
+    if kernel not in GPU_KERNELS:
         return None
     if backend != "gpu":
         return _needs_a_gpu(kernel)
+    if kernel == "triton":
+        return ("flash_kernel='triton' needs tokamax: pip install 'mtrain[gpu]'"
+                if _tokamax_missing() else None)
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return (f"cuDNN's flash attention takes bfloat16 or float16 activations, not "
                 f"{jnp.dtype(dtype).name}")
@@ -165,14 +176,13 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
         kernel = default_kernel()
     if kernel not in KERNELS:
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
-    if kernel in SELF_ATTENTION_ONLY and not mask.self_attention:
-        kernel = "cudnn" if kernel == "cudnn_segments" else default_kernel()
+    if kernel == "cudnn_segments" and not mask.self_attention:
+        kernel = "cudnn"  # (the packed layout is self-attention's)
     fn = functools.partial(KERNELS[kernel], causal=mask.causal)
     if kernel == "cudnn_segments":
         fn = functools.partial(fn, max_segments=max_segments)
-    # triton takes one array of ids for queries and keys: padding there sees padding.
     # cudnn_segments leaves padding (segment 0) out of every segment.
-    query_ids = mask.query if kernel in SELF_ATTENTION_ONLY else mask.kernel_query_ids()
+    query_ids = mask.query if kernel == "cudnn_segments" else mask.kernel_query_ids()
     return _sharded(fn, q, k, v, query_ids, mask.memory)
 
 
@@ -242,17 +252,15 @@ def _splash(q, k, v, query_ids, memory_ids, causal):
 
 
 def _triton(q, k, v, query_ids, memory_ids, causal):
-    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+    """tokamax's Triton kernel given the packed mask (as `_cudnn`); with `causal` it also
+    skips the blocks above the diagonal."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"transformer.{_needs_a_gpu('triton')}")
+    import tokamax
 
-    del memory_ids  # the same as query_ids for self-attention (checked by `flash`)
-    length = q.shape[1]
-    q, k, v, query_ids, _ = _pad(q, k, v, query_ids, query_ids, 64)
-    b = _block(q.shape[1], largest=128) if q.shape[1] % 128 == 0 else 64
-    sizes = pallas_gpu.BlockSizes(block_q=b, block_k=b, block_q_dkv=32, block_kv_dkv=32,
-                                  block_q_dq=32, block_kv_dq=32)
-    out = pallas_gpu.mha(q, k, v, query_ids, sm_scale=1.0, causal=causal, block_sizes=sizes,
-                         interpret=jax.default_backend() != "gpu")
-    return out[:, :length]
+    mask = AttentionMask(query_ids, memory_ids, causal).dense()
+    return tokamax.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
+                                         implementation="triton")
 
 
 def _cudnn(q, k, v, query_ids, memory_ids, causal):
@@ -371,5 +379,5 @@ def check_segments(batch: dict, table: int) -> None:
 
 KERNELS = {"splash": _splash, "triton": _triton, "cudnn": _cudnn,
            "cudnn_segments": _cudnn_segments}
-SELF_ATTENTION_ONLY = ("triton", "cudnn_segments")
+GPU_KERNELS = ("cudnn", "cudnn_segments", "triton")
 
