@@ -26,7 +26,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
-[[ -x "$PYTHON" ]] || PYTHON="python3"
+[[ -x "$PYTHON" ]] || PYTHON="$(python312)"
 NUM=2 CPU_DEVICES=4 GPUS=0 PORT="" DRY_RUN=0
 MTRAIN_ARGS=()
 while (($#)); do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs mtrain on a Cloud TPU VM slice: create it (directly or as a queued resource), copy
-# this checkout to every worker, install it, run the same `python -m mtrain` on all workers
+# this checkout to every worker, install it (in a Python 3.12 environment), run the same `python -m mtrain` on all workers
 # (JAX finds the other workers itself), stream the logs, and delete the slice.
 set -euo pipefail
 
@@ -128,10 +128,14 @@ fi
 TARBALL="${TMPDIR:-/tmp}/mtrain-$NAME.tar.gz"
 run git -C "$REPO" archive --format=tar.gz --output="$TARBALL" HEAD
 run gcloud compute tpus tpu-vm scp "$TARBALL" "$NAME":mtrain.tar.gz --worker=all "${LOCATION[@]}"
+# TPU VM images bring Python 3.10: uv (installed for the user) makes the environment with
+# Python 3.12, which it downloads, as MaxText's setup does.
+# shellcheck disable=SC2016  # $HOME is the worker's
+UV='$HOME/.local/bin/uv'
 run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" \
-  --command="rm -rf mtrain && mkdir mtrain && tar -xzf mtrain.tar.gz -C mtrain && python3 -m pip install --quiet -e ./mtrain 'jax[tpu]'"
+  --command="rm -rf mtrain && mkdir mtrain && tar -xzf mtrain.tar.gz -C mtrain && python3 -m pip install --quiet --user uv && $UV venv --quiet --python 3.12 mtrain/.venv && $UV pip install --quiet --python mtrain/.venv/bin/python -e ./mtrain 'jax[tpu]'"
 
 # 3. The run: the same command on every worker; process 0 logs, the others only warn.
-MTRAIN=(python3 -m mtrain "${GIN_ARGS[@]}" --model_dir="$MODEL_DIR")
+MTRAIN=(.venv/bin/python -m mtrain "${GIN_ARGS[@]}" --model_dir="$MODEL_DIR")
 run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" \
   --command="cd mtrain && $(quote "${MTRAIN[@]}")"

@@ -11,7 +11,7 @@ import os
 import sys
 import types
 
-from mtrain import MODES
+from mtrain import MODES, python_too_old
 from mtrain.errors import Interrupted, UserError  # neither imports jax
 
 
@@ -174,6 +174,9 @@ def _loop_closed(error: BaseException | None) -> bool:
 
 
 def main(argv=None) -> int:
+    if why := python_too_old():
+        print(f"mtrain: error: {why}", file=sys.stderr)
+        return 2
     try:
         args = parse_args(argv)
     except UserError as e:

@@ -9,7 +9,13 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
+from mtrain import python_too_old
 from mtrain.cpu_devices import simulate_cpu_devices  # imports no jax
+
+if why := python_too_old():
+    pytest.exit(why, returncode=2)
 
 simulate_cpu_devices(8)
 os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
@@ -33,8 +39,6 @@ import jax  # noqa: E402
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices; was jax imported before conftest?"
 # This process compiles many more small programs, most of them once: cache the slower ones.
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-import pytest  # noqa: E402
 
 
 def no_compilation_cache(env: dict) -> dict:

@@ -15,7 +15,7 @@ from conftest import no_compilation_cache
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
 SCRIPTS = sorted(os.path.join(LAUNCH, f) for f in os.listdir(LAUNCH) if f.endswith(".sh")) + [
-    os.path.join(REPO, "benchmarks", "gpu.sh")]
+    os.path.join(REPO, "benchmarks", "gpu.sh"), os.path.join(REPO, ".ci", "run")]
 
 
 def launch(script, *args, env=None):
@@ -71,9 +71,12 @@ def test_tpu_dry_run_prints_the_gcloud_commands():
                         f"--accelerator-type=v4-512 --version=tpu-ubuntu2204-base")
     assert lines[1].startswith(f"git -C {REPO} archive --format=tar.gz")
     assert lines[2].endswith(f"lm5:mtrain.tar.gz --worker=all {where}")
-    assert "pip install --quiet -e ./mtrain" in lines[3] and "--worker=all" in lines[3]
+    # Python 3.12 on every worker (TPU VM images have 3.10), mtrain installed in it.
+    assert ("venv --quiet --python 3.12 mtrain/.venv" in lines[3] and
+            "pip install --quiet --python mtrain/.venv/bin/python -e ./mtrain" in lines[3] and
+            "--worker=all" in lines[3])
     assert lines[4] == (f"gcloud compute tpus tpu-vm ssh lm5 --worker=all {where} '--command=cd "
-                        f"mtrain && python3 -m mtrain --gin_file=paper/lm_size_5.gin "
+                        f"mtrain && .venv/bin/python -m mtrain --gin_file=paper/lm_size_5.gin "
                         f"--gin_param=run.train_steps=1000 --model_dir=gs://bucket/lm5'")
     assert lines[5] == f"gcloud compute tpus tpu-vm delete lm5 {where} --quiet"
     assert len(lines) == 6
@@ -154,3 +157,46 @@ def test_local_launcher_runs_two_processes(data_dir, tmp_path):
     assert "[0] " in out and "step 3" in out
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f][-1] == 3
+
+
+def test_python312_is_found_on_path_or_through_pyenv(tmp_path):
+    """`.ci/run` and local.sh make or use mtrain's environment with Python 3.12: python3.12
+    on PATH, else pyenv's newest 3.12, else one line that says what to install."""
+    def find(path):
+        proc = subprocess.run(["bash", "-c", "source launch/common.sh; python312"], cwd=REPO,
+                              capture_output=True, text=True, env={"PATH": path})
+        return proc.returncode, proc.stdout.strip(), proc.stderr.strip()
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    system = f"{bin_dir}:/usr/bin:/bin"
+    code, out, err = find(system)
+    assert code == 2 and out == "" and err.splitlines() == [
+        "bash: error: no Python 3.12 here (mtrain needs it): install python3.12 (e.g. apt "
+        "install python3.12-venv, or pyenv install 3.12)"]
+    # pyenv's shims: python3.12 on PATH fails until a version is chosen; the newest 3.12 wins.
+    (bin_dir / "python3.12").write_text("#!/bin/sh\necho 'pyenv: python3.12: command not found' >&2\nexit 127\n")
+    (bin_dir / "pyenv").write_text(f"#!/bin/sh\ncase $1 in root) echo {tmp_path}/pyenv ;; "
+                                   "versions) printf '3.11.7\\n3.12.1\\n3.12.10\\n3.13.0\\n' ;; esac\n")
+    for f in ("python3.12", "pyenv"):
+        (bin_dir / f).chmod(0o755)
+    assert find(system) == (0, f"{tmp_path}/pyenv/versions/3.12.10/bin/python3.12", "")
+    (bin_dir / "python3.12").write_text("#!/bin/sh\nexit 0\n")
+    assert find(system) == (0, f"{bin_dir}/python3.12", "")
+
+
+def test_an_environment_of_an_older_python_is_one_line():
+    """A .venv made by an earlier quickstart with Python 3.11 (current jax needs 3.12): the
+    command says so in one line, and how to make it again."""
+    old = shutil.which("python3.11")
+    if old is None:
+        pytest.skip("no python3.11 here")
+    proc = subprocess.run([old, "-m", "mtrain", "--gin_file=quickstart.gin"], cwd=REPO,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    executable, version = subprocess.check_output(
+        [old, "-c", "import sys, platform; print(sys.executable, platform.python_version())"],
+        text=True).split()
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"mtrain: error: mtrain needs Python 3.12 or later, and {executable} is {version}: make "
+        "the environment again with python3.12 (rm -rf .venv, then the README's quickstart)"]
