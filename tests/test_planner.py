@@ -274,6 +274,12 @@ H100_MEASURED = [
     ("dot_product", 16, 16, 93.0, None),  # XLA's out-of-memory report: the step needs 93 GiB
     ("flash", 16, 16, 23.39, 32768 / 85404),  # mtrain, flash 'cudnn' (benchmarks/gpu.sh)
     ("flash", 4, 16, 8.86, 8192 / 70914),
+    # benchmarks/gpu.sh of 2026-11-24 (docs/plan_vs_measured.md): 'auto' (cuDNN's packed
+    # layout, table 4), its scanned stack, and tokamax's Triton kernel
+    ("flash", 16, 16, 23.27, 32768 / 94215),
+    ("flash", 4, 16, 8.87, 8192 / 77151),
+    ("flash", 16, 16, 28.47, 32768 / 85955),
+    ("flash", 16, 16, 23.33, 32768 / 83884),
 ]
 
 
