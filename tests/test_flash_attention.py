@@ -25,6 +25,7 @@ from mtrain.models import attention
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 
 import test_trainer
+from accelerators import on_a_gpu_emulated, triton_interpreted
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -68,47 +69,6 @@ def assert_same(fn, ref, q, k, v, real):
     np.testing.assert_allclose(out, ref_out, **TOL)
     for name, g, r in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(g, r, **TOL, err_msg=f"d{name}")
-
-
-def triton_interpreted(monkeypatch):
-    """A 'gpu' backend on which tokamax's Triton kernel runs on this CPU: its forward in
-    Pallas' interpret mode (the kernel's own code), its gradient that of the same call on
-    XLA. The kernel's backward cannot run in the interpreter, which binds `program_id` only
-    outside control flow, and that kernel calls it under `pl.when`: `benchmarks/attention.py`
-    checks it against the reference on a GPU. Returns the implementations called."""
-    import tokamax
-    from jax.experimental.pallas import tpu as pltpu
-
-    calls, original, backend = [], tokamax.dot_product_attention, jax.default_backend
-
-    def on_cpu(q, k, v, mask, **kwargs):  # tokamax told 'gpu' would ask for TF32 products
-        with monkeypatch.context() as m:
-            m.setattr(jax, "default_backend", backend)
-            return original(q, k, v, mask=mask, **kwargs)
-
-    def interpreted(q, k, v, *, mask, implementation, **kwargs):
-        calls.append(implementation)
-
-        @jax.custom_vjp
-        def attend(q, k, v, mask):
-            # (pltpu's switch turns on the interpreter of every Pallas kernel: given True,
-            # jax's own HLO one, which runs Triton kernels)
-            with tokamax.config.cross_compile(True), pltpu.force_tpu_interpret_mode(True):
-                return on_cpu(q, k, v, mask, implementation=implementation, **kwargs)
-
-        def on_xla(q, k, v, mask):
-            return on_cpu(q, k, v, mask, implementation="xla", **kwargs)
-
-        def backward(saved, g):
-            q, k, v, mask = saved
-            return (*jax.vjp(lambda q, k, v: on_xla(q, k, v, mask), q, k, v)[1](g), None)
-
-        attend.defvjp(lambda q, k, v, mask: (attend(q, k, v, mask), (q, k, v, mask)), backward)
-        return attend(q, k, v, mask)
-
-    monkeypatch.setattr(tokamax, "dot_product_attention", interpreted)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    return calls
 
 
 @pytest.fixture
@@ -202,78 +162,6 @@ def test_cudnn_call_is_the_packed_mask(monkeypatch):
     assert {c[0] for c in calls} == {"cudnn"}
     # (the odd lengths arrive padded: 63 x 63 and 63 x 95 as 64 x 64 and 64 x 96)
     assert {(c[1], c[2]) for c in calls} == {((4, 1, 64, 64), "bool"), ((4, 1, 64, 96), "bool")}
-
-
-def softmax_attention(q, k, v, dense):
-    """`attention.reference` without its layout constraint (the emulated kernel runs inside
-    the flash path's shard_map, on one shard)."""
-    logits = jnp.where(dense, jnp.einsum("blhk,bmhk->bhlm", q, k), attention.NEG_INF)
-    return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(logits, axis=-1), v)
-
-
-def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale,
-                          mask_type, **unused):
-    """cuDNN's packed-segment layout as jax documents it, on the CPU: segment s of a row holds
-    positions [offset, offset + length); it attends within itself (causally under
-    PADDING_CAUSAL). Positions outside every segment are never written by cuDNN: here they
-    come out NaN, forward and backward, so that a caller who used them would fail."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    assert scale == 1.0 and not unused, unused
-
-    def labels(lengths, offsets, n):  # [b, n]: 1 + the segment holding each position, or 0
-        pos = jnp.arange(n)[None, None]
-        start = offsets[:, :-1, None]
-        inside = (lengths[..., None] >= 0) & (pos >= start) & (pos < start + lengths[..., None])
-        return jnp.where(inside.any(1), jnp.argmax(inside, 1) + 1, 0)
-
-    causal = mask_type == cudnn.MaskType.PADDING_CAUSAL
-
-    def parts(query, memory):  # (custom_vjp's functions must not close over traced values)
-        mask = attention.AttentionMask(query, memory, causal).dense()
-        return mask, (query > 0)[..., None, None], (memory > 0)[..., None, None]
-
-    @jax.custom_vjp
-    def attend(q, k, v, query, memory):
-        mask, written_q, _ = parts(query, memory)
-        return jnp.where(written_q, softmax_attention(q, k, v, mask), jnp.nan)
-
-    def forward(q, k, v, query, memory):
-        mask, written_q, _ = parts(query, memory)
-        out, vjp = jax.vjp(lambda q, k, v: softmax_attention(q, k, v, mask), q, k, v)
-        return jnp.where(written_q, out, jnp.nan), (vjp, query, memory)
-
-    def backward(saved, g):
-        vjp, query, memory = saved
-        _, written_q, written_k = parts(query, memory)
-        dq, dk, dv = vjp(jnp.where(written_q, g, 0))
-        return (jnp.where(written_q, dq, jnp.nan), jnp.where(written_k, dk, jnp.nan),
-                jnp.where(written_k, dv, jnp.nan), None, None)
-
-    attend.defvjp(forward, backward)
-    return attend(q, k, v, labels(q_seqlen, q_offsets, q.shape[1]),
-                  labels(kv_seqlen, kv_offsets, k.shape[1]))
-
-
-def on_a_gpu_emulated(monkeypatch):
-    """A 'gpu' backend whose cuDNN kernels run on the CPU: the masked one through jax's XLA
-    implementation, the packed layout through `emulated_cudnn_packed`. Returns the calls."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    calls, original = [], jax.nn.dot_product_attention
-
-    def masked(*args, implementation=None, **kwargs):
-        calls.append("cudnn")
-        return original(*args, implementation="xla", **kwargs)
-
-    def packed(*args, **kwargs):
-        calls.append(("cudnn_segments", kwargs["q_offsets"].shape))
-        return emulated_cudnn_packed(*args, **kwargs)
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", masked)
-    monkeypatch.setattr(cudnn, "dot_product_attention", packed)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    return calls
 
 
 def test_segment_layout():
@@ -393,21 +281,21 @@ def test_auto_chooses_flash_off_the_cpu_where_its_kernel_runs(monkeypatch):
 
     bf16 = jnp.bfloat16
     mha = layers.MultiHeadAttention(2, 16, dtype=bf16, implementation="auto")
-    assert mha._path(True, None) == "einsum"  # CPU
+    assert mha._path(True) == "einsum"  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert mha._path(True, None) == "flash"
-    assert mha._path(True, decode_index=3) == "einsum"  # incremental decoding
+    assert mha._path(True) == "flash"
+    assert mha._path(True, single_query=True) == "einsum"  # a decoding step
     dropping = layers.MultiHeadAttention(2, 16, dropout_rate=0.1, dtype=bf16,
                                          implementation="auto")
-    assert dropping._path(False, None) == "einsum"  # training with attention dropout
-    assert dropping._path(True, None) == "flash"  # evaluation
+    assert dropping._path(False) == "einsum"  # training with attention dropout
+    assert dropping._path(True) == "flash"  # evaluation
     # cuDNN (the GPU's kernel) takes bfloat16 or float16, and heads of a multiple of 8 up to
     # 128 (256 from Hopper on): else 'auto' is einsum there, and 'flash' a one-line error.
     for dtype, d_kv in [(jnp.float32, 16), (bf16, 12), (bf16, 512)]:
         mha = layers.MultiHeadAttention(2, d_kv, dtype=dtype, implementation="auto")
-        assert mha._path(True, None) == "einsum"
+        assert mha._path(True) == "einsum"
     assert layers.MultiHeadAttention(2, 16, dtype=jnp.float32, implementation="auto",
-                                     flash_kernel="triton")._path(True, None) == "flash"
+                                     flash_kernel="triton")._path(True) == "flash"
     with pytest.raises(ValueError, match="cuDNN's flash attention takes bfloat16 or float16 "
                                          "activations, not float32"):
         TransformerConfig(attention="flash")
@@ -415,7 +303,7 @@ def test_auto_chooses_flash_off_the_cpu_where_its_kernel_runs(monkeypatch):
     TransformerConfig(attention="flash", flash_kernel="triton")
     # Splash (TPU) takes float32.
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert layers.MultiHeadAttention(2, 16, implementation="auto")._path(True, None) == "flash"
+    assert layers.MultiHeadAttention(2, 16, implementation="auto")._path(True) == "flash"
     TransformerConfig(attention="flash")
 
 

@@ -70,7 +70,10 @@ def wait_for_step(model_dir, step, proc, timeout=240):
 
 # --- checkpoints store logical arrays, not device shards --------------------------------
 
-def test_checkpoint_restores_across_meshes(tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_checkpoint_restores_across_meshes(tmp_path, caplog, monkeypatch, backend):
+    """On CPU orbax copies each replicated array off the devices whole; elsewhere (its own
+    default, run here behind an emulated 'gpu' backend) each replica writes a slice."""
     config = TransformerConfig(vocab_size=256, d_model=32, d_ff=64, num_heads=8, d_kv=4,
                                num_layers=1, max_length=16)
     rules = "batch:batch;d_ff:model;heads:model;vocab:model"
@@ -89,14 +92,20 @@ def test_checkpoint_restores_across_meshes(tmp_path, caplog):
     state, _ = dp.train_step(dp.init_state(), dp.place_batch(batch))
     expected = jax.device_get(state)
     meta = {"model": {"d_model": 32}}
+    if backend == "gpu":  # orbax's default handler, which a CPU run replaces process-wide
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(),
+                                                override=True)
     for i, mesh_shape in enumerate(["batch:2;model:4", ""]):
         source = Checkpoints(tmp_path / str(i), async_save=False)
+        caplog.clear()
         with caplog.at_level(logging.WARNING), jax.log_compiles():
             source.manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                            meta=ocp.args.JsonSave(meta)))
             source.wait()
         # On CPU each replicated array is copied whole: no slice of it compiled per replica.
-        assert not [r for r in caplog.records if "jit(slice)" in r.getMessage()]
+        sliced = [r for r in caplog.records if "jit(slice)" in r.getMessage()]
+        assert bool(sliced) == (backend == "gpu")
         target = trainer(mesh_shape)
         state = source.restore(1, target.sharded_abstract_state(), None, meta)
         source.close()
@@ -111,6 +120,8 @@ def test_checkpoint_restores_across_meshes(tmp_path, caplog):
                                                     dp.state_shardings), dp.place_batch(batch))
         jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                                jax.device_get(again.params), jax.device_get(reference.params))
+    monkeypatch.undo()
+    Checkpoints(tmp_path / "cpu")  # (a CPU run's handler again, for the tests after this one)
 
 
 # --- killed and preempted runs ----------------------------------------------------------

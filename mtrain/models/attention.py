@@ -36,6 +36,16 @@ fullest row and, where cuDNN's packed layout with a table to match is faster tha
 kernel (`auto_table`), the step runs ``cudnn_segments`` with that table. Each table size is
 compiled once, when a batch first needs it.
 
+Decoding runs one query per row at a time (self-attention to the key/value cache, and
+encoder-decoder attention to the encoder's outputs, whose mask then has no query ids): that
+single-query attention runs the einsum path on every backend, whatever
+`transformer.attention` says (`layers.MultiHeadAttention`). The flash kernels tile queries
+in blocks of 64 to 512 positions, so one query would fill a block with padding, and their
+saving, never forming the [length, memory_length] logits, is nothing when length is 1: the
+logits of one query are [memory_length] per head, a matrix-vector product that XLA fuses on
+any backend. The encoder of a translation still runs the configured path over its whole
+inputs, and so do training, evaluation and scoring.
+
 A padding query (segment 0) of splash and cuDNN is given the segment of the first memory
 position, so that no row of their mask is empty (in encoder-decoder attention a padded
 target may have no padded input to see). What padding positions compute is never used (the

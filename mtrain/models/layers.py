@@ -87,7 +87,10 @@ class MultiHeadAttention(nn.Module):
     memory_length] logits; `flash_max_segments`: the table of 'cudnn_segments') or 'auto'
     (flash on GPU and TPU where its kernel takes the activations, see
     `attention.flash_refusal`; else einsum). The fused paths have no
-    attention dropout: while training with dropout, 'auto' keeps the einsum path.
+    attention dropout: while training with dropout, 'auto' keeps the einsum path. A query of
+    one position (a decoding step: self-attention to the cache, and encoder-decoder
+    attention whose `mask` has no query ids) runs the einsum path whatever `implementation`
+    says (see `attention`'s module doc).
 
     Incremental decoding (`decode_index` given, self-attention only): `x` is one position
     [batch, 1, d_model]; its key and value are written at `decode_index` into the "cache"
@@ -104,13 +107,14 @@ class MultiHeadAttention(nn.Module):
     flash_kernel: str = "auto"
     flash_max_segments: int = attention.CUDNN_MAX_SEGMENTS
 
-    def _path(self, deterministic: bool, decode_index) -> str:
-        """'einsum', 'dot_product' or 'flash' for this call."""
+    def _path(self, deterministic: bool, single_query: bool = False) -> str:
+        """'einsum', 'dot_product' or 'flash' for this call (`single_query`: a decoding
+        step's)."""
         use = self.implementation
         if use == "auto":
             use = "flash" if attention.uses_flash(use, self.flash_kernel, jax.default_backend(),
                                                   self.dtype, self.d_kv) else "einsum"
-        if decode_index is not None or (self.dropout_rate > 0.0 and not deterministic):
+        if single_query or (self.dropout_rate > 0.0 and not deterministic):
             return "einsum"
         return use
 
@@ -129,9 +133,10 @@ class MultiHeadAttention(nn.Module):
         kv_names = ("batch", "memory_length", "heads", "d_kv")
         key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk), kv_names)
         value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv), kv_names)
+        single_query = decode_index is not None or mask.query is None
         if decode_index is not None:
             key, value, mask = self._cached(key, value, decode_index)
-        path = self._path(deterministic, decode_index)
+        path = self._path(deterministic, single_query)
         if path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments)

@@ -1,0 +1,62 @@
+"""Decoding on every attention path: a translation's greedy and beam search give the einsum
+path's tokens with 'dot_product', splash and Triton (interpreted), scanned and unrolled, on
+one device and on an 8-device layout.
+
+A decoding step's attention (one query) runs the einsum path whatever the setting
+(`attention`'s module doc); the encoder runs the configured path over its inputs. So the
+decoded tokens can differ from einsum's only through the encoder's outputs, which the
+kernels compute in float32 to ~1e-6 of the reference (test_flash_attention): a token
+changes only where two candidates' scores are that close, which these runs do not meet
+(the tokens are compared exactly)."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from mtrain import optimizer
+from mtrain.layout import Layout
+from mtrain.models.transformer import EncoderDecoder
+from mtrain.trainer import Trainer
+from mtrain.translation import DecodingConfig, Translator
+
+from accelerators import triton_interpreted
+from test_encoder_decoder import CONFIG, L, SENTENCES, joint_vocab  # noqa: F401 (a fixture)
+
+PATHS = {  # name -> (transformer settings, whether the GPU is emulated for it)
+    "dot_product": ({"attention": "dot_product"}, False),
+    "splash": ({"attention": "flash", "flash_kernel": "splash"}, False),
+    "triton": ({"attention": "flash", "flash_kernel": "triton"}, True),
+}
+LAYOUTS = {False: ("", ""), True: ("batch:2;model:4", "batch:batch;d_ff:model;heads:model")}
+
+
+def decode(vocab, settings, scanned, beam_size):
+    """The translations of SENTENCES (a padded second batch too) with `settings`; the same
+    parameters for every setting of one structure (seed 5)."""
+    config = dataclasses.replace(CONFIG, vocab_size=384, dropout_rate=0.0, scan_layers=scanned,
+                                 **settings)
+    layout = Layout(*LAYOUTS[scanned])
+    mesh = layout.make_mesh(jax.devices()[: layout.size])
+    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
+    trainer = Trainer(EncoderDecoder(config), opt, layout, mesh, 4, L, seed=5)
+    translator = Translator(trainer, vocab, DecodingConfig(beam_size=beam_size,
+                                                           max_decode_length=10))
+    params = trainer.init_state().params
+    return translator(params, SENTENCES)
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled, one device",
+                                                        "scanned, batch:2;model:4"])
+def test_every_attention_path_decodes_the_einsum_path_tokens(joint_vocab, monkeypatch, scanned):
+    expected = {beam: decode(joint_vocab, {"attention": "einsum"}, scanned, beam)
+                for beam in (1, 3)}
+    assert all(any(expected[beam]) for beam in expected)
+    for name, (settings, on_gpu) in PATHS.items():
+        with monkeypatch.context() as m:
+            if on_gpu:
+                calls = triton_interpreted(m)
+            for beam in (1, 3):
+                assert decode(joint_vocab, settings, scanned, beam) == expected[beam], (name, beam)
+            if on_gpu:
+                assert calls and set(calls) == {"triton"}, calls  # the encoder's
