@@ -334,3 +334,23 @@ def test_an_all_reduce_used_only_in_slices_is_a_reduce_scatter():
                                                                    7 * 8 * 32 * 4)
     # Its scalar, %full and %half (also used whole) stay all-reduces.
     assert (ar.count, ar.bytes_sent) == (3, 1.75 * (4 + 2 * 64 * 32 * 4))
+
+
+def test_the_peak_an_accelerator_is_measured_against():
+    """MFU's denominator by the device's kind (no TPU or GPU here: fake devices say theirs);
+    on a CPU, a float32 matmul measured now, shared by the simulated devices."""
+    import types
+
+    from mtrain.targets import device_peak_flops
+
+    def device(kind, platform):
+        return types.SimpleNamespace(device_kind=kind, platform=platform)
+
+    assert device_peak_flops(device("TPU v4", "tpu")) == (TARGETS["tpu-v4"].peak_flops,
+                                                          "tpu-v4 bf16 peak")
+    assert device_peak_flops(device("TPU v5 lite", "tpu"))[1] == "tpu-v5e bf16 peak"
+    assert device_peak_flops(device("NVIDIA H100 80GB HBM3", "gpu")) == (989e12, "h100 bf16 peak")
+    assert device_peak_flops(device("NVIDIA A100-SXM4-80GB", "gpu")) == (
+        0.0, "no peak known for NVIDIA A100-SXM4-80GB")
+    flops, source = device_peak_flops()  # this CPU
+    assert flops > 0 and source.startswith("measured float32 matmul, shared by 8 CPU devices")
