@@ -75,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_file", default=None, metavar="FILE",
                    help="--mode=infer: where the translations go, one per line; --mode=score: "
                         "one JSON object per line (default: stdout; logs go to stderr)")
+    p.add_argument("--output_dir", default=None, metavar="DIR",
+                   help="--mode=eval and --mode=score: where their metrics, TensorBoard events "
+                        "and decodes go (default: the model dir, where it can be written; a "
+                        "model dir that cannot be written, shared or published, keeps none)")
     p.add_argument("--cpu_devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (sets XLA's host device count before jax "
                         "starts), so that e.g. a batch:4;model:2 mesh runs on a laptop")
@@ -179,6 +183,9 @@ def main(argv=None) -> int:
         return 2
     try:
         args = parse_args(argv)
+        if not (args.gin_file or args.gin_param):
+            raise UserError("nothing to run: give a --gin_file (the quickstart's is "
+                            "--gin_file=quickstart.gin; see --help)")
     except UserError as e:
         print(f"mtrain: error: {e}", file=sys.stderr)
         return 2
@@ -238,6 +245,10 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["data_source"] = args.data_source
         if args.mode in ("infer", "score"):
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
+        if args.output_dir is not None:
+            if args.mode not in ("eval", "score"):
+                raise UserError("--output_dir goes with --mode=eval or --mode=score")
+            kwargs["output_dir"] = args.output_dir
         if args.restart:
             kwargs["restart"] = True
         if args.mode == "plan":

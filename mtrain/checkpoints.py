@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from mtrain import distributed
+from mtrain import checksums, distributed
 from mtrain.errors import IncompatibleRun, UserError
 from mtrain.textfiles import is_remote
 
@@ -50,12 +50,18 @@ class DamagedCheckpoint(CheckpointError):
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
-    """Saves and restores an input iterator (``save(directory)``/``restore(directory)``)."""
+    """Saves and restores an input iterator (``save(directory)`` returns the prefix of the
+    files it wrote, named after its process; ``restore(directory)``), with a SHA-256 of
+    each file in ``<prefix>.sha256``, verified before any is read."""
 
     def save(self, directory: epath.Path, args: DataIteratorSave):
-        args.iterator.save(str(directory))  # the iterator names its file after its process
+        prefix = epath.Path(args.iterator.save(str(directory)))
+        written = [p for p in prefix.parent.glob(prefix.name + ".*") if p.suffix != ".sha256"]
+        checksums.write_file_checksums(written, f"{prefix}.sha256")
 
     def restore(self, directory: epath.Path, args: DataIteratorRestore):
+        for listed in epath.Path(directory).glob("*.sha256"):  # (none: an older mtrain's)
+            checksums.verify_files(listed)
         args.iterator.restore(str(directory))
         return args.iterator
 
@@ -76,7 +82,12 @@ def require_checkpoints(directory, missing: str) -> None:
     """Raises a CheckpointError saying `missing` (what to do) unless `directory` holds a
     checkpoint's step directory; reads only (a `Checkpoints` would create `directory`)."""
     path = epath.Path(directory)
-    if not (path.is_dir() and any(p.name.isdigit() for p in path.iterdir())):
+    names = [p.name for p in path.iterdir()] if path.is_dir() else []
+    if not any(name.isdigit() for name in names):
+        set_aside = sorted(n for n in names if ".damaged" in n or ".diverged" in n)
+        if set_aside:
+            raise CheckpointError(f"{directory} holds only checkpoints that were set aside "
+                                  f"({', '.join(set_aside)}); restore a good copy")
         raise CheckpointError(f"no checkpoints in {directory}; {missing}")
 
 
@@ -100,10 +111,11 @@ class Checkpoints:
     """Keeps the last `keep` checkpoints of a model dir."""
 
     def __init__(self, directory: str, keep: int = 3, keep_period: int | None = None,
-                 async_save: bool = True, cleanup_tmp: bool = False):
+                 async_save: bool = True, cleanup_tmp: bool = False, read_only: bool = False):
         """Keeps the last `keep` checkpoints, and every step divisible by `keep_period`.
         `cleanup_tmp`: delete the temporary directories of saves that never finished (only
-        for the one run that writes the directory)."""
+        for the one run that writes the directory). `read_only`: restores only, writing
+        nothing (a reader's, whose model dir may not be writable)."""
         # orbax's tensorstore writer needs an absolute path (a relative one fails in the
         # background save thread, after the step has moved on). Not epath's absolute(): it
         # makes gs://b/d a local path.
@@ -112,8 +124,9 @@ class Checkpoints:
         if jax.default_backend() == "cpu":
             _write_whole_replicas()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_period or None, create=True,
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=cleanup_tmp,
+            max_to_keep=keep, keep_period=keep_period or None, create=not read_only,
+            read_only=read_only, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=cleanup_tmp and not read_only,
         )
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data", "meta")
@@ -132,7 +145,9 @@ class Checkpoints:
 
     def save(self, step: int, state, iterator, meta: dict) -> None:
         """Starts saving `step` in the background (after checking that the previous save
-        succeeded: a failed one, e.g. on a full disk, is a CheckpointError)."""
+        succeeded: a failed one, e.g. on a full disk, is a CheckpointError). The meta gets
+        the checksum of every array of `state` (`checksums.of_arrays`)."""
+        meta = {**meta, "checksums": checksums.of_arrays(state)}
         with self._failing_save(step):
             self.manager.check_for_errors()
             self.manager.save(
@@ -152,17 +167,24 @@ class Checkpoints:
         except CheckpointError:
             raise
         except Exception as e:  # OSError (a full disk), or orbax's wrapping of it
+            steps = self.all_steps()
+            kept = (f"the checkpoints already there are intact (steps {steps})" if steps else
+                    "no checkpoint was saved before it")
             raise CheckpointError(
                 f"could not save a checkpoint (step {step} or the one before it) in "
-                f"{self.directory}: {_reason(e)}; the checkpoints already there are intact "
-                f"(steps {self.all_steps() or 'none'})") from None
+                f"{self.directory}: {_reason(e)}; {kept}") from None
 
-    def restore(self, step: int, abstract_state, iterator, meta: dict):
+    def restore(self, step: int, abstract_state, iterator, meta: dict,
+                advice: str | None = None):
         """Restores `step` into the shardings of `abstract_state` and, if given, moves
         `iterator` to the saved input position (resuming a run).
 
         Raises `IncompatibleRun` if the checkpoint was saved by a run that `meta` (this
-        run's, as `save` takes it) cannot continue, `DamagedCheckpoint` if it cannot be read.
+        run's, as `save` takes it) cannot continue (`advice`: what its error tells a reader
+        to do), `DamagedCheckpoint` if it cannot be read,
+        if what it restores does not match its checksums, or if that is not finite (no
+        run saves a state that is not). A checkpoint without checksums (of an older mtrain)
+        restores with one warning, once.
         """
         where = self.directory / str(step)
         try:
@@ -170,7 +192,7 @@ class Checkpoints:
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax, tensorstore and the file system raise many kinds
             raise DamagedCheckpoint(where, _reason(e)) from None
-        check_compatible(saved, meta, where, resume=iterator is not None)
+        check_compatible(saved, meta, where, resume=iterator is not None, advice=advice)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if iterator is not None:
             items["data"] = DataIteratorRestore(iterator)
@@ -184,30 +206,45 @@ class Checkpoints:
                     f"checkpoint {where} holds a train state of another structure (a model or "
                     f"optimizer setting differs); {_ADVICE}") from None
             raise DamagedCheckpoint(where, _reason(e)) from None
-        return restored["state"]
+        state = restored["state"]
+        if "checksums" not in saved:
+            if str(self.directory) not in _UNVERIFIED:
+                _UNVERIFIED.add(str(self.directory))
+                log.warning("checkpoint %s has no checksums (an older mtrain wrote it): what it "
+                            "restores cannot be verified", where)
+        elif bad := checksums.mismatches(saved["checksums"], state):
+            raise DamagedCheckpoint(where, f"{_array(bad[0])} does not match its checksum"
+                                    + (f" (nor do {len(bad) - 1} other arrays)" if bad[1:] else ""))
+        if bad := checksums.not_finite(state):
+            raise DamagedCheckpoint(where, f"{_array(bad[0])} holds values that are not finite")
+        return state
 
-    def restore_intact(self, abstract_state, iterator, meta: dict):
+    def restore_intact(self, abstract_state, iterator, meta: dict, set_aside: bool = True,
+                       advice: str | None = None):
         """(state, step) of the newest checkpoint that restores.
 
         A checkpoint that cannot be read (partly written, truncated, corrupted) is moved
-        aside to ``<step>.damaged``, and the one before it is tried (one warning line says
-        which were moved): a run never silently starts from scratch over a model dir that
-        has checkpoints. A checkpoint of another run (`IncompatibleRun`) is not damage: that
-        is an error, and nothing is renamed.
+        aside to ``<step>.damaged`` (`set_aside`; a reader, which changes nothing in the
+        model dir, only skips it), and the one before it is tried (one warning line says
+        which were moved or skipped): a run never silently starts from scratch over a model
+        dir that has checkpoints. A checkpoint of another run (`IncompatibleRun`) is not
+        damage: that is an error, and nothing is renamed.
         """
         damaged, first_reason = [], None
 
         def report() -> str:
+            moved = (f"{'were' if len(damaged) > 1 else 'was'} moved to "
+                     f"{', '.join(f'{name}.damaged' for name in damaged)}" if set_aside else
+                     "left as they are")
             return (f"checkpoint{'s' * (len(damaged) > 1)} {', '.join(damaged)} in "
-                    f"{self.directory} cannot be read ({first_reason}) and "
-                    f"{'were' if len(damaged) > 1 else 'was'} moved to "
-                    f"{', '.join(f'{name}.damaged' for name in damaged)}")
+                    f"{self.directory} cannot be read ({first_reason}) and {moved}")
 
         for step in self.all_steps()[::-1]:
             try:
-                state = self.restore(step, abstract_state, iterator, meta)
+                state = self.restore(step, abstract_state, iterator, meta, advice)
             except DamagedCheckpoint as e:
-                self.move_aside(step, "damaged")
+                if set_aside:
+                    self.move_aside(step, "damaged")
                 damaged.append(str(step))
                 first_reason = first_reason or e.reason
                 continue
@@ -216,7 +253,7 @@ class Checkpoints:
                     log.warning(report())
                 raise
             if damaged:
-                log.warning(report())
+                log.warning(report() + f"; using the checkpoint of step {step}")
             return state, step
         raise CheckpointError(f"no checkpoint can be read: {report()}; restore a good copy, "
                               f"or pass --restart to train from step 0")
@@ -245,13 +282,22 @@ class Checkpoints:
         self.manager.close()
 
 
+_UNVERIFIED: set[str] = set()  # the directories whose checkpoints without checksums were reported
+
+
+def _array(path: str) -> str:
+    """A train state's path as a name: ".params['layer_0']['mlp']['wi']" -> params.layer_0.mlp.wi."""
+    return path.replace("']['", ".").replace("['", ".").replace("']", "").lstrip(".")
+
+
 def _reason(error: BaseException) -> str:
     """The root cause of `error` (orbax wraps tensorstore's), in one line of at most 250
-    characters."""
+    characters: its start and its end, where tensorstore puts the system's reason ("No
+    space left on device")."""
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= 250 else text[:247] + "..."
+    return text if len(text) <= 250 else f"{text[:120]} ... {text[-125:]}"
 
 
 # --- what a checkpoint's run must share with the run that restores it -------------------
@@ -274,7 +320,8 @@ def _differences(saved: dict, current: dict) -> list[str]:
             for k in sorted(saved) if saved[k] != current.get(k)]
 
 
-def check_compatible(saved: dict, current: dict, where, resume: bool) -> None:
+def check_compatible(saved: dict, current: dict, where, resume: bool,
+                     advice: str | None = None) -> None:
     """Raises `IncompatibleRun` naming every setting that differs between the run that
     saved a checkpoint (its ``meta``, `saved`) and this one (`current`).
 
@@ -283,6 +330,7 @@ def check_compatible(saved: dict, current: dict, where, resume: bool) -> None:
     seed, data; must match to resume training), ``state`` (`state_signature` of the train
     state) and ``optimizer`` (its settings, to name the one that changed the state).
     Everything else (steps, schedules, mesh and layout, learning rate, ...) may change.
+    `advice` replaces what the error tells a resuming run to do.
     """
     diffs = []
     if "task" in saved and saved["task"] != current.get("task"):
@@ -301,7 +349,7 @@ def check_compatible(saved: dict, current: dict, where, resume: bool) -> None:
                      f"{here.get(path) or 'absent'} here"]
         diffs += named
     if diffs:
-        advice = ("resume with the saved settings, or train a new model in another --model_dir"
-                  if model_differs else _ADVICE)
+        advice = advice or ("resume with the saved settings, or train a new model in another "
+                            "--model_dir" if model_differs else _ADVICE)
         raise IncompatibleRun(f"checkpoint {where} is of a run with other settings: "
                               f"{'; '.join(diffs)}; {advice}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 
 import jax
@@ -15,6 +14,7 @@ from etils import epath
 
 from mtrain.bleu import corpus_bleu
 from mtrain.metrics import MetricsWriter, log
+from mtrain.model_dir import decodes_file
 from mtrain.textfiles import write_atomically
 
 
@@ -51,17 +51,17 @@ def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
         results["eval/num_words"] = stats["words"]
         results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
     if "bleu" in exp.task.metrics:
-        results.update(bleu(exp, params, step))
+        results.update(bleu(exp, params, step, writer.directory))
     writer.write(step, results)
     return results
 
 
-def bleu(exp, params, step: int) -> dict:
+def bleu(exp, params, step: int, directory: str | None) -> dict:
     """BLEU of the model's translations of the first decoding.num_examples (0: all) of the
-    eval split in its stored order. Every decode is kept: `<model_dir>/decodes/<split>-
-    <step>.tsv` holds source, reference and hypothesis, one example per line in that order
-    (tabs and line breaks inside a text become spaces), and sacrebleu on its last two
-    columns gives the logged eval/bleu."""
+    eval split in its stored order. Every decode is kept (where `directory` is given, that
+    of the metrics): `<directory>/decodes/<split>-<step>.tsv` holds source, reference and
+    hypothesis, one example per line in that order (tabs and line breaks inside a text
+    become spaces), and sacrebleu on its last two columns gives the logged eval/bleu."""
     limit = exp.translator.config.num_examples or None
     size = exp.source.num_examples(exp.eval_split)
     examples = list(exp.source.examples(exp.eval_split, limit))
@@ -77,8 +77,8 @@ def bleu(exp, params, step: int) -> dict:
              "(reference %r); BLEU signature %s", len(inputs), exp.eval_split, time.time() - t0,
              exp.translator.config.beam_size, exp.translator.config.alpha, inputs[0],
              hypotheses[0], references[0], scores["signature"])
-    if jax.process_index() == 0:
-        path = os.path.join(exp.model_dir, "decodes", f"{exp.eval_split}-{step}.tsv")
+    if jax.process_index() == 0 and directory is not None:
+        path = decodes_file(directory, exp.eval_split, step)
         epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
         flat = lambda text: " ".join(text.replace("\t", " ").splitlines())  # noqa: E731
         write_atomically(path, "".join(f"{flat(s)}\t{flat(r)}\t{flat(h)}\n" for s, r, h in

@@ -15,13 +15,19 @@ from mtrain.errors import ConfigError
 from mtrain.experiment import Experiment
 from mtrain.lock import check_writable
 from mtrain.metrics import log
+from mtrain.model_dir import ModelDir
 from mtrain.textfiles import read_lines
 
 
-def check_output_file(output_file: str | None) -> None:
-    """An --output_file can be written: its directory exists and takes a new file."""
+def check_output_file(output_file: str | None, input_file: str | None = None) -> None:
+    """An --output_file can be written: its directory exists and takes a new file, and it
+    is not the --input_file (which writing it would replace before it is read whole)."""
     if output_file in (None, "-"):
         return
+    if input_file not in (None, "-") and os.path.realpath(input_file) == os.path.realpath(
+            output_file):
+        raise ConfigError(f"--output_file {output_file} is the --input_file: writing it would "
+                          f"replace the lines being read; write to another file")
     if os.path.isdir(output_file):
         raise ConfigError(f"--output_file {output_file} is a directory")
     directory = os.path.dirname(os.path.abspath(output_file))
@@ -38,7 +44,7 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     stopped half-way keeps the lines it translated; a progress line (lines done, lines/s,
     time left) goes to the log at least every 10 seconds."""
     lines = read_lines(input_file)
-    state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
+    state, step = training.restore_for_reading(exp, ModelDir(exp.model_dir).checkpoints)
     writing = jax.process_index() == 0
     out = None
     if writing:

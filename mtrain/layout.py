@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,89 +36,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtrain.errors import UserError
+from mtrain.layout_syntax import LayoutError, parse_layout_rules, parse_mesh_shape
 
-MeshShape = list[tuple[str, int]]
-LayoutRules = list[tuple[str, str]]
-
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class LayoutError(UserError, ValueError):
-    """A mesh shape, layout rule or tensor layout that cannot work, with what to do about it."""
-
-
-def _pairs(text: str, what: str, example: str) -> list[tuple[str, str]]:
-    """Splits ``"a:b;c:d"`` into pairs; `;` `,` `.` and whitespace all separate pairs (Mesh-TF)."""
-    if not isinstance(text, str):
-        raise LayoutError(f"{what} must be a string like {example!r}, got {text!r}")
-    pairs = []
-    for item in re.sub(r"[,.;]", " ", text).split():
-        parts = item.split(":")
-        if len(parts) != 2 or not all(_NAME.match(p) or p.isdigit() for p in parts):
-            raise LayoutError(
-                f"malformed {what} {text!r}: {item!r} is not a 'name:value' pair "
-                f"(write it like {example!r})"
-            )
-        pairs.append((parts[0], parts[1]))
-    return pairs
-
-
-def _check_unique(names: Sequence[str], what: str, text: Any) -> None:
-    seen = set()
-    for name in names:
-        if name in seen:
-            raise LayoutError(f"{what} {text!r} names {name!r} twice")
-        seen.add(name)
-
-
-def _given_pairs(value: Any, what: str, example: str) -> list[tuple[Any, Any]]:
-    """A sequence of (name, value) pairs given instead of a string, checked."""
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
-        raise LayoutError(f"{what} must be a string like {example!r}, got {value!r}")
-    return list(value)
-
-
-def parse_mesh_shape(mesh_shape: str | Sequence[tuple[str, int]]) -> MeshShape:
-    """``"batch:16;model:32"`` -> ``[("batch", 16), ("model", 32)]``; ``""`` is one device."""
-    if not isinstance(mesh_shape, str):
-        pairs = [(str(n), s) for n, s in _given_pairs(mesh_shape, "run.mesh_shape",
-                                                      "batch:4;model:2")]
-    else:
-        pairs = _pairs(mesh_shape, "mesh shape", "batch:4;model:2")
-    result = []
-    for name, raw in pairs:
-        if not _NAME.match(name):
-            raise LayoutError(f"mesh shape {mesh_shape!r}: {name!r} is not a dimension name")
-        size = int(raw) if isinstance(raw, int) or str(raw).isdigit() else 0
-        if size < 1:
-            raise LayoutError(
-                f"mesh shape {mesh_shape!r}: the size of mesh dimension {name!r} must be a "
-                f"positive integer, got {raw!r}"
-            )
-        result.append((name, size))
-    _check_unique([n for n, _ in result], "mesh shape", mesh_shape)
-    return result
-
-
-def parse_layout_rules(layout_rules: str | Sequence[tuple[str, str]],
-                       what: str = "layout rules") -> LayoutRules:
-    """``"batch:batch;d_ff:model"`` -> ``[("batch", "batch"), ("d_ff", "model")]``; `what`
-    names the rule set in errors ("parameter layout rules")."""
-    parameter = what.startswith("parameter")
-    example = "d_model:batch" if parameter else "batch:batch;d_ff:model"
-    if not isinstance(layout_rules, str):
-        setting = "run.parameter_layout_rules" if parameter else "run.layout_rules"
-        pairs = [(str(t), str(m)) for t, m in _given_pairs(layout_rules, setting, example)]
-    else:
-        pairs = _pairs(layout_rules, what, example)
-    for tensor_dim, mesh_dim in pairs:
-        for name in (tensor_dim, mesh_dim):
-            if not _NAME.match(name):
-                raise LayoutError(f"{what} {layout_rules!r}: {name!r} is not a dimension name")
-    _check_unique([t for t, _ in pairs], what, layout_rules)
-    return pairs
+# The mesh dimension names mtrain's gin files and layout search use: a rule may name one
+# that the mesh at hand lacks (dropped, as in Mesh-TF).
+MESH_DIMS = ("batch", "model", "embed")
 
 
 class Layout:
@@ -138,6 +60,7 @@ class Layout:
         self.mesh_dims = dict(self.mesh_shape)
         self.dropped_rules, self.dropped_parameter_rules = [], []
         if drop_unused_rules:
+            self._check_spelling()
             self.dropped_rules = [r for r in self.layout_rules if r[1] not in self.mesh_dims]
             self.layout_rules = [r for r in self.layout_rules if r[1] in self.mesh_dims]
             self.dropped_parameter_rules = [r for r in self.parameter_rules
@@ -156,6 +79,24 @@ class Layout:
         self.parameter_map = {**self.rules, **dict(self.parameter_rules)}
         self.seen_names: set[str] = set()  # every dimension name laid out so far
         self.seen_parameter_names: set[str] = set()  # those of parameters
+
+    def _check_spelling(self) -> None:
+        """A rule may name a mesh dimension this mesh lacks (it is dropped), but not one
+        that is no mesh's name and looks like a misspelling of one (`MESH_DIMS`, or this
+        mesh's): ``d_ff:modle`` would leave d_ff replicated without a word."""
+        names = sorted({*MESH_DIMS, *self.mesh_dims})
+        for kind, rules in (("layout rule", self.layout_rules),
+                            ("parameter layout rule", self.parameter_rules)):
+            for tensor_dim, mesh_dim in rules:
+                if mesh_dim in names:
+                    continue
+                close = difflib.get_close_matches(mesh_dim, names, n=1, cutoff=0.6)
+                if close:
+                    raise LayoutError(
+                        f"{kind} '{tensor_dim}:{mesh_dim}' names mesh dimension {mesh_dim!r}: "
+                        f"did you mean {close[0]!r}? (the mesh "
+                        f"{self.mesh_text or '(one device)'!r} has "
+                        f"{sorted(self.mesh_dims) or 'no dimension'})")
 
     def check_rules_used(self) -> None:
         """Raises `LayoutError` if a rule (dropped ones included) names a tensor dimension

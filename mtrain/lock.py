@@ -90,6 +90,18 @@ def check_writable(directory: str, what: str) -> None:
         raise UserError(f"cannot write {what} {directory}: {e.strerror or e}") from None
 
 
+def is_writable(directory: str) -> bool:
+    """Whether `directory` exists and takes a new file (`check_writable`, creating nothing
+    where it does not exist)."""
+    if not epath.Path(directory).is_dir():
+        return False
+    try:
+        check_writable(directory, "")
+    except UserError:
+        return False
+    return True
+
+
 def check_data_dir(data_dir: str) -> None:
     """The data dir is a local directory, or can be made one."""
     if is_remote(data_dir):

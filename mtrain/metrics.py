@@ -44,29 +44,51 @@ def _format(value) -> str:
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl and TensorBoard, and logs them in one line each."""
+    """Appends records to ``<directory>/metrics.jsonl`` and TensorBoard event files there,
+    and logs them in one line each. `directory` None: the log only (a reader whose model
+    dir cannot be written). A record that metrics.jsonl already holds (the same step and
+    values: an evaluation repeated by a resume or by --mode=eval) is logged, not written
+    again; the event file is made at the first record written."""
 
-    def __init__(self, model_dir: str):
-        self.enabled = jax.process_index() == 0
-        self.path = os.path.join(model_dir, "metrics.jsonl")
+    def __init__(self, directory: str | None):
+        self.enabled = jax.process_index() == 0 and directory is not None
+        self.directory = directory
+        self.path = os.path.join(directory, "metrics.jsonl") if directory else None
         self._tb = None
-        if self.enabled:
-            from tensorboardX import SummaryWriter, record_writer
-
-            if is_remote(model_dir):
-                record_writer.register_writer_factory(os.fspath(model_dir).split("://")[0],
-                                                      _BucketEventFiles())
-            self._tb = SummaryWriter(model_dir, flush_secs=10)
+        self._written = None  # the records already in metrics.jsonl, read at the first write
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
-        if not self.enabled:
+        if jax.process_index() == 0:
+            log.info("step %d  %s", step, "  ".join(f"{k} {_format(v)}"
+                                                    for k, v in metrics.items()))
+        if not self.enabled or self._already_written(step, metrics):
             return
         append_text(self.path, json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
         for name, value in metrics.items():
             if math.isfinite(value):
-                self._tb.add_scalar(name, value, step)
-        log.info("step %d  %s", step, "  ".join(f"{k} {_format(v)}" for k, v in metrics.items()))
+                self._events().add_scalar(name, value, step)
+
+    def _already_written(self, step: int, metrics: dict) -> bool:
+        if self._written is None:
+            path = epath.Path(self.path)
+            lines = path.read_text().splitlines() if path.exists() else []
+            self._written = {line for line in lines if line.strip()}
+        record = json.dumps({"step": step, **metrics}, allow_nan=True)
+        if record in self._written:
+            return True
+        self._written.add(record)
+        return False
+
+    def _events(self):
+        if self._tb is None:
+            from tensorboardX import SummaryWriter, record_writer
+
+            if is_remote(self.directory):
+                record_writer.register_writer_factory(os.fspath(self.directory).split("://")[0],
+                                                      _BucketEventFiles())
+            self._tb = SummaryWriter(self.directory, flush_secs=10)
+        return self._tb
 
     def close(self) -> None:
         if self._tb is None:

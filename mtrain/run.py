@@ -27,16 +27,15 @@ from mtrain import tasks as tasks_lib
 from mtrain import training
 from mtrain.checkpoints import require_checkpoints
 from mtrain.errors import ConfigError
-from mtrain.evaluation import evaluate
 from mtrain.experiment import Experiment
 from mtrain.inference import check_output_file, infer
 from mtrain.layout import Layout, LayoutError
 from mtrain.lock import check_data_dir, check_reachable, preparing_data
-from mtrain.metrics import MetricsWriter, log
+from mtrain.metrics import log
 from mtrain.scoring import score
 from mtrain.sgp import SGPTrainer
 from mtrain.targets import TARGETS
-from mtrain.training import VOCABULARY_FILE
+from mtrain.model_dir import VOCABULARY, ModelDir
 from mtrain.trainer import Trainer
 from mtrain.translation import Translator
 from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
@@ -70,12 +69,15 @@ def vocabulary(task: tasks_lib.Task, source, data_dir: str, size: int = DEFAULT_
                               f"another --model_dir")
         return vocab
     if path:
-        return load_vocabulary(path)
-    cached = os.path.join(source.cache_dir(data_dir), task.name, f"spm_{size}.model")
-    return get_or_train_vocabulary(
-        cached, lambda: source.texts("train"), size,
-        texts_name=f"the {task.name} training split",
-    )
+        vocab = load_vocabulary(path)
+    else:
+        cached = os.path.join(source.cache_dir(data_dir), task.name, f"spm_{size}.model")
+        vocab = get_or_train_vocabulary(cached, lambda: source.texts("train"), size,
+                                        texts_name=f"the {task.name} training split")
+    if model_dir and epath.Path(ModelDir(model_dir).checkpoints).is_dir():
+        log.warning("the model dir %s has no %s: using %s (the checkpoints' own digest of "
+                    "theirs is checked)", model_dir, VOCABULARY, vocab.path)
+    return vocab
 
 
 def planned_vocab_size(model_dir: str | None = None) -> int:
@@ -89,7 +91,7 @@ def planned_vocab_size(model_dir: str | None = None) -> int:
 
 def _recorded_vocabulary(model_dir: str | None) -> str | None:
     """The path of the vocabulary recorded in `model_dir`, if it has one."""
-    recorded = os.path.join(model_dir, VOCABULARY_FILE) if model_dir else None
+    recorded = ModelDir(model_dir).vocabulary if model_dir else None
     return recorded if recorded and epath.Path(recorded).exists() else None
 
 
@@ -302,19 +304,19 @@ def build(
         profile_steps=tuple(profile_steps) if profile_steps else None,
         sgp=sgp,
     )
-    log.info("mtrain: task %s, model %s, %s over %d devices", task, _describe(model_config),
-             layout, jax.device_count())
     return exp
 
 
 def run(input_file: str | None = None, output_file: str | None = None,
-        plan_options: dict | None = None, restart: bool = False, **overrides):
+        plan_options: dict | None = None, restart: bool = False,
+        output_dir: str | None = None, **overrides):
     """Trains (``run.mode='train'``; `restart`: from step 0 whatever the model dir holds,
     moved aside first), evaluates the latest checkpoint (``'eval'``), translates
     `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout), scores the
     lines of `input_file` into `output_file` (``'score'``, `scoring.score`) or plans
     (``'plan'``, with `plan_options` for `plan`), as the gin config and `overrides` (e.g.
-    model_dir from the command line) say."""
+    model_dir from the command line) say. Eval and score write what they measure to
+    `output_dir`, else into the model dir if it can be written (`ModelDir.outputs`)."""
     mode = overrides.get("mode") or config.bound("run.mode", "train")
     model_dir = overrides.get("model_dir") or config.bound("run.model_dir", None)
     # What can fail at once, before data and compilation: a bucket that cannot be reached,
@@ -322,21 +324,28 @@ def run(input_file: str | None = None, output_file: str | None = None,
     # written.
     if mode != "plan" and model_dir:
         check_reachable(model_dir, "the model dir")
+        if ModelDir(model_dir).is_file():
+            raise ConfigError(f"the model dir {model_dir} is a file, not a directory; name a "
+                              f"directory (a new one to train into)")
     if mode == "train" and model_dir:
         training.check_model_dir_free(model_dir)
     if mode in ("eval", "infer", "score") and model_dir:
-        require_checkpoints(os.path.join(model_dir, "checkpoints"), "train first (--mode=train)")
+        require_checkpoints(ModelDir(model_dir).checkpoints, "train first (--mode=train)")
     if mode in ("infer", "score"):
-        check_output_file(output_file)
+        check_output_file(output_file, input_file)
     exp = build(restart=restart, **overrides)
+    auto_layout = (plan_options or {}).get("auto_layout")
+    where = (f"searching layouts for {(plan_options or {}).get('devices') or jax.device_count()}"
+             f" devices" if auto_layout else f"{exp.layout} over {jax.device_count()} devices")
+    log.info("mtrain: task %s, model %s, %s", exp.task.name, _describe(exp.model_config), where)
     if exp.mode == "train":
         return training.train(exp, restart=restart)
     if exp.mode == "eval":
-        return evaluate_checkpoint(exp)
+        return training.evaluate_checkpoint(exp, output_dir)
     if exp.mode == "plan":
         return plan(exp, **(plan_options or {}))
     if exp.mode == "score":
-        return score(exp, input_file, output_file)
+        return score(exp, input_file, output_file, output_dir)
     return infer(exp, input_file, output_file)
 
 
@@ -382,16 +391,6 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
 def _describe(c) -> str:
     return (f"{c.num_layers} layers d_model {c.d_model} d_ff {c.d_ff} heads {c.num_heads}x{c.d_kv} "
             f"vocab {c.vocab_size}")
-
-
-def evaluate_checkpoint(exp: Experiment) -> dict:
-    """``--mode=eval``: evaluates the latest checkpoint in the model dir."""
-    state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
-    log.info("evaluating the checkpoint of step %d", step)
-    writer = MetricsWriter(exp.model_dir)
-    results = evaluate(exp, state.params, step, writer)
-    writer.close()
-    return results
 
 
 def model_dir_is_bound() -> bool:

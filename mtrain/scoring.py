@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import jax
 import numpy as np
@@ -30,6 +29,7 @@ from mtrain.errors import ConfigError
 from mtrain.evaluation import scored_words
 from mtrain.experiment import Experiment
 from mtrain.metrics import MetricsWriter, log
+from mtrain.model_dir import ModelDir
 from mtrain.textfiles import read_lines, write_atomically
 
 
@@ -64,14 +64,15 @@ def _batch(exp: Experiment, examples: list[dict]) -> dict[str, np.ndarray]:
     return batch
 
 
-def score(exp: Experiment, input_file: str | None, output_file: str | None) -> dict:
+def score(exp: Experiment, input_file: str | None, output_file: str | None,
+          output_dir: str | None = None) -> dict:
     """Scores every line of `input_file` with the latest checkpoint (see the module doc);
-    returns the summary."""
+    returns the summary, which goes to the metrics of `output_dir`, else of the model dir
+    if it can be written. No lines: nothing to write, an empty output."""
     lines = read_lines(input_file)
-    if not lines:
-        raise ConfigError(f"--input_file {input_file or 'stdin'} has no lines to score")
     examples = [_example(exp, line, n + 1) for n, line in enumerate(lines)]
-    state, step = training.restore_for_reading(exp, os.path.join(exp.model_dir, "checkpoints"))
+    model_dir = ModelDir(exp.model_dir)
+    state, step = training.restore_for_reading(exp, model_dir.checkpoints)
     trainer = exp.trainer
     start, stop = trainer.local_rows()
     scores = []
@@ -91,15 +92,16 @@ def score(exp: Experiment, input_file: str | None, output_file: str | None) -> d
             for n, (s, e) in enumerate(zip(scores, examples))]
     total = -sum(scores)
     tokens, words = sum(r["tokens"] for r in rows), sum(r["words"] for r in rows)
-    summary = {"score/token_perplexity": math.exp(min(total / tokens, 50.0)),
-               "score/word_perplexity": math.exp(min(total / words, 50.0)),
+    summary = {"score/token_perplexity": math.exp(min(total / max(tokens, 1), 50.0)),
+               "score/word_perplexity": math.exp(min(total / max(words, 1), 50.0)),
                "score/log_likelihood": -total, "score/tokens": tokens, "score/words": words,
                "score/unknown_pieces": sum(r["unknown_pieces"] for r in rows),
                "score/lines": len(rows), "score/cut_lines": cut}
     if jax.process_index() == 0:
         write_atomically(output_file, "".join(json.dumps(r) + "\n" for r in rows))
-        writer = MetricsWriter(exp.model_dir)
+    log.info("scored %d lines with the checkpoint of step %d", len(rows), step)
+    if rows:
+        writer = MetricsWriter(model_dir.outputs(output_dir, "the scores' summary is"))
         writer.write(step, summary)
         writer.close()
-    log.info("scored %d lines with the checkpoint of step %d", len(rows), step)
     return summary

@@ -48,6 +48,9 @@ def write_atomically(output_file: str | os.PathLike | None, data: str | bytes) -
     directory = os.path.dirname(os.path.abspath(output_file))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mtrain-")
     try:
+        # mkstemp's file is its owner's alone (0600): give it the mode a new file gets
+        # (0666 less the umask), so that others who share a model dir can read it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(content)
         os.replace(tmp, output_file)
@@ -64,3 +67,9 @@ def append_text(path: str | os.PathLike, text: str) -> None:
         return
     path = epath.Path(path)
     path.write_text((path.read_text() if path.exists() else "") + text)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # (the only way to read it, which sets it: put it back)
+    os.umask(mask)
+    return mask

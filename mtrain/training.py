@@ -24,8 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import os
-import signal
 import time
 
 import jax
@@ -38,32 +36,35 @@ from mtrain.errors import Interrupted, TrainingDiverged, UserError
 from mtrain.evaluation import evaluate
 from mtrain.lock import ModelDirInUse, ModelDirLock, check_writable
 from mtrain.metrics import MetricsWriter, log
+from mtrain.model_dir import RUN_FILES, ModelDir
+from mtrain.stop_signals import StopSignals
 from mtrain.textfiles import write_atomically
-
-# A run's files in its model dir: moved aside by a restart.
-VOCABULARY_FILE = "vocabulary.model"  # the vocabulary of the checkpoints (run.vocabulary)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "config.gin", VOCABULARY_FILE)
 
 
 def train(exp, restart: bool = False) -> dict:
     """The training loop: log, evaluate and checkpoint on schedule; returns the last eval."""
+    model_dir = ModelDir(exp.model_dir)
+    # A new run's starting point first, reading only: one that cannot start from it (another
+    # model's) leaves nothing behind.
+    initial = _params_from(exp) if exp.init_from and (
+        restart or not model_dir.has_checkpoints()) else None
     check_writable(exp.model_dir, "the model dir")
     lock = _lock(exp.model_dir)
     with _closing(lock.release):
         if restart:
             _move_aside_for_restart(exp.model_dir)
-        check_writable(os.path.join(exp.model_dir, "checkpoints"), "checkpoints to")
-        checkpoints = Checkpoints(os.path.join(exp.model_dir, "checkpoints"),
-                                  exp.keep_checkpoints, exp.keep_checkpoint_every,
+        check_writable(model_dir.checkpoints, "checkpoints to")
+        checkpoints = Checkpoints(model_dir.checkpoints, exp.keep_checkpoints,
+                                  exp.keep_checkpoint_every,
                                   cleanup_tmp=True)  # no other run writes here: we hold the lock
         # A run that stops on an error still completes the checkpoints it started.
         with _closing(checkpoints.close), _closing(checkpoints.wait):
             batches = exp.train_batches()
-            state, start = _restore_or_init(exp, checkpoints, batches)
+            state, start = _restore_or_init(exp, checkpoints, batches, initial)
             if jax.process_index() == 0:
-                write_atomically(os.path.join(exp.model_dir, "config.gin"), exp.config_text)
-                if not epath.Path(exp.model_dir, VOCABULARY_FILE).exists():
-                    exp.vocab.save(os.path.join(exp.model_dir, VOCABULARY_FILE))
+                write_atomically(model_dir.config, exp.config_text)
+                if not epath.Path(model_dir.vocabulary).exists():
+                    exp.vocab.save(model_dir.vocabulary)
             writer = MetricsWriter(exp.model_dir)
             with _closing(writer.close):
                 results = _train_loop(exp, state, start, batches, checkpoints, writer)
@@ -133,9 +134,10 @@ def _move_aside_for_restart(model_dir: str) -> None:
     log.warning("--restart: moved %s to %s; training from step 0", ", ".join(names), target)
 
 
-def _restore_or_init(exp, checkpoints: Checkpoints, iterator):
+def _restore_or_init(exp, checkpoints: Checkpoints, iterator, initial=None):
     """(state, step): resumed from the model dir's newest intact checkpoint, else started
-    from `init_from`'s parameters, else freshly initialised."""
+    from `init_from`'s parameters (`initial`, if already read: `_params_from`), else
+    freshly initialised."""
     if checkpoints.all_steps():
         state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
                                                  iterator, exp.checkpoint_meta())
@@ -149,7 +151,7 @@ def _restore_or_init(exp, checkpoints: Checkpoints, iterator):
             f"step 0 (they are kept)")
     state = exp.trainer.init_state()
     if exp.init_from:
-        params, step, where = _params_from(exp)
+        params, step, where = initial or _params_from(exp)
         log.info("starting from the parameters of step %d of %s", step, where)
         state = state.replace(params=params)
     return state, 0
@@ -158,32 +160,50 @@ def _restore_or_init(exp, checkpoints: Checkpoints, iterator):
 def _params_from(exp):
     """The parameters of checkpoint `init_step` (default: the latest) of run `init_from`."""
     where = exp.init_from
-    if epath.Path(where, "checkpoints").is_dir():
-        where = os.path.join(where, "checkpoints")
-    state, step = restore_for_reading(exp, where, exp.init_step,
-                                      missing="run.init_from must name the model dir of a run")
+    if epath.Path(ModelDir(where).checkpoints).is_dir():
+        where = ModelDir(where).checkpoints
+    state, step = restore_for_reading(
+        exp, where, exp.init_step, missing="run.init_from must name the model dir of a run",
+        advice="run.init_from starts from a run of the same model: give this run that run's "
+               "model settings (its config.gin)")
     return state.params, step, where
 
 
 def restore_for_reading(exp, directory: str, step: int | None = None,
-                        missing: str = "train first (--mode=train)"):
+                        missing: str = "train first (--mode=train)",
+                        advice: str = "use the settings of the run that trained it (its "
+                                      "config.gin)"):
     """(state, step) of checkpoint `step` (default: the latest) in `directory`, into this
     run's shardings, without the input position: for eval, infer and init_from. Reads only;
     `missing` says what to do when `directory` holds no checkpoint."""
     require_checkpoints(directory, missing)
-    checkpoints = Checkpoints(directory, exp.keep_checkpoints)
+    checkpoints = Checkpoints(directory, read_only=True)
     try:
         steps = checkpoints.all_steps()
         if not steps:
             raise CheckpointError(f"no checkpoints in {directory}; {missing}")
-        step = steps[-1] if step is None else step
+        abstract, meta = exp.trainer.sharded_abstract_state(), exp.checkpoint_meta()
+        if step is None:  # the newest one that can be read, changing nothing
+            return checkpoints.restore_intact(abstract, None, meta, set_aside=False,
+                                              advice=advice)
         if step not in steps:
             raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
-        state = checkpoints.restore(step, exp.trainer.sharded_abstract_state(), None,
-                                    exp.checkpoint_meta())
-        return state, step
+        return checkpoints.restore(step, abstract, None, meta, advice), step
     finally:
         checkpoints.close()
+
+
+def evaluate_checkpoint(exp, output_dir: str | None = None) -> dict:
+    """``--mode=eval``: evaluates the latest checkpoint in the model dir; the metrics (and
+    decodes) go to `output_dir`, else to the model dir if it can be written."""
+    model_dir = ModelDir(exp.model_dir)
+    state, step = restore_for_reading(exp, model_dir.checkpoints)
+    log.info("evaluating the checkpoint of step %d", step)
+    writer = MetricsWriter(model_dir.outputs(output_dir, "the metrics, events and decodes "
+                                             "of this evaluation are"))
+    results = evaluate(exp, state.params, step, writer)
+    writer.close()
+    return results
 
 
 def _train_loop(exp, state, start: int, batches, checkpoints: Checkpoints,
@@ -206,16 +226,16 @@ def _train_loop(exp, state, start: int, batches, checkpoints: Checkpoints,
                  "train, evaluating it", start, exp.train_steps)
     guard = _FiniteGuard(exp.max_nonfinite_steps, last_checkpoint=start or None)
     tick = time.time()
-    with _StopSignals() as signals, _on_divergence(guard, checkpoints):
+    with StopSignals() as signals, _on_divergence(guard, checkpoints):
         for step in range(start + 1, exp.train_steps + 1):
             if exp.profile_steps and step == exp.profile_steps[0]:
-                jax.profiler.start_trace(os.path.join(exp.model_dir, "profile"))
+                jax.profiler.start_trace(ModelDir(exp.model_dir).profile)
             state, metrics = stepper.train_step(state, trainer.place_batch(next(batches)))
             if exp.profile_steps and step == exp.profile_steps[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
                 log.info("profile of steps %d-%d: %s", *exp.profile_steps,
-                         os.path.join(exp.model_dir, "profile"))
+                         ModelDir(exp.model_dir).profile)
             guard.add(step, metrics["finite"])
             # At most two steps in flight: this one is queued behind the previous one, which
             # we wait for here. More buys nothing (the devices are busy either way) and, with
@@ -350,51 +370,3 @@ def _on_divergence(guard: _FiniteGuard, checkpoints: Checkpoints):
                         "run the same command" + (" with --restart" if checkpoints.set_aside()
                                                   else "") + " to train from step 0")
         raise TrainingDiverged(message) from None
-
-
-class _StopSignals:
-    """Notes SIGTERM (what Cloud TPU, Kubernetes and Slurm send before they stop a job) and
-    Ctrl-C (SIGINT), so that the loop can save a checkpoint and stop instead of dying
-    mid-step. After the first Ctrl-C, a second one aborts at once (KeyboardInterrupt).
-
-    With several processes, JAX's coordination service catches SIGTERM on whichever
-    processes get it and agrees with all of them on a step to stop at
-    (`reached_preemption_sync_point`), so that they all save the same one; Ctrl-C keeps its
-    default there (it aborts).
-    """
-
-    def reached(self, step: int) -> str | None:
-        """Whether to save and stop after `step` ("SIGTERM", "SIGINT" or None); call it at
-        every step, on every process."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
-        return self.requested
-
-    requested: str | None = None  # "SIGTERM" or "SIGINT" once one arrived
-
-    def __enter__(self):
-        self.requested = None
-        self._previous = {}
-        if jax.process_count() > 1:
-            return self  # the coordination service owns SIGTERM
-        for signum, handler in [(signal.SIGTERM, self._term), (signal.SIGINT, self._interrupt)]:
-            try:
-                self._previous[signum] = signal.signal(signum, handler)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _term(self, signum, frame):
-        self.requested = self.requested or "SIGTERM"
-
-    def _interrupt(self, signum, frame):
-        self.requested = "SIGINT"
-        log.warning("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again "
-                    "to abort without saving)")
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def __exit__(self, *exc):
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)

@@ -140,6 +140,8 @@ def load_vocabulary(path: str | os.PathLike) -> Vocabulary:
     except Exception as e:  # OSError locally; a bucket's client raises errors of its own
         reason = getattr(e, "strerror", None) or first_line(e)
         raise VocabularyError(f"cannot read sentencepiece vocabulary {path}: {reason}") from None
+    if not proto:
+        raise VocabularyError(f"{path} is empty: not a sentencepiece model")
     try:
         return Vocabulary(proto, path)
     except VocabularyError:

@@ -206,3 +206,12 @@ def test_sgp_from_gin_with_checkpoints_either_way(data_dir, tmp_path):
     assert cli(tmp_path / "bad", "run.sgp_overlap=1") == 2
     assert not (tmp_path / "bad").exists()
     gin.clear_config()
+
+
+def test_a_bare_command_is_one_line(capsys):
+    """`python -m mtrain` with nothing to say what to run does not train 1,000 steps into
+    runs/default: it says what to give."""
+    assert main([]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mtrain: error: nothing to run: give a --gin_file (the quickstart's is "
+        "--gin_file=quickstart.gin; see --help)")

@@ -237,6 +237,12 @@ def test_translation_cli_train_eval_and_infer(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr()
     assert len(out.out.splitlines()) == 2
     assert "1 of 2 input lines were longer than 32 tokens" in out.err
+    # An empty file translates to an empty one, as it scores to one.
+    (tmp_path / "empty.txt").write_text("")
+    assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'empty.txt'}",
+                        f"--output_file={tmp_path / 'empty_out.txt'}"]) == 0
+    assert (tmp_path / "empty_out.txt").read_text() == ""
+    capsys.readouterr()
     # The output file is checked before anything is read or translated: its directory must
     # exist, and the file that is there stays as it was.
     assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'in.txt'}",

@@ -26,10 +26,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_processes(model_dir, *params, heartbeat=100, files=FILES):
+def start_processes(model_dir, *params, heartbeat=100, files=FILES, base=TINY):
     """Two `python -m mtrain` processes of one run, 4 CPU devices each."""
     address = f"localhost:{free_port()}"
-    argv = [*files, *[f"--gin_param={p}" for p in [*TINY, *params]],
+    argv = [*files, *[f"--gin_param={p}" for p in [*base, *params]],
             f"--model_dir={model_dir}", "--cpu_devices=4", f"--coordinator_address={address}",
             "--num_processes=2", "--distributed_timeout=60", f"--heartbeat_timeout={heartbeat}"]
     # Each process simulates its own 4 devices.
@@ -45,41 +45,57 @@ def losses(model_dir):
         return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
 
 
-def train_in_this_process(model_dir, *params):
-    argv = [*FILES, *[f"--gin_param={p}" for p in [*TINY, *params]], f"--model_dir={model_dir}"]
+def train_in_this_process(model_dir, *params, base=TINY):
+    argv = [*FILES, *[f"--gin_param={p}" for p in [*base, *params]], f"--model_dir={model_dir}"]
     assert main(argv) == 0
+
+
+# The quickstart's model, batch and schedule (configs/quickstart.gin; no dropout), on the
+# shipped Bible.
+QUICKSTART = ["transformer.d_model=128", "transformer.d_ff=512", "transformer.num_heads=4",
+              "transformer.d_kv=32", "transformer.num_layers=2", "transformer.max_length=128",
+              "vocabulary.size=2048", "run.batch_size=16", "run.sequence_length=128",
+              "learning_rate_schedule.warmup_steps=100", "run.eval_split='test'"]
 
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_one_process_resumes(data_dir, tmp_path):
-    steps = ["run.log_every=1", "run.checkpoint_every=3"]
-    # The reference: one process with 8 devices (this one), 6 steps then 3 more.
-    train_in_this_process(tmp_path / "one", "run.train_steps=6", *steps)
+    """The quickstart as 2 processes x 4 devices: the same global batches, so the same losses
+    but for the order of float32 sums in the collectives. That reordering alone moved losses
+    by at most 1.4e-7 (relative) in the first 10 steps, and then grows as training
+    amplifies it: ~1e-5 at step 20, 3% by step 60, exactly as much as two meshes in one
+    process differ (batch:8, batch:2;model:4 against batch:4;model:2, measured with the
+    quickstart). So 10 steps at 1e-5, which a wrong row, mask or random number in any
+    process would break from the first step on."""
+    steps = ["run.log_every=1", "run.checkpoint_every=5", "run.eval_every=1000"]
+    # The reference: one process with 8 devices (this one), 10 steps then 3 more.
+    train_in_this_process(tmp_path / "one", "run.train_steps=10", *steps, base=QUICKSTART)
     expected = losses(tmp_path / "one")
 
     # The same layout with the mesh dimensions the other way round: the hosts still lie
     # along `batch`, each feeding half of every batch.
     files = [FILES[0], "--gin_param=run.mesh_shape='model:2;batch:4'"]
-    procs = start_processes(tmp_path / "two", "run.train_steps=6", *steps, files=files)
+    procs = start_processes(tmp_path / "two", "run.train_steps=10", *steps, files=files,
+                            base=QUICKSTART)
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     got = losses(tmp_path / "two")  # written by process 0 only
-    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    assert sorted(got) == sorted(expected) == list(range(1, 11))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
-    assert "step 6" in outs[0][1] and "step 6" not in outs[1][1]  # process 1 logs only warnings
-    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3", "6"]
+    assert "step 10" in outs[0][1] and "step 10" not in outs[1][1]  # process 1: warnings only
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["10", "5"]
     for p in range(2):
-        saved = tmp_path / "two" / "checkpoints" / "6" / "data" / f"input_pipeline.process-{p}-of-2.json"
+        saved = tmp_path / "two" / "checkpoints" / "10" / "data" / f"input_pipeline.process-{p}-of-2.json"
         assert json.loads(saved.read_text())["shard"] == [p, 2]
 
     # One process resumes the two processes' checkpoint, fast-forwarding the input pipeline
-    # to its position, and continues exactly as the single-process run does.
-    train_in_this_process(tmp_path / "one", "run.train_steps=9", *steps)
-    train_in_this_process(tmp_path / "two", "run.train_steps=9", *steps)
+    # to its position, and continues as the single-process run does.
+    train_in_this_process(tmp_path / "one", "run.train_steps=13", *steps, base=QUICKSTART)
+    train_in_this_process(tmp_path / "two", "run.train_steps=13", *steps, base=QUICKSTART)
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")
-    for step in (7, 8, 9):
+    for step in (11, 12, 13):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 

@@ -259,7 +259,9 @@ def test_auto_layout_ranks_the_legal_layouts_that_fit(capsys):
     # and batch:2 with FSDP, which compile in a fraction of the time of the 8 above).
     assert main(["--mode=plan", "--gin_file=quickstart.gin", "--auto_layout", "--devices=2",
                  "--gin_param=transformer.num_layers=1"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    started = next(line for line in err.splitlines() if "mtrain: task" in line)
+    assert started.endswith("searching layouts for 2 devices"), started
     assert printed.startswith("auto-layout for 2 devices on tpu-v3: 3 candidates, 3 compiled")
     assert "#1  step ~" in printed and 'run.mesh_shape = "' in printed
     assert 'run.parameter_layout_rules = "d_model:batch"' in printed

@@ -168,15 +168,49 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_the_next_run_resumes(data_dir,
 
 
 def test_a_second_ctrl_c_aborts():
-    from mtrain.training import _StopSignals
+    """Whatever this process inherited (a test run started in the background by a script
+    inherits SIGINT ignored), with Ctrl-C's usual handler: the first is noted, the second
+    aborts, and the handler found is put back."""
+    from mtrain.stop_signals import StopSignals
 
-    with _StopSignals() as signals:
-        os.kill(os.getpid(), signal.SIGINT)  # handled before os.kill returns to Python
-        assert signals.reached(1) == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("mtrain").addHandler(handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGINT)  # handled before os.kill returns to Python
+            assert signals.reached(1) == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        logging.getLogger("mtrain").removeHandler(handler)
+    # What the first one says of the second: it does not promise "without saving" (a save
+    # under way when it comes is completed).
+    assert said == ["Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again "
+                    "to stop at once: a checkpoint being written then is completed first)"]
+
+
+def test_ctrl_c_ignored_from_the_start_stays_ignored():
+    """A run started with SIGINT ignored (in the background) is not stopped by one: only
+    SIGTERM stops it."""
+    from mtrain.stop_signals import StopSignals
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as signals:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            time.sleep(0.1)
+            assert signals.reached(1) is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.reached(1) == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.slow
@@ -307,9 +341,11 @@ def test_train_steps_below_the_checkpoint_evaluates_it_as_its_step(data_dir, tmp
     assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2")) == 0
     capsys.readouterr()
     assert main(argv(model_dir, "run.train_steps=2")) == 0
-    assert "the checkpoint of step 4 is at or past run.train_steps=2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the checkpoint of step 4 is at or past run.train_steps=2" in err
+    assert "step 4  eval/loss" in err  # evaluated again, and the same: recorded once
     evals = [r for r in records(model_dir) if "eval/loss" in r]
-    assert [r["step"] for r in evals] == [4, 4] and evals[0]["eval/loss"] == evals[1]["eval/loss"]
+    assert [r["step"] for r in evals] == [4]
 
 
 def test_config_changes_on_resume(data_dir, tmp_path, capsys):
@@ -414,6 +450,18 @@ def garbage_lm1b_tree(model_dir, tmp):
     yield
 
 
+@contextlib.contextmanager
+def empty_vocabulary(model_dir, tmp):
+    """The model dir's recorded vocabulary emptied (a copy gone wrong)."""
+    path = model_dir / "vocabulary.model"
+    content = path.read_bytes()
+    path.write_bytes(b"")
+    try:
+        yield
+    finally:
+        path.write_bytes(content)
+
+
 def env(name, value):
     @contextlib.contextmanager
     def setting(model_dir, tmp):
@@ -436,6 +484,8 @@ BAD_INPUTS = [
     (["--gin_param=run.mesh_shape=8"], "run.mesh_shape must be a string like 'batch:4;model:2', got 8"),
     (["--gin_param=run.layout_rules='d_ff;heads'"], "malformed layout rules 'd_ff;heads'"),
     (["--gin_param=run.layout_rules='batch:batch;dff:model'"], "layout rule 'dff:model' names tensor dimension 'dff', which no parameter or activation of the model has; its dimensions are batch, d_ff, d_kv, d_model, heads, length, memory_length, vocab"),
+    (["--gin_param=run.layout_rules='batch:batch;d_ff:modle'"], "layout rule 'd_ff:modle' names mesh dimension 'modle': did you mean 'model'? (the mesh 'batch:4;model:2' has ['batch', 'model'])"),
+    (["--gin_param=run.parameter_layout_rules='d_model:bacth'"], "parameter layout rule 'd_model:bacth' names mesh dimension 'bacth': did you mean 'batch'?"),
     (["--gin_param=run.parameter_layout_rules='d_model'"], "malformed parameter layout rules 'd_model'"),
     (["--gin_param=run.parameter_layout_rules='dmodel:batch'"], "parameter layout rule 'dmodel:batch' names tensor dimension 'dmodel', which no parameter of the model has"),
     (["--gin_param=run.parameter_layout_rules='d_model:model'"], "are both split over mesh dimension 'model'; a mesh dimension may split at most one dimension of a tensor — change the layout rule 'vocab:model' or the parameter rule 'd_model:model'"),
@@ -474,6 +524,13 @@ BAD_INPUTS = [
     (["--gin_param=vocabulary.path='{readme}'"], "is not a sentencepiece model"),
     (["--model_dir={readme}/run"], "cannot write the model dir"),
     (["--mode=infer", "--output_file={tmp}/no/out.txt"], "the directory {tmp}/no does not exist"),
+    (["--mode=score", "--input_file={readme}", "--output_file={readme}"], "--output_file {readme} is the --input_file: writing it would replace the lines being read"),
+    (["--output_dir={tmp}/out"], "--output_dir goes with --mode=eval or --mode=score"),
+    (["--model_dir={readme}"], "the model dir {readme} is a file, not a directory"),
+    (["--mode=eval", "--model_dir={readme}"], "the model dir {readme} is a file, not a directory"),
+    (["--mode=eval"], "holds only checkpoints that were set aside (2.damaged); restore a good copy", only_damaged),
+    ([], "{trained}/vocabulary.model is empty: not a sentencepiece model", empty_vocabulary),
+    (["--gin_param=run.init_from='{trained}'", "--gin_param=transformer.d_model=64", "--model_dir={tmp}/new"], "transformer.d_model=32 there, 64 here; run.init_from starts from a run of the same model: give this run that run's model settings (its config.gin)"),
     (["--mode=eval", "--model_dir={tmp}/empty"], "no checkpoints in {tmp}/empty/checkpoints; train first"),
     (["--gin_param=run.init_from='/no/such/run'"], "run.init_from='/no/such/run' is not a directory"),
     # the model dir holds another run, or cannot be resumed, or written
@@ -571,6 +628,7 @@ def test_full_disk_during_save_is_one_clear_error(trained, small_disk):
     lines = err.strip().splitlines()
     assert len(lines) <= 3, lines  # the start-up line, the FLOPs line, the error
     assert lines[-1].startswith("mtrain: error: could not save a checkpoint"), lines[-1]
+    assert "No space left on device" in lines[-1], lines[-1]  # the cause, not cut off
     saved = [int(s) for s in os.listdir(model_dir / "checkpoints") if s.isdigit()]
     assert saved, "the disk should hold a few checkpoints before it fills up"
     for step in saved:  # what was saved before the disk filled up is intact

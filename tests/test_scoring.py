@@ -124,3 +124,23 @@ def test_a_model_dir_uses_the_vocabulary_its_checkpoints_were_trained_with(
         f"mtrain: error: vocabulary.size=300, but the checkpoints in {model_dir} were trained "
         f"with a vocabulary of 256 pieces")
     assert digest(model_dir) == before
+    # Without its recorded vocabulary, the model dir uses the data dir's and says so (the
+    # checkpoints' own digest of theirs is then what refuses another one).
+    recorded.unlink()
+    capsys.readouterr()
+    assert cli(model_dir, "run.train_steps=2", mode="eval") == 0
+    err = capsys.readouterr().err
+    assert (f"the model dir {model_dir} has no vocabulary.model: using "
+            f"{next(data.rglob('spm_256.model'))}") in err
+
+
+def test_empty_input_is_empty_output(lm_dir, tmp_path, capsys):
+    """Scoring (like translating, test_encoder_decoder) an empty file writes an empty one;
+    nothing is recorded for it."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "out.jsonl"
+    before = len(records(lm_dir))
+    assert score(lm_dir, f"--input_file={empty}", f"--output_file={out}") == 0
+    assert out.read_text() == "" and len(records(lm_dir)) == before
+    assert "scored 0 lines" in capsys.readouterr().err

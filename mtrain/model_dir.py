@@ -1,0 +1,91 @@
+"""A model dir's files, named in one place.
+
+    <model_dir>/
+      checkpoints/<step>/       orbax checkpoints (`checkpoints.Checkpoints`)
+      vocabulary.model          the vocabulary the checkpoints were trained with
+      config.gin                the operative gin config of the last training run
+      metrics.jsonl             one JSON record per logged step (`metrics.MetricsWriter`)
+      events.out.tfevents.*     TensorBoard events (the same records)
+      decodes/<split>-<step>.tsv  translation: every decode of an evaluation with BLEU
+      mtrain.lock               the training run that holds the dir (`lock.ModelDirLock`)
+      profile/                  jax.profiler traces (run.profile_steps)
+      before-restart-<n>/       what --restart moved aside (`RUN_FILES`)
+
+Training writes all of them. The readers (eval, score, infer, plan) never write the model
+dir's own files; what they measure (metrics, events, decodes) goes to `outputs`: their
+--output_dir, else the model dir when it can be written, else nowhere, which one line says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from etils import epath
+
+from mtrain.lock import is_writable
+from mtrain.metrics import log
+
+CHECKPOINTS = "checkpoints"
+VOCABULARY = "vocabulary.model"
+CONFIG = "config.gin"
+METRICS = "metrics.jsonl"
+DECODES = "decodes"
+PROFILE = "profile"
+# What --restart moves into before-restart-<n>/: what decides how a new run starts.
+RUN_FILES = (CHECKPOINTS, METRICS, CONFIG, VOCABULARY)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDir:
+    """The files of the model dir `path` (local or gs://)."""
+
+    path: str
+
+    def __truediv__(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def checkpoints(self) -> str:
+        return self / CHECKPOINTS
+
+    @property
+    def vocabulary(self) -> str:
+        return self / VOCABULARY
+
+    @property
+    def config(self) -> str:
+        return self / CONFIG
+
+    @property
+    def profile(self) -> str:
+        return self / PROFILE
+
+    def is_file(self) -> bool:
+        return epath.Path(self.path).is_file()
+
+    def has_checkpoints(self) -> bool:
+        """Whether checkpoints/ holds a checkpoint (reads only)."""
+        path = epath.Path(self.checkpoints)
+        return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
+
+    def outputs(self, output_dir: str | None, what: str) -> str | None:
+        """Where a reader (eval, score) writes `what` (its metrics, events and decodes):
+        `output_dir` if given, else the model dir if it can be written, else None (they
+        are not kept, which one line says)."""
+        if output_dir:
+            epath.Path(output_dir).mkdir(parents=True, exist_ok=True)
+            return output_dir
+        if is_writable(self.path):
+            return self.path
+        log.warning("the model dir %s cannot be written: %s not kept (give --output_dir to "
+                    "keep them)", self.path, what)
+        return None
+
+
+def decodes_file(directory: str, split: str, step: int) -> str:
+    return os.path.join(directory, DECODES, f"{split}-{step}.tsv")
+
+
+def metrics_file(directory: str) -> str:
+    return os.path.join(directory, METRICS)
