@@ -49,18 +49,19 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if args.cpu_devices:
-        from mtrain.cpu_devices import simulate_cpu_devices
+        from mtrain.parallel.cpu_devices import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
 
     import jax
     import orbax.checkpoint as ocp
 
-    from mtrain import checksums, optimizer
-    from mtrain.checkpoints import Checkpoints
-    from mtrain.layout import Layout
+    from mtrain.io import checksums
+    from mtrain.training import optimizer
+    from mtrain.io.checkpoints import Checkpoints
+    from mtrain.parallel.layout import Layout
     from mtrain.models.transformer import DecoderLM, TransformerConfig
-    from mtrain.trainer import Trainer
+    from mtrain.training.trainer import Trainer
 
     settings, batch, length = MODELS[args.model]
     layout = Layout("batch:%d" % jax.device_count() if jax.device_count() > 1 else "",

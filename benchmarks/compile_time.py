@@ -34,7 +34,7 @@ if ARGS is not None:
 
 def main(args):
     from mtrain import run as run_lib
-    from mtrain.metrics import setup_logging
+    from mtrain.io.metrics import setup_logging
 
     setup_logging()
     print(f"{args.gin_file} on {args.devices} simulated CPU devices")

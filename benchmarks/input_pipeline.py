@@ -37,7 +37,7 @@ def parse_args():
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.cpu_devices:  # before jax is imported
-    from mtrain.cpu_devices import simulate_cpu_devices
+    from mtrain.parallel.cpu_devices import simulate_cpu_devices
 
     simulate_cpu_devices(ARGS.cpu_devices)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -45,7 +45,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 
 from mtrain import run as run_lib  # noqa: E402
-from mtrain.metrics import setup_logging  # noqa: E402
+from mtrain.io.metrics import setup_logging  # noqa: E402
 
 
 def tokens(batch) -> int:

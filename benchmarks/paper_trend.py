@@ -39,7 +39,7 @@ def parse_args():
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.cpu_devices:  # before jax is imported
-    from mtrain.cpu_devices import simulate_cpu_devices
+    from mtrain.parallel.cpu_devices import simulate_cpu_devices
 
     simulate_cpu_devices(ARGS.cpu_devices)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -48,7 +48,7 @@ import jax  # noqa: E402
 
 from mtrain import run as run_lib  # noqa: E402
 from mtrain import training  # noqa: E402
-from mtrain.metrics import setup_logging  # noqa: E402
+from mtrain.io.metrics import setup_logging  # noqa: E402
 
 
 def size_bindings(size: int, d_model: int) -> list[str]:

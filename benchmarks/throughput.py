@@ -117,7 +117,7 @@ if __name__ == "__main__":
 
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if ARGS.cpu_devices:  # must happen before jax is imported
-        from mtrain.cpu_devices import simulate_cpu_devices
+        from mtrain.parallel.cpu_devices import simulate_cpu_devices
 
         simulate_cpu_devices(ARGS.cpu_devices)
 
@@ -264,10 +264,10 @@ def timed(fn):
 
 def measure(label, settings, batch_size, length, microbatches, args, peak):
     """One table row: mtrain alone, compiled once, timed over args.table_steps steps."""
-    from mtrain import optimizer
-    from mtrain.layout import Layout
+    from mtrain.training import optimizer
+    from mtrain.parallel.layout import Layout
     from mtrain.models.transformer import DecoderLM, TransformerConfig
-    from mtrain.trainer import Trainer
+    from mtrain.training.trainer import Trainer
 
     config = TransformerConfig(**{"max_length": max(512, length), **settings})
     layout = Layout(args.mesh_shape, args.layout_rules)
@@ -351,10 +351,11 @@ def isolated(i, label, preset, args):
 
 
 def main(args):
-    from mtrain import optimizer, targets
-    from mtrain.layout import Layout
+    from mtrain.training import optimizer
+    from mtrain.parallel import targets
+    from mtrain.parallel.layout import Layout
     from mtrain.models.transformer import DecoderLM, TransformerConfig
-    from mtrain.trainer import Trainer
+    from mtrain.training.trainer import Trainer
 
     peak, source = targets.device_peak_flops()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices, "

@@ -76,8 +76,8 @@ def main(args) -> dict:
     import jax
     import numpy as np
 
-    from mtrain.layout import Layout
-    from mtrain.replica import replicate
+    from mtrain.parallel.layout import Layout
+    from mtrain.parallel.replica import replicate
 
     layout = Layout(args.mesh_shape or f"batch:{jax.device_count()}")
     mesh = layout.make_mesh(jax.devices()[: layout.size])
@@ -100,7 +100,7 @@ def main(args) -> dict:
 if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.cpu_devices:
-        from mtrain.cpu_devices import simulate_cpu_devices
+        from mtrain.parallel.cpu_devices import simulate_cpu_devices
 
         simulate_cpu_devices(ARGS.cpu_devices)
     main(ARGS)

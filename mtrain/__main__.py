@@ -112,7 +112,7 @@ def _plan_devices(args: argparse.Namespace) -> int:
     import jax
 
     from mtrain.errors import ConfigError
-    from mtrain.layout import Layout
+    from mtrain.parallel.layout import Layout
 
     if args.devices is not None and args.devices < 1:
         raise ConfigError("--devices must be at least 1")
@@ -200,13 +200,13 @@ def main(argv=None) -> int:
         if args.cpu_devices < 1:
             print("mtrain: error: --cpu_devices must be at least 1", file=sys.stderr)
             return 2
-        from mtrain.cpu_devices import simulate_cpu_devices
+        from mtrain.parallel.cpu_devices import simulate_cpu_devices
 
         simulate_cpu_devices(args.cpu_devices)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow only feeds the input pipeline
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # and should not log about oneDNN
     if args.mode != "plan":  # a plan is one process however many devices it plans for
-        from mtrain import distributed
+        from mtrain.parallel import distributed
 
         try:  # before anything else touches jax
             distributed.initialize(args.coordinator_address, args.num_processes,
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from mtrain import run as run_lib  # imports jax: only after the flags set in main
-    from mtrain.metrics import setup_logging
+    from mtrain.io.metrics import setup_logging
 
     try:
         run_lib.parse_config(args.gin_file, args.gin_param)

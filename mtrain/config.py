@@ -23,11 +23,11 @@ import os
 
 import gin
 
-from mtrain import optimizer
+from mtrain.training import optimizer
 from mtrain.errors import ConfigError
-from mtrain.losses import LossConfig
+from mtrain.training.losses import LossConfig
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
-from mtrain.translation import DecodingConfig
+from mtrain.evaluation.translation import DecodingConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

@@ -11,16 +11,16 @@ import jax
 import optax
 from etils import epy
 
-from mtrain import tasks as tasks_lib
-from mtrain.checkpoints import state_signature
+from mtrain.data import tasks as tasks_lib
+from mtrain.io.checkpoints import state_signature
 from mtrain.data.sources import TextSource
-from mtrain.layout import Layout
+from mtrain.parallel.layout import Layout
 from mtrain.models.base import shape_fields
 from mtrain.models.transformer import TransformerConfig
-from mtrain.sgp import SGPTrainer
-from mtrain.trainer import Trainer
-from mtrain.translation import Translator
-from mtrain.vocabulary import Vocabulary
+from mtrain.training.sgp import SGPTrainer
+from mtrain.training.trainer import Trainer
+from mtrain.evaluation.translation import Translator
+from mtrain.data.vocabulary import Vocabulary
 
 with epy.lazy_imports():  # it imports TensorFlow, which a plan does not need
     from mtrain.data import pipeline

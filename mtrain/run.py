@@ -21,24 +21,24 @@ import optax
 from etils import epath
 
 from mtrain import MODES, config
-from mtrain import distributed
-from mtrain import planner
-from mtrain import tasks as tasks_lib
-from mtrain import training
-from mtrain.checkpoints import require_checkpoints
+from mtrain.parallel import distributed
+from mtrain.planning import planner
+from mtrain.data import tasks as tasks_lib
+from mtrain.modes import train as training
+from mtrain.io.checkpoints import require_checkpoints
 from mtrain.errors import ConfigError
 from mtrain.experiment import Experiment
-from mtrain.inference import check_output_file, infer
-from mtrain.layout import Layout, LayoutError
-from mtrain.lock import check_data_dir, check_reachable, preparing_data
-from mtrain.metrics import log
-from mtrain.scoring import score
-from mtrain.sgp import SGPTrainer
-from mtrain.targets import TARGETS
-from mtrain.model_dir import VOCABULARY, ModelDir
-from mtrain.trainer import Trainer
-from mtrain.translation import Translator
-from mtrain.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
+from mtrain.modes.infer import check_output_file, infer
+from mtrain.parallel.layout import Layout, LayoutError
+from mtrain.io.lock import check_data_dir, check_reachable, preparing_data
+from mtrain.io.metrics import log
+from mtrain.modes.score import score
+from mtrain.training.sgp import SGPTrainer
+from mtrain.parallel.targets import TARGETS
+from mtrain.io.model_dir import VOCABULARY, ModelDir
+from mtrain.training.trainer import Trainer
+from mtrain.evaluation.translation import Translator
+from mtrain.data.vocabulary import Vocabulary, get_or_train_vocabulary, load_vocabulary
 
 parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tests, benchmarks
 DEFAULT_VOCAB_SIZE = 8192

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from mtrain import python_too_old
-from mtrain.cpu_devices import simulate_cpu_devices  # imports no jax
+from mtrain.parallel.cpu_devices import simulate_cpu_devices  # imports no jax
 
 if why := python_too_old():
     pytest.exit(why, returncode=2)

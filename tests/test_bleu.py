@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mtrain.bleu import corpus_bleu
+from mtrain.evaluation.bleu import corpus_bleu
 from mtrain.data.bible import bible_split_verses
 
 REFERENCES = [v.fr for v in bible_split_verses("test")[:40]]

@@ -11,7 +11,7 @@ from mtrain.data import bible, packing
 from mtrain.data.pipeline import batches, lm_batches
 from mtrain.data.sources import BibleLM, BibleTranslation
 from mtrain.errors import DataError, IncompatibleRun
-from mtrain.vocabulary import EOS_ID, UNK_ID, train_vocabulary
+from mtrain.data.vocabulary import EOS_ID, UNK_ID, train_vocabulary
 
 LENGTH = 32  # small shapes keep the tests fast
 BATCH = 4

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain import decoding
+from mtrain.evaluation import decoding
 
 EOS = 1
 NEVER = -1e9  # a logit that makes a token impossible in practice

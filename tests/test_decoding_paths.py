@@ -14,11 +14,11 @@ import dataclasses
 import jax
 import pytest
 
-from mtrain import optimizer
-from mtrain.layout import Layout
+from mtrain.training import optimizer
+from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import EncoderDecoder
-from mtrain.trainer import Trainer
-from mtrain.translation import DecodingConfig, Translator
+from mtrain.training.trainer import Trainer
+from mtrain.evaluation.translation import DecodingConfig, Translator
 
 from accelerators import triton_interpreted
 from test_encoder_decoder import CONFIG, L, SENTENCES, joint_vocab  # noqa: F401 (a fixture)

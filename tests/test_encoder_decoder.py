@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mtrain import optimizer
-from mtrain.layout import Layout
-from mtrain.losses import LossConfig
+from mtrain.training import optimizer
+from mtrain.parallel.layout import Layout
+from mtrain.training.losses import LossConfig
 from mtrain.models.transformer import EncoderDecoder, TransformerConfig
-from mtrain.trainer import Trainer
+from mtrain.training.trainer import Trainer
 
 CONFIG = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, d_kv=8,
                            num_layers=2, dropout_rate=0.1, max_length=16)
@@ -138,14 +138,14 @@ def joint_vocab(tmp_path_factory):
     import itertools
 
     from mtrain.data.sources import BibleTranslation
-    from mtrain.vocabulary import train_vocabulary
+    from mtrain.data.vocabulary import train_vocabulary
 
     texts = itertools.islice(BibleTranslation().texts("train"), 3000)
     return train_vocabulary(texts, 300, tmp_path_factory.mktemp("vocab") / "joint.model")
 
 
 def make_translator(mesh_shape, rules, vocab, beam_size, parameter_rules=""):
-    from mtrain.translation import DecodingConfig, Translator
+    from mtrain.evaluation.translation import DecodingConfig, Translator
 
     config = TransformerConfig(**{**CONFIG.__dict__, "vocab_size": 384, "dropout_rate": 0.0})
     layout = Layout(mesh_shape, rules, parameter_rules)

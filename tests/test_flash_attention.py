@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain.layout import Layout
+from mtrain.parallel.layout import Layout
 from mtrain.models import attention
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 
@@ -324,7 +324,7 @@ def test_flash_inside_sgp_replicas():
     """SGP runs each replica's step in a shard_map manual over the data axis; the kernel's
     own shard_map then splits the remaining axes."""
     import test_sgp
-    from mtrain.sgp import SGPTrainer
+    from mtrain.training.sgp import SGPTrainer
 
     losses = {}
     for name in ("einsum", "flash"):

@@ -13,12 +13,12 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mtrain import planner
+from mtrain.planning import planner
 from mtrain import run as run_lib
-from mtrain.checkpoints import Checkpoints
-from mtrain.hlo_cost import hlo_cost
-from mtrain.sgp import SGPTrainer
-from mtrain.targets import TARGETS
+from mtrain.io.checkpoints import Checkpoints
+from mtrain.planning.hlo_cost import hlo_cost
+from mtrain.training.sgp import SGPTrainer
+from mtrain.parallel.targets import TARGETS
 from test_trainer import CONFIG, SPLIT_MODEL, make_trainer, packed_batches, train
 
 FSDP = ("batch:8", "batch:batch")

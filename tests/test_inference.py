@@ -13,7 +13,7 @@ import pytest
 from conftest import no_compilation_cache
 from mtrain.__main__ import main
 from mtrain.data.bible import bible_split_verses
-from mtrain.inference import _Progress
+from mtrain.modes.infer import _Progress
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = ["transformer.d_model=32", "transformer.d_ff=64", "transformer.num_heads=2",

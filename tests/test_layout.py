@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mtrain.layout import Layout, LayoutError, constrain, parse_layout_rules, parse_mesh_shape
+from mtrain.parallel.layout import Layout, LayoutError, constrain, parse_layout_rules, parse_mesh_shape
 
 
 @pytest.mark.parametrize(

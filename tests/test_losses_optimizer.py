@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtrain import losses, optimizer
+from mtrain.training import losses, optimizer
 
 
 def test_cross_entropy_matches_log_softmax():
@@ -72,7 +72,7 @@ def test_split_vocab_loss_never_all_gathers_the_logits():
     [batch, length] values: the logits are never gathered whole onto a device."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from mtrain.layout import Layout
+    from mtrain.parallel.layout import Layout
 
     layout = Layout("batch:2;model:4", "batch:batch;vocab:model")
     mesh = layout.make_mesh()
@@ -101,7 +101,7 @@ def test_split_vocab_loss_never_all_gathers_the_logits():
 def test_chunked_loss_with_split_vocab_never_all_gathers():
     """The slice-at-a-time loss on a vocab-split mesh keeps the logits and the output kernel
     split: only [batch, length] and d_model-sized values are all-reduced."""
-    from mtrain.layout import Layout
+    from mtrain.parallel.layout import Layout
 
     layout = Layout("batch:2;model:4", "batch:batch;vocab:model")
     mesh = layout.make_mesh()

@@ -17,8 +17,8 @@ import pytest
 from conftest import no_compilation_cache
 from mtrain import config as mtrain_config
 from mtrain import run as run_lib
-from mtrain import tasks
-from mtrain.layout import Layout
+from mtrain.data import tasks
+from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.models.base import batch_keys
 

@@ -13,14 +13,14 @@ import optax
 import pytest
 
 from conftest import no_compilation_cache, split_import_times
-from mtrain import planner
+from mtrain.planning import planner
 from mtrain import run as run_lib
 from mtrain.__main__ import main
-from mtrain.layout import Layout
+from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
-from mtrain.hlo_cost import hlo_cost
-from mtrain.targets import TARGETS
-from mtrain.trainer import Trainer
+from mtrain.planning.hlo_cost import hlo_cost
+from mtrain.parallel.targets import TARGETS
+from mtrain.training.trainer import Trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = TransformerConfig(vocab_size=1024, d_model=64, d_ff=512, num_heads=8, d_kv=16,
@@ -289,7 +289,7 @@ H100_MEASURED = [
 def test_step_model_is_within_reach_of_the_h100_measurements(attention, rows, chunks, peak_gib,
                                                              seconds):
     """The GPU plan's memory within 25% of the measured peak, its step within 50%."""
-    from mtrain import step_model
+    from mtrain.planning import step_model
 
     config = TransformerConfig(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16,
                                d_kv=128, num_layers=16, max_length=2048, attention=attention,
@@ -343,7 +343,7 @@ def test_the_peak_an_accelerator_is_measured_against():
     on a CPU, a float32 matmul measured now, shared by the simulated devices."""
     import types
 
-    from mtrain.targets import device_peak_flops
+    from mtrain.parallel.targets import device_peak_flops
 
     def device(kind, platform):
         return types.SimpleNamespace(device_kind=kind, platform=platform)

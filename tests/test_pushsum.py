@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain import pushsum
-from mtrain.layout import Layout
-from mtrain.replica import replicate
+from mtrain.parallel import pushsum
+from mtrain.parallel.layout import Layout
+from mtrain.parallel.replica import replicate
 
 MESH = Layout("batch:8").make_mesh()
 

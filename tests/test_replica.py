@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtrain.layout import Layout
-from mtrain.replica import replicate
+from mtrain.parallel.layout import Layout
+from mtrain.parallel.replica import replicate
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import mlp_classifier  # noqa: E402

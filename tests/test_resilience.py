@@ -19,12 +19,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mtrain import optimizer
+from mtrain.training import optimizer
 from mtrain.__main__ import main
-from mtrain.checkpoints import Checkpoints
-from mtrain.layout import Layout
+from mtrain.io.checkpoints import Checkpoints
+from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
-from mtrain.trainer import Trainer
+from mtrain.training.trainer import Trainer
 from conftest import no_compilation_cache
 from model_dirs import digest, saved_state
 from tiny_config import TINY
@@ -171,7 +171,7 @@ def test_a_second_ctrl_c_aborts():
     """Whatever this process inherited (a test run started in the background by a script
     inherits SIGINT ignored), with Ctrl-C's usual handler: the first is noted, the second
     aborts, and the handler found is put back."""
-    from mtrain.stop_signals import StopSignals
+    from mtrain.training.stop_signals import StopSignals
 
     said = []
     handler = logging.Handler()
@@ -198,7 +198,7 @@ def test_a_second_ctrl_c_aborts():
 def test_ctrl_c_ignored_from_the_start_stays_ignored():
     """A run started with SIGINT ignored (in the background) is not stopped by one: only
     SIGTERM stops it."""
-    from mtrain.stop_signals import StopSignals
+    from mtrain.training.stop_signals import StopSignals
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -583,7 +583,7 @@ def test_events_that_cannot_be_written_are_not_tried_again_at_exit(tmp_path, mon
     the run's one-line error (seen in test_full_disk_during_save_is_one_clear_error)."""
     from tensorboardX.event_file_writer import EventFileWriter
 
-    from mtrain.metrics import MetricsWriter
+    from mtrain.io.metrics import MetricsWriter
 
     writer = MetricsWriter(str(tmp_path))
     writer.write(1, {"loss": 1.0})

@@ -5,12 +5,12 @@ import jax
 import numpy as np
 import pytest
 
-from mtrain import optimizer
-from mtrain.hlo_cost import hlo_cost
-from mtrain.layout import Layout
+from mtrain.training import optimizer
+from mtrain.planning.hlo_cost import hlo_cost
+from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
-from mtrain.sgp import SGPTrainer
-from mtrain.trainer import Trainer
+from mtrain.training.sgp import SGPTrainer
+from mtrain.training.trainer import Trainer
 
 CONFIG = TransformerConfig(vocab_size=256, d_model=32, d_ff=64, num_heads=2, d_kv=16,
                            num_layers=2, max_length=32)

@@ -11,13 +11,13 @@ import numpy as np
 import optax
 import pytest
 
-from mtrain.hlo_cost import hlo_cost
-from mtrain.layout import Layout
+from mtrain.planning.hlo_cost import hlo_cost
+from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.errors import ConfigError
-from mtrain.losses import LossConfig
-from mtrain.trainer import Trainer
-from mtrain.translation import DecodingConfig, Translator
+from mtrain.training.losses import LossConfig
+from mtrain.training.trainer import Trainer
+from mtrain.evaluation.translation import DecodingConfig, Translator
 
 CONFIG = TransformerConfig(vocab_size=256, d_model=32, d_ff=64, num_heads=2, d_kv=16,
                            num_layers=3, max_length=32)

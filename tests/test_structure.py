@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "mtrain"
 GIN_EDGE = {"mtrain.config", "mtrain.run", "mtrain.__main__"}
 # benchmarks/gpu.sh's scripts, and a module each must reach (the walk finds their imports).
 GPU_BENCHMARKS = {ROOT.parent / "benchmarks" / "attention.py": "mtrain.models.attention",
-                  ROOT.parent / "benchmarks" / "throughput.py": "mtrain.trainer"}
+                  ROOT.parent / "benchmarks" / "throughput.py": "mtrain.training.trainer"}
 NOT_ON_A_GPU = ("gin", "tensorflow", "tensorflow_datasets")
 MAX_LINES = 400
 
@@ -153,16 +153,16 @@ def test_no_module_uses_another_modules_private_names():
     ("def f():\n    import tensorflow\n", test_the_gpu_benchmarks_import_neither_gin_nor_tensorflow),
 ])
 def test_the_checks_catch_what_they_check(monkeypatch, bad, check, tmp_path):
-    """Each check fails on a module that breaks its rule (here: mtrain.layout, which every
+    """Each check fails on a module that breaks its rule (here: mtrain.parallel.layout, which every
     other module's imports reach, given the offending source)."""
     path = tmp_path / "layout.py"
-    path.write_text(MODULES["mtrain.layout"].read_text() + "\n" + bad)
-    monkeypatch.setitem(MODULES, "mtrain.layout", path)
-    monkeypatch.setitem(TREES, "mtrain.layout", ast.parse(path.read_text()))
+    path.write_text(MODULES["mtrain.parallel.layout"].read_text() + "\n" + bad)
+    monkeypatch.setitem(MODULES, "mtrain.parallel.layout", path)
+    monkeypatch.setitem(TREES, "mtrain.parallel.layout", ast.parse(path.read_text()))
     with pytest.raises(AssertionError):
         check()
 
 
 def test_the_package_is_where_the_checks_look():
-    assert {"mtrain.config", "mtrain.trainer", "mtrain.data.pipeline"} <= set(MODULES)
+    assert {"mtrain.config", "mtrain.training.trainer", "mtrain.data.pipeline"} <= set(MODULES)
     assert os.path.isfile(MODULES["mtrain.models.transformer"])

@@ -8,12 +8,12 @@ import types
 import numpy as np
 import pytest
 
-from mtrain import evaluation
-from mtrain import tasks
+from mtrain.evaluation import heldout as evaluation
+from mtrain.data import tasks
 from mtrain.data import bible, make_offline, sources
 from mtrain.data.pipeline import batches
 from mtrain.errors import ConfigError, DataError
-from mtrain.vocabulary import EOS_ID, UNK_ID, train_vocabulary
+from mtrain.data.vocabulary import EOS_ID, UNK_ID, train_vocabulary
 
 MAX_TRAIN = 1500
 LENGTH, BATCH, WINDOW = 64, 4, 16

@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from mtrain import optimizer
-from mtrain.layout import Layout, LayoutError
+from mtrain.training import optimizer
+from mtrain.parallel.layout import Layout, LayoutError
 from mtrain.models.transformer import DecoderLM, TransformerConfig
-from mtrain.trainer import Trainer
+from mtrain.training.trainer import Trainer
 
 SPLIT_MODEL = "d_ff:model;heads:model;vocab:model"
 LAYOUTS = [  # (mesh shape, layout rules, parameter layout rules)

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import no_compilation_cache
 from model_dirs import digest, saved_state
-from mtrain.lock import DATA_LOCK_FILE
+from mtrain.io.lock import DATA_LOCK_FILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,7 +144,7 @@ def test_runs_started_together_on_a_fresh_machine_prepare_the_data_once(tmp_path
     home = tmp_path / "home"
     data = home / ".cache" / "mtrain"
     data.mkdir(parents=True)
-    script = ("import sys; from mtrain.cpu_devices import simulate_cpu_devices; "
+    script = ("import sys; from mtrain.parallel.cpu_devices import simulate_cpu_devices; "
               "simulate_cpu_devices(8); from mtrain import run; "
               "run.parse_config(['quickstart.gin'], []); "
               "print(run.build(model_dir=sys.argv[1]).vocab.digest)")

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from mtrain.data.sources import BibleLM
-from mtrain.vocabulary import (
+from mtrain.data.vocabulary import (
     EOS_ID, PAD_ID, VocabularyError, get_or_train_vocabulary, load_vocabulary, train_vocabulary)
 
 

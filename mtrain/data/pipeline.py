@@ -50,8 +50,8 @@ from mtrain.data import packing
 from mtrain.data.packing import no_autograph
 from mtrain.data.sources import TextSource
 from mtrain.errors import DataError, IncompatibleRun
-from mtrain.textfiles import write_atomically
-from mtrain.vocabulary import Vocabulary
+from mtrain.io.textfiles import write_atomically
+from mtrain.data.vocabulary import Vocabulary
 
 LM_FEATURES = {"targets": "text"}  # packed key <- source feature
 

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mtrain import layout as layout_lib
+from mtrain.parallel import layout as layout_lib
 from mtrain.errors import DataError
 
 NEG_INF = -1e9

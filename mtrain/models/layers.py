@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtrain.layout import constrain, use_parameter
+from mtrain.parallel.layout import constrain, use_parameter
 from mtrain.models import attention
 
 Dtype = Any

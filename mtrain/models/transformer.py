@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtrain.layout import constrain
+from mtrain.parallel.layout import constrain
 from mtrain.models import attention, layers
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field

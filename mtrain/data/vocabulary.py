@@ -26,7 +26,7 @@ with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not
     import tensorflow as tf
 
 from mtrain.errors import UserError, first_line
-from mtrain.textfiles import write_atomically
+from mtrain.io.textfiles import write_atomically
 
 PAD_ID = 0
 EOS_ID = 1

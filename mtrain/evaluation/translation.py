@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtrain import decoding
-from mtrain.trainer import Trainer, local_rows
-from mtrain.vocabulary import Vocabulary
+from mtrain.evaluation import decoding
+from mtrain.training.trainer import Trainer, local_rows
+from mtrain.data.vocabulary import Vocabulary
 
 
 @dataclasses.dataclass(frozen=True)

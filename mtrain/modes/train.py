@@ -30,15 +30,15 @@ import jax
 import numpy as np
 from etils import epath
 
-from mtrain import distributed, targets
-from mtrain.checkpoints import CheckpointError, Checkpoints, require_checkpoints
+from mtrain.parallel import distributed, targets
+from mtrain.io.checkpoints import CheckpointError, Checkpoints, require_checkpoints
 from mtrain.errors import Interrupted, TrainingDiverged, UserError
-from mtrain.evaluation import evaluate
-from mtrain.lock import ModelDirInUse, ModelDirLock, check_writable
-from mtrain.metrics import MetricsWriter, log
-from mtrain.model_dir import RUN_FILES, ModelDir
-from mtrain.stop_signals import StopSignals
-from mtrain.textfiles import write_atomically
+from mtrain.evaluation.heldout import evaluate
+from mtrain.io.lock import ModelDirInUse, ModelDirLock, check_writable
+from mtrain.io.metrics import MetricsWriter, log
+from mtrain.io.model_dir import RUN_FILES, ModelDir
+from mtrain.training.stop_signals import StopSignals
+from mtrain.io.textfiles import write_atomically
 
 
 def train(exp, restart: bool = False) -> dict:

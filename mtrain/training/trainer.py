@@ -27,12 +27,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtrain import losses
-from mtrain import optimizer as optimizer_lib
+from mtrain.training import losses
+from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
-from mtrain.layout import (Layout, LayoutError, constrain, is_names, logical_names,
+from mtrain.parallel.layout import (Layout, LayoutError, constrain, is_names, logical_names,
                            tree_shardings)
-from mtrain.losses import LossConfig
+from mtrain.training.losses import LossConfig
 from mtrain.models import attention
 from mtrain.models.base import batch_keys
 

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtrain.layout_syntax import LayoutError, parse_layout_rules, parse_mesh_shape
+from mtrain.parallel.layout_syntax import LayoutError, parse_layout_rules, parse_mesh_shape
 
 # The mesh dimension names mtrain's gin files and layout search use: a rule may name one
 # that the mesh at hand lacks (dropped, as in Mesh-TF).

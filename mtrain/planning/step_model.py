@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mtrain.layout import Layout
+from mtrain.parallel.layout import Layout
 from mtrain.models import attention
 from mtrain.models.transformer import TransformerConfig
 

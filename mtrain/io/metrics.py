@@ -15,7 +15,7 @@ import os
 import jax
 from etils import epath
 
-from mtrain.textfiles import append_text, is_remote
+from mtrain.io.textfiles import append_text, is_remote
 
 log = logging.getLogger("mtrain")
 

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 from etils import epath
 
-from mtrain.bleu import corpus_bleu
-from mtrain.metrics import MetricsWriter, log
-from mtrain.model_dir import decodes_file
-from mtrain.textfiles import write_atomically
+from mtrain.evaluation.bleu import corpus_bleu
+from mtrain.io.metrics import MetricsWriter, log
+from mtrain.io.model_dir import decodes_file
+from mtrain.io.textfiles import write_atomically
 
 
 def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:

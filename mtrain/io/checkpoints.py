@@ -30,9 +30,10 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from mtrain import checksums, distributed
+from mtrain.io import checksums
+from mtrain.parallel import distributed
 from mtrain.errors import IncompatibleRun, UserError
-from mtrain.textfiles import is_remote
+from mtrain.io.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
 

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtrain import pushsum
-from mtrain.layout import Layout
-from mtrain.replica import replicate
-from mtrain.trainer import Trainer, TrainState, step_metrics, with_shardings
+from mtrain.parallel import pushsum
+from mtrain.parallel.layout import Layout
+from mtrain.parallel.replica import replicate
+from mtrain.training.trainer import Trainer, TrainState, step_metrics, with_shardings
 
 
 @flax.struct.dataclass

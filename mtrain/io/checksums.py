@@ -99,7 +99,7 @@ def of_files(paths) -> dict[str, str]:
 
 
 def write_file_checksums(paths, to) -> None:
-    from mtrain.textfiles import write_atomically
+    from mtrain.io.textfiles import write_atomically
 
     write_atomically(to, json.dumps(of_files(paths), indent=1, sort_keys=True))
 

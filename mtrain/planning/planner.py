@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from mtrain import step_model
-from mtrain.hlo_cost import hlo_cost
-from mtrain.layout import Layout, LayoutError, is_names, logical_names
+from mtrain.planning import step_model
+from mtrain.planning.hlo_cost import hlo_cost
+from mtrain.parallel.layout import Layout, LayoutError, is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
-from mtrain.targets import GB, TARGETS, GiB, Target
-from mtrain.trainer import Trainer
+from mtrain.parallel.targets import GB, TARGETS, GiB, Target
+from mtrain.training.trainer import Trainer
 
 
 def _bytes(tree, shardings) -> int:

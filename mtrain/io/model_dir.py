@@ -23,8 +23,8 @@ import os
 
 from etils import epath
 
-from mtrain.lock import is_writable
-from mtrain.metrics import log
+from mtrain.io.lock import is_writable
+from mtrain.io.metrics import log
 
 CHECKPOINTS = "checkpoints"
 VOCABULARY = "vocabulary.model"

@@ -44,7 +44,7 @@ import filelock
 from etils import epath
 
 from mtrain.errors import ConfigError, UserError, first_line
-from mtrain.textfiles import is_remote
+from mtrain.io.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
 LOCK_FILE = "mtrain.lock"

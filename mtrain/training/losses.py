@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtrain import layout as layout_lib
+from mtrain.parallel import layout as layout_lib
 from mtrain.errors import ConfigError
-from mtrain.layout import constrain
+from mtrain.parallel.layout import constrain
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,13 +24,13 @@ import math
 import jax
 import numpy as np
 
-from mtrain import training
+from mtrain.modes import train as training
 from mtrain.errors import ConfigError
-from mtrain.evaluation import scored_words
+from mtrain.evaluation.heldout import scored_words
 from mtrain.experiment import Experiment
-from mtrain.metrics import MetricsWriter, log
-from mtrain.model_dir import ModelDir
-from mtrain.textfiles import read_lines, write_atomically
+from mtrain.io.metrics import MetricsWriter, log
+from mtrain.io.model_dir import ModelDir
+from mtrain.io.textfiles import read_lines, write_atomically
 
 
 def _example(exp: Experiment, line: str, number: int) -> dict:

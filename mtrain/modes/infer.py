@@ -10,13 +10,13 @@ import time
 
 import jax
 
-from mtrain import training
+from mtrain.modes import train as training
 from mtrain.errors import ConfigError
 from mtrain.experiment import Experiment
-from mtrain.lock import check_writable
-from mtrain.metrics import log
-from mtrain.model_dir import ModelDir
-from mtrain.textfiles import read_lines
+from mtrain.io.lock import check_writable
+from mtrain.io.metrics import log
+from mtrain.io.model_dir import ModelDir
+from mtrain.io.textfiles import read_lines
 
 
 def check_output_file(output_file: str | None, input_file: str | None = None) -> None:

@@ -1,0 +1,1 @@
+"""Evaluation: held-out loss and perplexity, BLEU, decoding and translation."""
