@@ -47,7 +47,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 
 from mtrain import run as run_lib  # noqa: E402
-from mtrain import training  # noqa: E402
+from mtrain.modes.train import train  # noqa: E402
 from mtrain.io.metrics import setup_logging  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def main(args):
         exp = run_lib.build(model_dir=tempfile.mkdtemp(prefix=f"mtrain-trend-{size}-"))
         count = sum(x.size for x in jax.tree_util.tree_leaves(exp.trainer.abstract_state.params))
         t0 = time.time()
-        results = training.train(exp)
+        results = train(exp)
         c = exp.model_config
         rows.append((size, c.d_ff, c.num_heads, count, results, time.time() - t0))
     print(f"\npaper LM sizes scaled to d_model {args.d_model}, {args.steps} steps each, "

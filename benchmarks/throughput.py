@@ -315,8 +315,8 @@ def kernel_ran(trainer, batch) -> str:
     from mtrain.models import attention
 
     config = trainer.model.config
-    if batch.segment_table:
-        return f"cudnn_segments, table {batch.segment_table} (auto)"
+    if batch.packing is not None and batch.packing <= attention.AUTO_TABLE_LIMIT:
+        return f"cudnn_segments, table {batch.packing} (auto)"
     if not attention.uses_flash(config.attention, config.flash_kernel, jax.default_backend(),
                                 config.dtype, config.d_kv):
         return config.attention if config.attention != "auto" else "einsum (auto)"

@@ -4,6 +4,8 @@ The library (layout, models, trainer, optimizer, losses, decoding, data, checkpo
 planner, sgp) knows nothing of gin. Here its configurable pieces get the names the gin
 files use, and the run (`mtrain.run`) builds everything through them:
 
+    run.*                     RunConfig (the run's settings: `run_config`)
+    vocabulary.*              VocabularyConfig (size or path: `vocabulary_config`)
     transformer.*             TransformerConfig (the model's hyper-parameters; not vocab_size)
     loss.*                    LossConfig
     decoding.*                DecodingConfig
@@ -17,20 +19,25 @@ A new model or optimizer is a new gin reference (``run.model = @MyModel`` after
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
 
 import gin
 
-from mtrain.training import optimizer
+from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
-from mtrain.training.losses import LossConfig
-from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.evaluation.translation import DecodingConfig
+from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+from mtrain.modes.experiment import RunConfig
+from mtrain.training import optimizer
+from mtrain.training.losses import LossConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
+run = gin.external_configurable(RunConfig, "run")
+vocabulary = gin.external_configurable(VocabularyConfig, "vocabulary")
 transformer = gin.external_configurable(TransformerConfig, "transformer", denylist=["vocab_size"])
 loss = gin.external_configurable(LossConfig, "loss")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
@@ -55,6 +62,15 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
         raise ConfigError(f"bad gin config: {message}") from None
     finally:
         root.level = level
+
+
+def run_config(**overrides) -> RunConfig:
+    """The run's settings: gin's ``run.*`` bindings, then `overrides` (the command line's)."""
+    return dataclasses.replace(run(), **overrides)
+
+
+def vocabulary_config() -> VocabularyConfig:
+    return vocabulary()
 
 
 def bound(name: str, default):

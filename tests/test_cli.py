@@ -141,12 +141,19 @@ def test_settings_that_cannot_work_are_refused_before_the_data_is_prepared(tmp_p
             lines = capsys.readouterr().err.strip().splitlines()
             assert len(lines) == 1 and message in lines[0], lines
             assert not list(data.rglob("*")), bad
-        # The model is built for the vocabulary size the settings plan; were the prepared
-        # vocabulary's another, it is built again for that one.
-        monkeypatch.setattr(run_lib, "planned_vocab_size", lambda model_dir=None: 100)
+        # The model is built once, before the data, for the vocabulary size the settings
+        # plan: that of the vocabulary then prepared.
+        built = []
+
+        class Counted(run_lib.Trainer):
+            def __init__(self, *args, **kwargs):
+                built.append(args[0].config.vocab_size)
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(run_lib, "Trainer", Counted)
         run_lib.parse_config(["tasks/bible_lm.gin", "layouts/dp4_mp2.gin"], TINY)
         exp = run_lib.build(model_dir=str(tmp_path / "run"))
-        assert exp.vocab.vocab_size == 256
+        assert exp.vocab.vocab_size == 256 and built == [256]
         assert exp.model_config.vocab_size == exp.trainer.model.config.vocab_size == 256
     finally:
         gin.clear_config()

@@ -372,19 +372,21 @@ def rows_of(n, length=64):
     return np.tile(ids.astype(np.int32), (2, 1))
 
 
-def test_auto_table_is_the_smallest_power_of_two_that_holds_the_fullest_row():
-    tables = {n: attention.auto_table({"targets_segment_ids": rows_of(n)}) for n in
+def test_packing_is_the_smallest_power_of_two_that_holds_the_fullest_row():
+    from mtrain.models.base import packing_of
+
+    tables = {n: packing_of({"targets_segment_ids": rows_of(n)}) for n in
               (0, 1, 2, 3, 4, 5, 17, 32, 33)}
-    assert tables == {0: 1, 1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 17: 32, 32: 32, 33: None}
+    assert tables == {0: 1, 1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 17: 32, 32: 32, 33: 64}
     # Every feature's self-attention runs with the one table (an encoder's inputs too).
-    assert attention.auto_table({"inputs_segment_ids": rows_of(5),
-                                 "targets_segment_ids": rows_of(2), "targets": rows_of(40)}) == 8
+    assert packing_of({"inputs_segment_ids": rows_of(5), "targets_segment_ids": rows_of(2),
+                       "targets": rows_of(40)}) == 8
 
 
 def test_auto_fits_the_segment_table_to_each_batch(monkeypatch):
-    """On a Hopper GPU (cuDNN emulated), 'auto' attention runs cuDNN's packed layout with the
-    table `auto_table` gives each placed batch, compiling each table once, and the masked
-    kernel beyond `AUTO_TABLE_LIMIT`; a step's loss and gradient norm are the masked
+    """On a Hopper GPU (cuDNN emulated), 'auto' attention runs cuDNN's packed layout with a
+    table of each placed batch's packing, compiling each table once, and the masked kernel
+    beyond `AUTO_TABLE_LIMIT`; a step's loss and gradient norm are the masked
     kernel's, from the same state. Tolerance: both sides run the model in bfloat16 (cuDNN's
     dtype), the emulated kernels by other XLA programs; a rounding of a few bfloat16 ulps
     (2**-8 relative) in some activations moves a mean over 128 tokens by far less than 1e-2
@@ -396,13 +398,13 @@ def test_auto_fits_the_segment_table_to_each_batch(monkeypatch):
     auto = test_trainer.make_trainer("", "", config=config)
     masked = test_trainer.make_trainer(
         "", "", config=dataclasses.replace(config, flash_kernel="cudnn"))
-    assert auto.fits_segment_table and not masked.fits_segment_table
+    assert auto.uses_packing and not masked.uses_packing
     packed = test_trainer.packed_batches(1)[0]  # 3 examples in every row
     single = {**packed, "targets_segment_ids": (packed["targets_segment_ids"] > 0).astype(np.int32)}
 
     def step(batch, expected_table, expected_calls):
         placed = auto.place_batch(batch)
-        assert placed.segment_table == expected_table
+        assert placed.packing == expected_table
         state = auto.init_state()
         calls.clear()
         _, metrics = auto.train_step(state, placed)
@@ -422,7 +424,8 @@ def test_auto_fits_the_segment_table_to_each_batch(monkeypatch):
     _, jitted = auto.train_step(auto.init_state(), placed)
     np.testing.assert_allclose(ahead["loss"], jitted["loss"], rtol=1e-6)
     monkeypatch.setattr(attention, "AUTO_TABLE_LIMIT", 2)
-    step(packed, None, {"cudnn"})  # more examples per row than 'auto' fits a table to
+    auto = test_trainer.make_trainer("", "", config=config)  # (a step not yet compiled)
+    step(packed, 4, {"cudnn"})  # more examples per row than 'auto' fits a table to
     # Where the packed layout is not taken, the 'auto' kernel stays the masked one.
     for why in ("capability", "processes", "dropout"):
         with monkeypatch.context() as m:

@@ -130,7 +130,7 @@ def test_a_model_dir_uses_the_vocabulary_its_checkpoints_were_trained_with(
     capsys.readouterr()
     assert cli(model_dir, "run.train_steps=2", mode="eval") == 0
     err = capsys.readouterr().err
-    assert (f"the model dir {model_dir} has no vocabulary.model: using "
+    assert (f"the model dir has no {model_dir}/vocabulary.model: using "
             f"{next(data.rglob('spm_256.model'))}") in err
 
 

@@ -1,6 +1,10 @@
 """The shape of the code base, checked from its source (AST only: nothing is imported).
 
+- The packages are layers, each importing only its own and the ones below it (`LAYERS`,
+  lowest first; docs/architecture.md draws them).
 - Gin stays at the edge: only `mtrain.config`, `mtrain.run` and `mtrain.__main__` import it.
+- A model dir's layout is named in one place: no module but `mtrain.io.model_dir` spells one
+  of its file names (`MODEL_DIR_NAMES`) as a string.
 - No module of `mtrain/` is over 400 lines.
 - The imports between `mtrain`'s modules form no cycle (imports inside functions count).
 - No module uses another module's underscored names: neither ``from m import _x`` nor
@@ -17,6 +21,22 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "mtrain"
 GIN_EDGE = {"mtrain.config", "mtrain.run", "mtrain.__main__"}
+# The layers, lowest first: a module may import its own layer's modules and lower ones.
+LAYERS = [
+    ("core", ("mtrain", "mtrain.errors")),
+    ("parallel", ("mtrain.parallel",)),  # devices, meshes, layouts, processes, replicas
+    ("models", ("mtrain.models",)),  # Flax modules with named dimensions
+    ("io", ("mtrain.io",)),  # files, the model dir, its lock, checkpoints, metrics
+    ("data", ("mtrain.data",)),  # tasks, corpora, TFDS, vocabularies, the input pipeline
+    ("training", ("mtrain.training",)),  # the sharded state and steps, optimizer, loop, hooks
+    ("evaluation", ("mtrain.evaluation",)),  # held-out metrics, BLEU, decoding, translation
+    ("planning", ("mtrain.planning",)),  # --mode=plan's analysis of a compiled step
+    ("modes", ("mtrain.modes",)),  # what each --mode does with a built experiment
+    ("edge", ("mtrain.config", "mtrain.run", "mtrain.__main__")),  # gin, the build, the CLI
+]
+MODEL_DIR_OWNER = "mtrain.io.model_dir"
+MODEL_DIR_NAMES = ("checkpoints", "vocabulary.model", "config.gin", "metrics.jsonl",
+                   "decodes", "profile", "mtrain.lock", "before-restart", "events.out.tfevents")
 # benchmarks/gpu.sh's scripts, and a module each must reach (the walk finds their imports).
 GPU_BENCHMARKS = {ROOT.parent / "benchmarks" / "attention.py": "mtrain.models.attention",
                   ROOT.parent / "benchmarks" / "throughput.py": "mtrain.training.trainer"}
@@ -61,6 +81,40 @@ def _defined_private(tree: ast.AST) -> set[str]:
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
             names.add(node.attr)
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _layer(module: str) -> int:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or (p != "mtrain" and module.startswith(p + ".")) for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_structure.py's LAYERS")
+
+
+def test_each_layer_imports_only_its_own_and_lower_ones():
+    found = []
+    for name, tree in TREES.items():
+        for module, imported in _imports(tree):
+            if not module.startswith("mtrain"):
+                continue
+            target = f"{module}.{imported}" if f"{module}.{imported}" in MODULES else module
+            if _layer(target) > _layer(name):
+                found.append(f"{name} ({LAYERS[_layer(name)][0]}) imports {target} "
+                             f"({LAYERS[_layer(target)][0]})")
+    assert not found, "imports of a higher layer: " + "; ".join(found)
+
+
+def _strings(tree: ast.AST):
+    """(line, text) of every string constant, f-strings' literal parts included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def test_the_model_dir_layout_is_named_by_its_owner_alone():
+    found = [f"{name}:{line}: {text!r}" for name, tree in TREES.items() if name != MODEL_DIR_OWNER
+             for line, text in _strings(tree)
+             if text in MODEL_DIR_NAMES or text.startswith(MODEL_DIR_NAMES[-2:])]
+    assert not found, f"model dir paths spelled outside {MODEL_DIR_OWNER}: " + ", ".join(found)
 
 
 def test_gin_is_imported_only_at_the_edge():
@@ -147,6 +201,10 @@ def test_no_module_uses_another_modules_private_names():
 
 @pytest.mark.parametrize("bad, check", [
     ("import gin\n", test_gin_is_imported_only_at_the_edge),
+    ("from mtrain.training import trainer\n", test_each_layer_imports_only_its_own_and_lower_ones),
+    ("def f(d):\n    return os.path.join(d, 'metrics.jsonl')\n",
+     test_the_model_dir_layout_is_named_by_its_owner_alone),
+    ("LOCK = f'before-restart-{1}'\n", test_the_model_dir_layout_is_named_by_its_owner_alone),
     ("x = 1\n" * (MAX_LINES + 1), test_no_module_is_over_400_lines),
     ("from mtrain import run\n", test_imports_form_no_cycle),
     ("def f(t):\n    return t._train_step_fn\n", test_no_module_uses_another_modules_private_names),

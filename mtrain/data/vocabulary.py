@@ -10,9 +10,11 @@ Inside tf.data, `encode_tf` tokenises a batch of strings with one SentencePiece 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import itertools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -28,6 +30,7 @@ with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not
 from mtrain.errors import UserError, first_line
 from mtrain.io.textfiles import write_atomically
 
+log = logging.getLogger("mtrain")
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
@@ -213,3 +216,55 @@ def get_or_train_vocabulary(
     print(f"training a {vocab_size}-piece sentencepiece vocabulary on {texts_name} -> {path}",
           file=sys.stderr, flush=True)
     return train_vocabulary(texts_fn(), vocab_size, path, **train_kwargs)
+
+
+# --- which vocabulary a run uses ---------------------------------------------------------
+
+DEFAULT_SIZE = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabularyConfig:
+    """``vocabulary.size`` (pieces to train; None: the default, 8192) and ``vocabulary.path``
+    (a sentencepiece .model file to use instead) in gin."""
+
+    size: int | None = None
+    path: str | None = None
+
+    def planned_size(self, recorded: str | None) -> int:
+        """The vocabulary size a run will have, known without data: that of the vocabulary
+        `recorded` in its model dir if any (see `choose`), else of `path`, else `size`
+        (sentencepiece trains exactly that many pieces)."""
+        path = recorded or self.path
+        return load_vocabulary(path).vocab_size if path else self.size or DEFAULT_SIZE
+
+    def choose(self, recorded: str | None, cached: str,
+               texts_fn: Callable[[], Iterable[str]], texts_name: str,
+               where: str = "", unrecorded: str | None = None) -> Vocabulary:
+        """The vocabulary of a run: the one `recorded` in its model dir (`where`), never
+        another (a `path` or `size` that names a different one is an error); else `path`;
+        else one trained on `texts_fn()` once and cached at `cached`. `unrecorded`: where
+        the model dir should have recorded one and has not (its checkpoints, whose digest of
+        their vocabulary is checked when they are restored): one line says which is used."""
+        if recorded:
+            vocab = load_vocabulary(recorded)
+            if self.path and load_vocabulary(self.path).digest != vocab.digest:
+                raise VocabularyError(
+                    f"vocabulary.path={self.path} is not the vocabulary the checkpoints in "
+                    f"{where} were trained with ({recorded}); leave it unset, or start a new "
+                    f"run in another --model_dir")
+            if not self.path and self.size is not None and self.size != vocab.vocab_size:
+                raise VocabularyError(
+                    f"vocabulary.size={self.size}, but the checkpoints in {where} were "
+                    f"trained with a vocabulary of {vocab.vocab_size} pieces ({recorded}); "
+                    f"leave it as it was, or start a new run in another --model_dir")
+            return vocab
+        if self.path:
+            vocab = load_vocabulary(self.path)
+        else:
+            vocab = get_or_train_vocabulary(cached, texts_fn, self.size or DEFAULT_SIZE,
+                                            texts_name=texts_name)
+        if unrecorded:
+            log.warning("the model dir has no %s: using %s (the checkpoints' own digest of "
+                        "theirs is checked)", unrecorded, vocab.path)
+        return vocab

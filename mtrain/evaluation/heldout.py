@@ -4,6 +4,7 @@ search translations for translation tasks."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -97,7 +98,8 @@ def scored_words(vocab, text: str, ids: list[int], cut: bool) -> int:
 
 
 def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
-    """Counts over the held-out split of a language-modelling task, computed once per run.
+    """Counts over the held-out split of a language-modelling task, computed once per
+    source, vocabulary, split and length (a run evaluates many times).
 
     - ``words``: the words whose tokens the evaluation scores (`scored_words`). Word-level
       perplexity is exp(total token log-loss / words), the number T2T and the Mesh-TF paper
@@ -105,20 +107,20 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     - ``unigram_perplexity``: perplexity of the held-out tokens under the (add-one) unigram
       model of at most `max_texts` training texts: the baseline a language model must beat.
     """
-    vocab = exp.vocab
-    key = ("heldout", exp.eval_split, exp.sequence_length)
-    if key not in exp.cache:
-        train_ids = np.fromiter(itertools.chain.from_iterable(
-            vocab.encode_example(text, exp.sequence_length)[0]
-            for text in exp.source.texts("train", limit=max_texts)), np.int64)
-        counts = 1.0 + np.bincount(train_ids, minlength=vocab.vocab_size)
-        log_p = np.log(counts / counts.sum())
-        log_loss, tokens, words = 0.0, 0, 0
-        for text in exp.source.texts(exp.eval_split):
-            ids, cut = vocab.encode_example(text, exp.sequence_length)
-            log_loss -= log_p[ids].sum()
-            tokens += len(ids)
-            words += scored_words(vocab, text, ids, cut)
-        exp.cache[key] = {"words": max(words, 1),
-                          "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}
-    return exp.cache[key]
+    return _heldout(exp.source, exp.vocab, exp.eval_split, exp.sequence_length, max_texts)
+
+
+@functools.lru_cache(maxsize=4)
+def _heldout(source, vocab, split: str, length: int, max_texts: int) -> dict:
+    train_ids = np.fromiter(itertools.chain.from_iterable(
+        vocab.encode_example(text, length)[0]
+        for text in source.texts("train", limit=max_texts)), np.int64)
+    counts = 1.0 + np.bincount(train_ids, minlength=vocab.vocab_size)
+    log_p = np.log(counts / counts.sum())
+    log_loss, tokens, words = 0.0, 0, 0
+    for text in source.texts(split):
+        ids, cut = vocab.encode_example(text, length)
+        log_loss -= log_p[ids].sum()
+        tokens += len(ids)
+        words += scored_words(vocab, text, ids, cut)
+    return {"words": max(words, 1), "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}

@@ -283,6 +283,31 @@ class Checkpoints:
         self.manager.close()
 
 
+def restore_for_reading(directory: str, abstract_state, meta: dict, step: int | None = None,
+                        missing: str = "train first (--mode=train)",
+                        advice: str = "use the settings of the run that trained it (its "
+                                      "config.gin)"):
+    """(state, step) of checkpoint `step` (default: the newest that can be read) in
+    `directory`, into the shardings of `abstract_state`, without the input position: for
+    eval, score, infer and init_from. Reads only (a damaged checkpoint is skipped, not moved
+    aside); `missing` says what to do when `directory` holds no checkpoint, `advice` what
+    to do about one of another model."""
+    require_checkpoints(directory, missing)
+    checkpoints = Checkpoints(directory, read_only=True)
+    try:
+        steps = checkpoints.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {directory}; {missing}")
+        if step is None:
+            return checkpoints.restore_intact(abstract_state, None, meta, set_aside=False,
+                                              advice=advice)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
+        return checkpoints.restore(step, abstract_state, None, meta, advice), step
+    finally:
+        checkpoints.close()
+
+
 _UNVERIFIED: set[str] = set()  # the directories whose checkpoints without checksums were reported
 
 

@@ -38,68 +38,21 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 
 import filelock
-from etils import epath
+import jax
 
-from mtrain.errors import ConfigError, UserError, first_line
+from mtrain.errors import ConfigError, UserError
+from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import is_remote
+from mtrain.parallel import distributed
 
 log = logging.getLogger("mtrain")
-LOCK_FILE = "mtrain.lock"
 DATA_LOCK_FILE = ".mtrain-prepare.lock"
 
 
 class ModelDirInUse(UserError):
     """Another run trains into the same model dir."""
-
-
-def check_reachable(directory: str, what: str) -> None:
-    """Raises a one-line UserError naming `what` if `directory` is in a bucket that cannot be
-    reached (no network, no credentials); a local one always can."""
-    if is_remote(directory):
-        try:
-            epath.Path(directory).exists()
-        except Exception as e:  # a bucket's client raises errors of its own
-            raise UserError(f"cannot reach {what} {directory}: {first_line(e)}") from None
-
-
-def check_writable(directory: str, what: str) -> None:
-    """Creates `directory` if needed and writes a file into it (then deletes it); raises a
-    UserError naming `what` (e.g. "the model dir") if either fails."""
-    if is_remote(directory):
-        probe = epath.Path(directory) / f".mtrain-write-test-{socket.gethostname()}-{os.getpid()}"
-        try:
-            probe.parent.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"mtrain")
-            probe.unlink()
-        except Exception as e:
-            raise UserError(f"cannot write {what} {directory}: {first_line(e)}") from None
-        return
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".mtrain-write-test-")
-        try:
-            os.write(fd, b"mtrain")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as e:
-        raise UserError(f"cannot write {what} {directory}: {e.strerror or e}") from None
-
-
-def is_writable(directory: str) -> bool:
-    """Whether `directory` exists and takes a new file (`check_writable`, creating nothing
-    where it does not exist)."""
-    if not epath.Path(directory).is_dir():
-        return False
-    try:
-        check_writable(directory, "")
-    except UserError:
-        return False
-    return True
 
 
 def check_data_dir(data_dir: str) -> None:
@@ -130,7 +83,7 @@ class ModelDirLock:
 
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
-        self.path = os.path.join(model_dir, LOCK_FILE)
+        self.path = ModelDir(model_dir).lock
         self.held = False
         self.unlocked = is_remote(model_dir)  # a bucket: see the module docstring
 
@@ -231,3 +184,30 @@ def preparing_data(data_dir: str):
         yield
     finally:
         lock.release()
+
+
+def check_model_dir_free(model_dir: str) -> None:
+    """Fails at once (writing nothing) if another live run trains into `model_dir`."""
+    _on_process_0(ModelDirLock(model_dir).check_free, model_dir)
+
+
+def lock_model_dir(model_dir: str) -> ModelDirLock:
+    """The model dir's lock, taken by process 0; every process fails if it could not."""
+    lock = ModelDirLock(model_dir)
+    _on_process_0(lock.acquire, model_dir)
+    return lock
+
+
+def _on_process_0(action, model_dir: str) -> None:
+    """Runs `action` on process 0 only; if it raises a UserError, every process raises one
+    (process 0 its own), so that none is left waiting for the others."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            action()
+        except UserError as e:
+            error = e
+    if not distributed.process_0_says(error is None):
+        if error is not None:
+            raise error
+        raise ModelDirInUse(f"process 0 cannot use the model dir {model_dir} (its error says why)")

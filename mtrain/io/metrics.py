@@ -15,6 +15,7 @@ import os
 import jax
 from etils import epath
 
+from mtrain.io.model_dir import metrics_file
 from mtrain.io.textfiles import append_text, is_remote
 
 log = logging.getLogger("mtrain")
@@ -53,7 +54,7 @@ class MetricsWriter:
     def __init__(self, directory: str | None):
         self.enabled = jax.process_index() == 0 and directory is not None
         self.directory = directory
-        self.path = os.path.join(directory, "metrics.jsonl") if directory else None
+        self.path = metrics_file(directory) if directory else None
         self._tb = None
         self._written = None  # the records already in metrics.jsonl, read at the first write
 

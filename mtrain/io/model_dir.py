@@ -21,10 +21,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import itertools
+import logging
+
+import jax
 from etils import epath
 
-from mtrain.io.lock import is_writable
-from mtrain.io.metrics import log
+from mtrain.io.textfiles import is_writable
+from mtrain.parallel import distributed
+
+log = logging.getLogger("mtrain")
 
 CHECKPOINTS = "checkpoints"
 VOCABULARY = "vocabulary.model"
@@ -32,6 +38,9 @@ CONFIG = "config.gin"
 METRICS = "metrics.jsonl"
 DECODES = "decodes"
 PROFILE = "profile"
+LOCK = "mtrain.lock"
+BEFORE_RESTART = "before-restart-{}"
+EVENTS = "events.out.tfevents"  # the start of TensorBoard's event file names
 # What --restart moves into before-restart-<n>/: what decides how a new run starts.
 RUN_FILES = (CHECKPOINTS, METRICS, CONFIG, VOCABULARY)
 
@@ -61,6 +70,10 @@ class ModelDir:
     def profile(self) -> str:
         return self / PROFILE
 
+    @property
+    def lock(self) -> str:
+        return self / LOCK
+
     def is_file(self) -> bool:
         return epath.Path(self.path).is_file()
 
@@ -81,6 +94,26 @@ class ModelDir:
         log.warning("the model dir %s cannot be written: %s not kept (give --output_dir to "
                     "keep them)", self.path, what)
         return None
+
+    def move_aside_for_restart(self) -> None:
+        """--restart: moves the run's files (`RUN_FILES` and TensorBoard's events) into a new
+        ``before-restart-<n>/`` inside the model dir, with a ``RESTARTED`` file naming them
+        (nothing is deleted). Process 0 moves, the others wait for it."""
+        path = epath.Path(self.path)
+        names = sorted(p.name for p in path.iterdir()
+                       if p.name in RUN_FILES or p.name.startswith(EVENTS))
+        if not names:
+            return
+        n = next(n for n in itertools.count(1)
+                 if not (path / BEFORE_RESTART.format(n)).exists())
+        target = path / BEFORE_RESTART.format(n)
+        if jax.process_index() == 0:
+            target.mkdir()  # and a file in it: in a bucket a directory is an object's prefix
+            (target / "RESTARTED").write_text(f"moved here by --restart: {', '.join(names)}\n")
+            for name in names:
+                (path / name).rename(target / name)
+        distributed.sync("mtrain_restart")
+        log.warning("--restart: moved %s to %s; training from step 0", ", ".join(names), target)
 
 
 def decodes_file(directory: str, split: str, step: int) -> str:

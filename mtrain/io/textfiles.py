@@ -1,4 +1,5 @@
-"""Files in and out: the CLI's text inputs and outputs, and the files of a model dir.
+"""Files in and out: the CLI's text inputs and outputs, the files of a model dir, and
+whether a directory can be reached and written.
 
 A model dir may be local or in a bucket (``gs://``, which `launch/tpu.sh` requires): its files
 go through `etils.epath`, which reads and writes both. A local file is replaced atomically
@@ -10,12 +11,13 @@ the one file that grows, is a few kB per thousand steps).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 
 from etils import epath
 
-from mtrain.errors import ConfigError
+from mtrain.errors import ConfigError, UserError, first_line
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -73,3 +75,50 @@ def _umask() -> int:
     mask = os.umask(0)  # (the only way to read it, which sets it: put it back)
     os.umask(mask)
     return mask
+
+
+def check_reachable(directory: str, what: str) -> None:
+    """Raises a one-line UserError naming `what` if `directory` is in a bucket that cannot be
+    reached (no network, no credentials); a local one always can."""
+    if is_remote(directory):
+        try:
+            epath.Path(directory).exists()
+        except Exception as e:  # a bucket's client raises errors of its own
+            raise UserError(f"cannot reach {what} {directory}: {first_line(e)}") from None
+
+
+def check_writable(directory: str, what: str) -> None:
+    """Creates `directory` if needed and writes a file into it (then deletes it); raises a
+    UserError naming `what` (e.g. "the model dir") if either fails."""
+    if is_remote(directory):
+        probe = epath.Path(directory) / f".mtrain-write-test-{socket.gethostname()}-{os.getpid()}"
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"mtrain")
+            probe.unlink()
+        except Exception as e:
+            raise UserError(f"cannot write {what} {directory}: {first_line(e)}") from None
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".mtrain-write-test-")
+        try:
+            os.write(fd, b"mtrain")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cannot write {what} {directory}: {e.strerror or e}") from None
+
+
+def is_writable(directory: str) -> bool:
+    """Whether `directory` exists and takes a new file (`check_writable`, creating nothing
+    where it does not exist)."""
+    if not epath.Path(directory).is_dir():
+        return False
+    try:
+        check_writable(directory, "")
+    except UserError:
+        return False
+    return True

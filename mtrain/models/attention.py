@@ -30,11 +30,13 @@ the [length, memory_length] logits:
 it under `jax.shard_map` over the mesh dimensions that split ``batch`` and ``heads``, so a
 kernel that XLA cannot partition sees only its own rows and heads.
 
-On a Hopper GPU, ``'auto'`` goes one step further in training and evaluation
-(`adapts_segment_table`): `Trainer.place_batch` counts the packed examples of the batch's
-fullest row and, where cuDNN's packed layout with a table to match is faster than the masked
-kernel (`auto_table`), the step runs ``cudnn_segments`` with that table. Each table size is
-compiled once, when a batch first needs it.
+On a Hopper GPU, ``'auto'`` goes one step further in training, evaluation and scoring
+(`adapts_segment_table`): the model then asks for each batch's packing (`base.uses_packing`:
+the most examples in one row, rounded up to a power of two, `base.packing_of`), which the
+trainer computes on the host and makes `base.current_packing()` while the step is traced;
+where cuDNN's packed layout with a table of that size is faster than the masked kernel (up
+to `AUTO_TABLE_LIMIT` entries), self-attention runs ``cudnn_segments`` with that table. Each
+table size is compiled once, when a batch first needs it. Nothing else knows of the table.
 
 Decoding runs one query per row at a time (self-attention to the key/value cache, and
 encoder-decoder attention to the encoder's outputs, whose mask then has no query ids): that
@@ -64,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtrain.parallel import layout as layout_lib
 from mtrain.errors import DataError
+from mtrain.models import base
 
 NEG_INF = -1e9
 FLASH_KERNELS = ("auto", "cudnn", "cudnn_segments", "splash", "triton")
@@ -123,7 +126,7 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None):
 def default_kernel(backend: str | None = None) -> str:
     """The kernel of ``flash_kernel='auto'`` on `backend` (default: this process's): the
     masked cuDNN kernel on a GPU (correct for any packing; `Trainer` swaps in cuDNN's packed
-    layout per batch where that is faster, see `auto_table`), splash elsewhere."""
+    layout per batch where that is faster, see `flash`), splash elsewhere."""
     return "cudnn" if (backend or jax.default_backend()) == "gpu" else "splash"
 
 
@@ -184,6 +187,10 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
     cudnn_segments' table (packed examples per row at most)."""
     if kernel == "auto":
         kernel = default_kernel()
+        packing = base.current_packing()  # (known only where adapts_segment_table says)
+        if (kernel == "cudnn" and mask.self_attention and packing is not None
+                and packing <= AUTO_TABLE_LIMIT):
+            kernel, max_segments = "cudnn_segments", packing
     if kernel not in KERNELS:
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
     if kernel == "cudnn_segments" and not mask.self_attention:
@@ -314,8 +321,8 @@ def _cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_M
     (16 x 2048, 16 heads x 128, forward + backward) 2.2 ms with a table of 4, 5.4 ms of 64,
     15 ms of 256, where the masked kernel takes 4.7 ms however the rows are packed. So it
     pays only for rows of a few long examples, with a table to match. A row of more
-    segments than the table cannot be computed: its outputs are NaN (`Trainer.place_batch`
-    refuses such a batch first). cuDNN writes nothing at padding positions: their outputs
+    segments than the table cannot be computed: its outputs are NaN (`check_batch` refuses
+    such a batch first). cuDNN writes nothing at padding positions: their outputs
     are set to 0, and no gradient leaves them."""
     if jax.default_backend() != "gpu":
         raise ValueError(f"transformer.{_needs_a_gpu('cudnn_segments')}")
@@ -341,7 +348,8 @@ AUTO_TABLE_LIMIT = 32
 
 def adapts_segment_table(config) -> bool:
     """Whether a `TransformerConfig`'s attention runs cudnn_segments with a table fitted to
-    each batch (`auto_table`), here: ``flash_kernel='auto'`` on a GPU that takes the packed
+    each batch (its packing, `base.packing_of`), here: ``flash_kernel='auto'`` on a GPU that
+    takes the packed
     layout (Hopper on), attention that is flash in training (no attention dropout), and one
     process (the processes of a multi-host run would each fit their own rows and compile
     different steps: they run the masked kernel)."""
@@ -352,34 +360,19 @@ def adapts_segment_table(config) -> bool:
             uses_flash(config.attention, "cudnn_segments", backend, config.dtype, config.d_kv))
 
 
-def most_segments(batch: dict) -> dict[str, int]:
-    """The most packed examples in one row of a host (numpy) batch, for each of its
-    ``*_segment_ids`` features."""
-    return {key: int(segment_starts(np.asarray(ids), np).sum(axis=1).max(initial=0))
-            for key, ids in batch.items() if key.endswith("_segment_ids")}
-
-
-def auto_table(batch: dict) -> int | None:
-    """The cudnn_segments table for a host batch under 'auto': the smallest power of two that
-    holds its fullest row, or None (the masked kernel) beyond `AUTO_TABLE_LIMIT`."""
-    table = 1 << max(max(most_segments(batch).values(), default=0) - 1, 0).bit_length()
-    return table if table <= AUTO_TABLE_LIMIT else None
-
-
-def segment_table_size(config) -> int | None:
-    """The size of cudnn_segments' table where a transformer config (`TransformerConfig`)
-    runs that kernel here; None where its self-attention takes another path."""
-    if getattr(config, "flash_kernel", None) != "cudnn_segments" or not uses_flash(
+def check_batch(config, batch: dict) -> None:
+    """Refuses a host batch (numpy) with a row of more packed examples than the table of a
+    `TransformerConfig` whose self-attention runs flash_kernel 'cudnn_segments' here: the
+    kernel would only give NaN for it."""
+    if config.flash_kernel != "cudnn_segments" or not uses_flash(
             config.attention, config.flash_kernel, jax.default_backend(), config.dtype,
             config.d_kv):
-        return None
-    return config.flash_max_segments
-
-
-def check_segments(batch: dict, table: int) -> None:
-    """Refuses a batch (numpy, host side) with a row of more packed examples than
-    cudnn_segments' table holds: the kernel would only give NaN for it."""
-    for key, most in most_segments(batch).items():
+        return
+    table = config.flash_max_segments
+    for key, ids in batch.items():
+        if not key.endswith("_segment_ids"):
+            continue
+        most = int(segment_starts(np.asarray(ids), np).sum(axis=1).max(initial=0))
         if most > table:
             raise DataError(f"a row of the batch holds {most} packed examples ({key}), and "
                             f"flash_kernel='cudnn_segments' takes at most "

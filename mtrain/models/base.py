@@ -16,12 +16,25 @@ A model is a flax `nn.Module`, built as ``model(config)`` from the run's `Transf
 - `analytic_parameters()` and `analytic_flops(batch_size, length)`: its matmul and embedding
   parameters as the Mesh-TF paper counts them, and its training FLOPs per step (6 x matmul
   parameters x tokens + attention), for the planner and the MFU the run logs.
+
+and, optionally (`uses_packing`, `check_batch`):
+
+- `uses_packing`: True if a kernel of the model wants to know how the examples of each batch
+  are packed. The trainer then computes `packing_of` each host batch, carries it with the
+  placed batch (each value compiles the step once, like a shape) and makes it
+  `current_packing()` while the model is traced (`packed_rows`). A model's attention on a
+  Hopper GPU runs cuDNN's packed-segment layout with a table of that size.
+- ``check_batch(batch)``: raises `errors.DataError` for a host batch it cannot compute.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Protocol, Sequence
+
+import numpy as np
 
 
 def shape_field(default: Any) -> Any:
@@ -48,3 +61,36 @@ class Model(Protocol):
     def analytic_parameters(self) -> int: ...
 
     def analytic_flops(self, batch_size: int, length: int) -> float: ...
+
+
+# --- how the examples of a batch are packed ------------------------------------------------
+
+_PACKING: contextvars.ContextVar[int | None] = contextvars.ContextVar("packing", default=None)
+
+
+def packing_of(batch: dict) -> int:
+    """The most examples packed into one row of a host batch (numpy), over its
+    ``*_segment_ids`` features, rounded up to a power of two (so that few values compile).
+    An example is a run of one segment id > 0."""
+    most = 0
+    for key, ids in batch.items():
+        if key.endswith("_segment_ids"):
+            ids = np.asarray(ids)
+            starts = (ids > 0) & (ids != np.pad(ids, ((0, 0), (1, 0)))[:, :-1])
+            most = max(most, int(starts.sum(axis=1).max(initial=0)))
+    return 1 << max(most - 1, 0).bit_length()
+
+
+@contextlib.contextmanager
+def packed_rows(packing: int | None):
+    """Makes `packing` (a batch's `packing_of`, or None: unknown) `current_packing()` while a
+    model is traced in the block."""
+    token = _PACKING.set(packing)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
+
+
+def current_packing() -> int | None:
+    return _PACKING.get()

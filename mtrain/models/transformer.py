@@ -225,7 +225,20 @@ def _tables(c: TransformerConfig) -> int:
     return (1 if c.shared_embedding_and_softmax else 2) * c.vocab_size * c.d_model
 
 
-class DecoderLM(nn.Module):
+class _PackingAware:
+    """The optional model contract of `base` for the transformers: their attention's kernel
+    on a Hopper GPU wants each batch's packing, and 'cudnn_segments' refuses a batch with a
+    row of more examples than its table."""
+
+    @property
+    def uses_packing(self) -> bool:
+        return attention.adapts_segment_table(self.config)
+
+    def check_batch(self, batch: dict) -> None:
+        attention.check_batch(self.config, batch)
+
+
+class DecoderLM(_PackingAware, nn.Module):
     """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]
     (with `return_hidden`: the final hidden states and the output kernel, see `_logits`)."""
 
@@ -275,7 +288,7 @@ class DecodeIndex(nn.Module):
         return i
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(_PackingAware, nn.Module):
     """The encoder-decoder Transformer (Mesh-TF's `Bitransformer`) for translation.
 
     One token embedding serves inputs and targets (the paper's setting for translation);

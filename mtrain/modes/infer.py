@@ -10,10 +10,10 @@ import time
 
 import jax
 
-from mtrain.modes import train as training
+from mtrain.io.checkpoints import restore_for_reading
 from mtrain.errors import ConfigError
-from mtrain.experiment import Experiment
-from mtrain.io.lock import check_writable
+from mtrain.modes.experiment import Experiment
+from mtrain.io.textfiles import check_writable
 from mtrain.io.metrics import log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import read_lines
@@ -44,7 +44,8 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     stopped half-way keeps the lines it translated; a progress line (lines done, lines/s,
     time left) goes to the log at least every 10 seconds."""
     lines = read_lines(input_file)
-    state, step = training.restore_for_reading(exp, ModelDir(exp.model_dir).checkpoints)
+    state, step = restore_for_reading(ModelDir(exp.model_dir).checkpoints,
+                                      exp.trainer.sharded_abstract_state(), exp.checkpoint_meta())
     writing = jax.process_index() == 0
     out = None
     if writing:

@@ -24,10 +24,10 @@ import math
 import jax
 import numpy as np
 
-from mtrain.modes import train as training
+from mtrain.io.checkpoints import restore_for_reading
 from mtrain.errors import ConfigError
 from mtrain.evaluation.heldout import scored_words
-from mtrain.experiment import Experiment
+from mtrain.modes.experiment import Experiment
 from mtrain.io.metrics import MetricsWriter, log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import read_lines, write_atomically
@@ -72,7 +72,8 @@ def score(exp: Experiment, input_file: str | None, output_file: str | None,
     lines = read_lines(input_file)
     examples = [_example(exp, line, n + 1) for n, line in enumerate(lines)]
     model_dir = ModelDir(exp.model_dir)
-    state, step = training.restore_for_reading(exp, model_dir.checkpoints)
+    state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
+                                      exp.checkpoint_meta())
     trainer = exp.trainer
     start, stop = trainer.local_rows()
     scores = []

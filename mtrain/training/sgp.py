@@ -207,6 +207,31 @@ class SGPTrainer:
                           opt_state=jax.tree_util.tree_map(
                               mean, state.opt_state, self.trainer.state_shardings.opt_state))
 
+    # ---- what the training loop needs of a stepper (`training.loop.Stepper`) ----
+
+    def start(self, state: TrainState) -> SGPState:
+        """Every replica from the same train state (a resumed run starts from consensus)."""
+        return self.init_state(state)
+
+    def place_batch(self, batch: dict):
+        return self.trainer.place_batch(batch)
+
+    def eval_params(self, state: SGPState):
+        """The replicas' average parameters: what evaluation uses."""
+        return self.average(state)
+
+    def log_metrics(self, state: SGPState) -> dict:
+        """How far the replicas are from consensus, and what each sends per step."""
+        distance = jax.device_get(self.consensus_distance(state))
+        return {"train/consensus_distance_max": float(distance["max"]),
+                "train/consensus_distance_mean": float(distance["mean"]),
+                "train/bytes_sent_per_replica_per_step": self.bytes_sent_per_step()}
+
+    def describe(self) -> str:
+        return (f"SGP over {self.num_replicas} replicas (overlap {self.overlap}, exact average "
+                f"every {self.average_every or 'no'} steps): each sends "
+                f"{self.bytes_sent_per_step() / 1e6:.3g} MB per step")
+
     def bytes_sent_per_step(self) -> int:
         """What each replica sends per gossip step: one copy of its parameters and its
         weight (an exact-averaging step all-reduces the parameters instead)."""

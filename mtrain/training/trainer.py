@@ -7,15 +7,15 @@ optimizer-state leaf (from the parameter it belongs to) and of every batch featu
 init, so the full model never exists on one device, and the train step is jitted with those
 shardings and donates the old state.
 
-A batch placed on the devices (`Trainer.place_batch`) is a `PlacedBatch`: its arrays, and
-the attention kernel's table for its packing where the model's 'auto' attention fits one to
-each batch (`attention.adapts_segment_table`). The table is part of the batch's pytree
-structure, so the jitted steps compile once per table size, like once per shape.
+A batch placed on the devices (`Trainer.place_batch`) is a `PlacedBatch`: its arrays and,
+where the model asks for it (`models.base`: `uses_packing`), how its examples are packed
+(`base.packing_of`), which the model's kernels see while it is traced
+(`base.current_packing`). The packing is part of the batch's pytree structure, so the jitted
+steps compile once per value, like once per shape. The trainer knows no kernel.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -33,30 +33,29 @@ from mtrain.errors import ConfigError
 from mtrain.parallel.layout import (Layout, LayoutError, constrain, is_names, logical_names,
                            tree_shardings)
 from mtrain.training.losses import LossConfig
-from mtrain.models import attention
-from mtrain.models.base import batch_keys
+from mtrain.models.base import batch_keys, packed_rows, packing_of
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
 
 
 class PlacedBatch(dict):
-    """A batch on the devices: feature name -> global array, and `segment_table`, the size of
-    cuDNN's packed-segment table its self-attention runs with (None: the model's own
-    kernel). A pytree whose structure (what jit compiles for) holds the table."""
+    """A batch on the devices: feature name -> global array, and `packing` (`base.packing_of`
+    of it; None where the model does not ask). A pytree whose structure (what jit compiles
+    for) holds the packing."""
 
-    def __init__(self, arrays: dict, segment_table: int | None = None):
+    def __init__(self, arrays: dict, packing: int | None = None):
         super().__init__(arrays)
-        self.segment_table = segment_table
+        self.packing = packing
 
     def like(self, arrays: dict) -> "PlacedBatch":
-        """Other arrays (e.g. a microbatch's) with this batch's table."""
-        return PlacedBatch(arrays, self.segment_table)
+        """Other arrays (e.g. a microbatch's) with this batch's packing."""
+        return PlacedBatch(arrays, self.packing)
 
 
 def _flatten_batch(batch: PlacedBatch):
     keys = tuple(sorted(batch))
-    return [(jax.tree_util.DictKey(k), batch[k]) for k in keys], (keys, batch.segment_table)
+    return [(jax.tree_util.DictKey(k), batch[k]) for k in keys], (keys, batch.packing)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -120,10 +119,8 @@ class Trainer:
         batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
         activation memory."""
         self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
-        # The size of the model's cudnn_segments table (None: its attention has none), and
-        # whether its 'auto' attention runs that kernel with a table fitted to each batch.
-        self.segment_table = attention.segment_table_size(getattr(model, "config", None))
-        self.fits_segment_table = attention.adapts_segment_table(getattr(model, "config", None))
+        # Whether the model's kernels want each batch's packing (`models.base`).
+        self.uses_packing = bool(getattr(model, "uses_packing", False))
         self.loss_config = loss_config or LossConfig()
         if batch_size % num_microbatches:
             raise ConfigError(f"batch_size {batch_size} is not divisible into "
@@ -183,17 +180,13 @@ class Trainer:
 
     def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False):
         """The model's logits for a packed batch (its `features`, each with segment ids and
-        positions); with `return_hidden` its final hidden states and output kernel. A
-        `PlacedBatch` with a `segment_table` runs the model's attention by cuDNN's packed
-        layout with that table."""
+        positions); with `return_hidden` its final hidden states and output kernel. The
+        batch's packing, if it carries one, is the model's `current_packing()`."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
-        model, table = self.model, getattr(batch, "segment_table", None)
-        if table is not None:
-            model = model.clone(config=dataclasses.replace(
-                model.config, flash_kernel="cudnn_segments", flash_max_segments=table))
-        return model.apply({"params": params}, *args, deterministic=deterministic, rngs=rngs,
-                           **kwargs)
+        with packed_rows(getattr(batch, "packing", None)):
+            return self.model.apply({"params": params}, *args, deterministic=deterministic,
+                                    rngs=rngs, **kwargs)
 
     def _init_variables(self, key):
         with self.layout.activate(self.mesh):
@@ -316,8 +309,8 @@ class Trainer:
 
     def abstract_batch(self, batch: PlacedBatch | None = None) -> PlacedBatch:
         """A batch as shapes with its sharding (for ahead-of-time compilation): that of
-        `batch` (a placed batch, with its table), else one of the model's features with the
-        model's own attention kernel."""
+        `batch` (a placed batch, with its packing), else one of the model's features with
+        no packing known."""
         if batch is not None:
             return jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
@@ -344,25 +337,36 @@ class Trainer:
 
     def place_batch(self, batch: dict[str, np.ndarray]) -> PlacedBatch:
         """This process's rows of a global batch (`local_rows`) -> global arrays sharded
-        along ``batch``, with the attention table fitted to its rows where the model's
-        attention takes one (`fits_segment_table`, `attention.auto_table`). A batch with a
-        row of more packed examples than the model's cudnn_segments attention takes is
-        refused (`attention.check_segments`)."""
-        if self.segment_table:
-            attention.check_segments(batch, self.segment_table)
-        table = attention.auto_table(batch) if self.fits_segment_table else None
+        along ``batch``, with its packing where the model asks for it. The model may refuse
+        a batch first (its `check_batch`: a `DataError`)."""
+        if hasattr(self.model, "check_batch"):
+            self.model.check_batch(batch)
         return PlacedBatch({
             k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v),
                                                       self.batch_shape)
             for k, v in batch.items()
-        }, table)
+        }, packing_of(batch) if self.uses_packing else None)
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         return self._train_step(state, batch)
 
+    # ---- what the training loop needs of a stepper (`training.loop.Stepper`) ----
+
+    def start(self, state: TrainState) -> TrainState:
+        return state
+
+    def train_state(self, state: TrainState) -> TrainState:
+        return state
+
+    def eval_params(self, state: TrainState):
+        return state.params
+
+    def log_metrics(self, state: TrainState) -> dict:
+        return {}
+
     def lower_train_step(self, batch: PlacedBatch | None = None):
         """The train step lowered from abstract state and batch (nothing allocated; the
-        batch's shapes and table are `batch`'s if given): its `.as_text()` is the HLO, its
+        batch's shapes and packing are `batch`'s if given): its `.as_text()` is the HLO, its
         `.compile()` the program the planner measures."""
         return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch))
 

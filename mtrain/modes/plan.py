@@ -1,0 +1,62 @@
+"""``--mode=plan``: what the configured run's compiled train step needs per device and how
+long it would take on an accelerator (`planning.planner`), or the best layouts of a number
+of devices (``--auto_layout``), as a report for people or one JSON object."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import jax
+
+from mtrain.errors import ConfigError
+from mtrain.modes.experiment import Experiment
+from mtrain.parallel.targets import TARGETS
+from mtrain.planning import planner
+
+log = logging.getLogger("mtrain")
+
+
+def describe_model(c) -> str:
+    return (f"{c.num_layers} layers d_model {c.d_model} d_ff {c.d_ff} heads {c.num_heads}x{c.d_kv} "
+            f"vocab {c.vocab_size}")
+
+
+def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
+         auto_layout: bool = False, devices: int | None = None, top: int = 5,
+         out=None) -> dict:
+    """``--mode=plan``: compiles the train step for the configured mesh and prints what it
+    needs per device and how long it would take on `target` (see `planner`); with
+    `auto_layout`, ranks every mesh and layout of `devices` (default: the mesh's size)
+    devices instead. Prints text or, with `output_format` 'json', one JSON object to `out`
+    (default stdout); returns that object."""
+    if target not in TARGETS:
+        raise ConfigError(f"unknown --target {target!r}; use one of {', '.join(TARGETS)}")
+    if output_format not in ("text", "json"):
+        raise ConfigError(f"unknown --format {output_format!r}; use text or json")
+    target_spec = TARGETS[target]
+    describe = f"task {exp.task.name}, {describe_model(exp.model_config)}"
+    if auto_layout:
+        devices = devices or exp.layout.size
+        if devices > jax.device_count():
+            raise ConfigError(f"--auto_layout for {devices} devices, but only "
+                              f"{jax.device_count()} are available to compile for")
+        results = planner.auto_layout(
+            exp.trainer.with_layout, devices, target_spec, progress=lambda message: log.info("auto-layout %s", message))
+        report = {"model": describe, "num_devices": devices, "target": target,
+                  "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
+                                  "parameter_layout_rules": c.parameter_layout_rules,
+                                  "rejected": c.rejected,
+                                  "plan": c.plan.to_dict() if c.plan else None}
+                                 for c in results]}
+        text = planner.format_auto_layout(results, devices, target, top)
+    else:
+        compiled = exp.stepper.compile_train_step() if exp.stepper is not exp.trainer else None
+        result = planner.plan(exp.trainer, target_spec, compiled=compiled)
+        report = {"model": describe, **result.to_dict()}
+        text = planner.format_plan(result, describe)
+    out = out or sys.stdout
+    out.write((json.dumps(report, indent=1) if output_format == "json" else text) + "\n")
+    out.flush()
+    return report
