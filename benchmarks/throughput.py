@@ -29,7 +29,7 @@ Before the comparison, a table of mtrain alone on the models and settings of a p
 microbatches; `--preset gpu`: a ~1B-parameter decoder in bfloat16 with remat and
 jax.nn.dot_product_attention): tokens/s, median step time over `--table_steps` steps after
 compilation, model FLOP/s per device and MFU (against the device's peak: the table in
-mtrain/targets.py, or on CPU a float32 matmul measured at start), compile time, and peak
+mtrain/parallel/targets.py, or on CPU a float32 matmul measured at start), compile time, and peak
 memory per device (the device's own count where it keeps one, else XLA's memory analysis of
 the compiled step), the seconds the parameter initialisation takes to compile and run
 (``init``), and the attention kernel the step ran (with 'auto' on a Hopper GPU, cuDNN's

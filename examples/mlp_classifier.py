@@ -1,5 +1,5 @@
 """The replica API on something that is not a Transformer: an MLP classifier trained
-data-parallel with `mtrain.replica`, one step function written for one replica.
+data-parallel with `mtrain.parallel.replica`, one step function written for one replica.
 
 The data are 10 Gaussian clusters in 16 dimensions (a fixed seed; 4096 training and 1024
 test points). Each replica gets its slice of every batch, computes its gradient, and the

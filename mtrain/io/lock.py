@@ -12,7 +12,7 @@ second to finish would delete the first one's checkpoints. The lock file names i
 so the error says who holds it. A lock left by a run that died (SIGKILL, a crash) on this
 host, whose process no longer exists, is taken over with a warning; one held from another
 host cannot be checked from here, and stays until its run ends or a person deletes it.
-With several processes only process 0 takes the lock (`training._lock`). A model dir in a
+With several processes only process 0 takes the lock (`lock_model_dir`). A model dir in a
 bucket (gs://) is not locked: a bucket has no exclusive create through TensorFlow's gfile,
 and the lock of a preempted pod could not be told from a live one's, so a restarted job
 would wait for a person; one job per bucket dir is the launcher's to keep, as with T5X and

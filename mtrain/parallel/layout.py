@@ -270,7 +270,7 @@ def constrain(x: jax.Array, names: Sequence[str | None], tensor: str = "activati
     spec = layout.partition_spec(names, x.shape, tensor=tensor, parameter=parameter)
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
-        # Inside a shard_map that is manual over some axes (mtrain.replica): constrain over
+        # Inside a shard_map that is manual over some axes (mtrain.parallel.replica): constrain over
         # the automatic ones, on the mesh as the shard_map sees it.
         if all(s is None for s in spec):
             return x

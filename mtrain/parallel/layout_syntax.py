@@ -1,7 +1,7 @@
 """The layout language's syntax, as Mesh-TensorFlow parsed it: a mesh shape
 (``"batch:16;model:32"``) and layout rules (``"batch:batch;d_ff:model"``), pairs separated by
 ``;``, ``,``, ``.`` or spaces (or given as Python pairs), into lists of (name, size) and
-(tensor dimension, mesh dimension). What they mean is `mtrain.layout`'s."""
+(tensor dimension, mesh dimension). What they mean is `mtrain.parallel.layout`'s."""
 
 from __future__ import annotations
 

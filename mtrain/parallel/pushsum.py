@@ -10,7 +10,7 @@ replica sends one message per round instead of taking part in an all-reduce.
 
 A message can be lost (a slow or failed link): then the sender keeps the half it would have
 pushed, so mass is never lost, z still tends to the average, and x alone does not.
-All functions run inside `mtrain.replica.replicate` and take its `ReplicaContext`.
+All functions run inside `mtrain.parallel.replica.replicate` and take its `ReplicaContext`.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
   iteration, which the cost analysis is not) beside the analytic count (6 x matmul
   parameters x tokens + attention);
 - every collective the SPMD partitioner inserted, by kind, with the bytes each device
-  sends per step, a loop's collectives once per iteration (`mtrain.hlo_cost`);
-- a roofline step time for a `Target` accelerator (`mtrain.targets`): compute (FLOPs /
+  sends per step, a loop's collectives once per iteration (`mtrain.planning.hlo_cost`);
+- a roofline step time for a `Target` accelerator (`mtrain.parallel.targets`): compute (FLOPs /
   peak) and memory traffic (each argument and output moved once, each temporary written
   and read once, over HBM bandwidth) overlap; collectives (bytes sent / interconnect
-  bandwidth) do not. On a GPU target memory and time come from `mtrain.step_model`
+  bandwidth) do not. On a GPU target memory and time come from `mtrain.planning.step_model`
   instead, which was measured to be closer there.
 
 The program is compiled by XLA:CPU, so it is the program a TPU or GPU would run up to the

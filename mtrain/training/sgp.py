@@ -3,13 +3,13 @@
 Each replica along the data axis keeps its own parameters x, PushSum weight w and optimizer
 state. A step computes the gradient of its rows of the batch at the de-biased parameters
 z = x / w, takes a local optimizer step on x, and mixes (x, w) with one out-peer (hop 2^k,
-k cycling through log2(n) phases; `mtrain.pushsum`). No all-reduce of gradients: each
+k cycling through log2(n) phases; `mtrain.parallel.pushsum`). No all-reduce of gradients: each
 replica sends one copy of its parameters per step (the compiled step holds a
 collective-permute for each of the log2(n) hops, of which one runs), and the replicas agree
 only approximately (`consensus_distance`); `average` gives the mean of z, which is what
 evaluation uses.
 
-The model runs inside `mtrain.replica.replicate` over the data axis; the other mesh axes
+The model runs inside `mtrain.parallel.replica.replicate` over the data axis; the other mesh axes
 keep the layout's model parallelism.
 """
 
