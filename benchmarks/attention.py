@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtrain.models import attention
+from mtrain.models import attention, kernels
 
 
 def packed_ids(batch, length, segments, seed=0):
@@ -56,13 +56,13 @@ def candidates(ids, segments):
     """name -> fn(q, k, v) for causal self-attention over the packed rows of `ids`."""
     mask = attention.AttentionMask.of_self(ids, causal=True)
     backend = jax.default_backend()
-    kernels = {"gpu": ("cudnn", "cudnn_segments"), "tpu": ("splash",)}.get(backend, ("splash",))
+    names = {"gpu": ("cudnn", "cudnn_segments"), "tpu": ("splash",)}.get(backend, ("splash",))
     out = {f"mtrain flash '{k}'": functools.partial(attention.flash, mask=mask, kernel=k)
-           for k in kernels}
+           for k in names}
     if backend == "gpu":
         for table in sorted({segments, 256} - {attention.CUDNN_MAX_SEGMENTS}):
             out[f"  'cudnn_segments', table of {table}"] = functools.partial(
-                attention._cudnn_segments, query_ids=ids, memory_ids=ids, causal=True,
+                kernels.cudnn_segments, query_ids=ids, memory_ids=ids, causal=True,
                 max_segments=table)
     if backend == "gpu":  # last: Triton compiles slowly
         out["mtrain flash 'triton'"] = functools.partial(attention.flash, mask=mask,

@@ -5,7 +5,8 @@
 #   2. the 1B decoder of configs/models/lm_1b.gin (bf16, remat dots) on packed rows with
 #      'auto' (on Hopper: cuDNN's packed layout with a table fitted to the rows) and each
 #      flash kernel, each row in a process of its own: tokens/s, MFU, compile time, peak
-#      memory, and the kernel that ran;
+#      memory, and the kernel that ran; and the Llama-style 1B of configs/models/llama_1b.gin
+#      (SwiGLU, rotary positions, 4 of 16 key/value heads, AdamW) with 'auto';
 #   3. the same model on unpacked rows against the plain jax.jit + optax baseline (bf16,
 #      cuDNN is_causal flash attention, remat dots, Adafactor) in the same process, mtrain
 #      with its defaults ('auto': a table of one example per row): 'ratio mtrain/plain'.

@@ -85,6 +85,12 @@ ONE_B = dict(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16, d_kv=128, 
              activation_dtype="bfloat16", remat_policy="dots", attention="auto", max_length=2048)
 FLASH_1B = {**ONE_B, "attention": "flash"}  # (a kernel that refuses the model is an error)
 MASKED_1B = {**FLASH_1B, "flash_kernel": "cudnn"}  # cuDNN given the packed mask, whatever the rows
+# Llama-style blocks (configs/models/llama_tiny.gin, llama_1b.gin): SwiGLU, rotary positions,
+# grouped-query attention; trained with AdamW ("optimizer" is the row's, not the model's).
+LLAMA = dict(mlp_activations=("silu", "linear"), position_encoding="rotary", optimizer="adamw")
+LLAMA_TINY = dict(vocab_size=2048, d_model=128, d_ff=384, num_heads=8, num_kv_heads=2, d_kv=16,
+                  num_layers=2, **LLAMA)
+LLAMA_1B = {**FLASH_1B, "d_ff": 5504, "num_kv_heads": 4, **LLAMA}
 PRESETS = {
     "cpu": [
         ("reference", {}, 16, 128, 1),
@@ -95,6 +101,7 @@ PRESETS = {
         ("paper LM size -1 / 8 (d_model 128, 6 layers)",
          dict(vocab_size=8192, d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=6),
          16, 256, 1),
+        ("llama_tiny (SwiGLU, RoPE, 2 of 8 kv heads)", LLAMA_TINY, 16, 128, 1),
     ],
     "gpu": [
         ("1B, packed, flash 'auto'", FLASH_1B, 16, 2048, 1),
@@ -103,6 +110,7 @@ PRESETS = {
         ("1B, packed, flash 'cudnn' (masked)", MASKED_1B, 4, 2048, 1),
         ("1B, packed, flash 'triton'", {**FLASH_1B, "flash_kernel": "triton"}, 16, 2048, 1),
         ("1B, packed, flash 'auto', scanned layers", {**FLASH_1B, "scan_layers": True}, 16, 2048, 1),
+        ("llama_1b (SwiGLU, RoPE, 4 of 16 kv heads), packed, 'auto'", LLAMA_1B, 16, 2048, 1),
     ],
 }
 # What each preset compares with the plain implementation: the model and whether the plain
@@ -269,10 +277,12 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     from mtrain.models.transformer import DecoderLM, TransformerConfig
     from mtrain.training.trainer import Trainer
 
+    settings = dict(settings)
+    make_optimizer = getattr(optimizer, settings.pop("optimizer", "adafactor"))
     config = TransformerConfig(**{"max_length": max(512, length), **settings})
     layout = Layout(args.mesh_shape, args.layout_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
-    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
+    opt = make_optimizer(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
     trainer = Trainer(DecoderLM(config), opt, layout, mesh, batch_size, length,
                       num_microbatches=microbatches)
     jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.zeros(8)))  # the device's first work

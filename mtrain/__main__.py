@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default=None,
                    help="train (default); eval: evaluate the latest checkpoint of --model_dir "
                         "(loss, accuracy, perplexity or BLEU); infer: translate --input_file "
-                        "with it; score: the log-likelihood of each line of --input_file "
+                        "with it (an LM: continue each line); score: the log-likelihood of each line of --input_file "
                         "(translation: 'source<TAB>target'), as JSON lines; plan: compile the train step for the configured mesh on "
                         "simulated CPU devices and report memory, FLOPs, collectives and a "
                         "step-time estimate for --target, without data or accelerators")
@@ -70,10 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--mode=plan --auto_layout: the number of devices to lay the model out "
                         "on (default: the size of run.mesh_shape)")
     p.add_argument("--input_file", default=None, metavar="FILE",
-                   help="--mode=infer: sentences to translate, one per line; --mode=score: "
+                   help="--mode=infer: sentences to translate (an LM: prompts), one per line; --mode=score: "
                         "lines to score (default: stdin)")
     p.add_argument("--output_file", default=None, metavar="FILE",
-                   help="--mode=infer: where the translations go, one per line; --mode=score: "
+                   help="--mode=infer: where the translations (continuations) go, one per line; --mode=score: "
                         "one JSON object per line (default: stdout; logs go to stderr)")
     p.add_argument("--output_dir", default=None, metavar="DIR",
                    help="--mode=eval and --mode=score: where their metrics, TensorBoard events "

@@ -10,6 +10,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     loss.*                    LossConfig
     decoding.*                DecodingConfig
     adafactor.*               optimizer.adafactor (the default run.optimizer)
+    adamw.*                   optimizer.adamw (``run.optimizer = @adamw``)
     learning_rate_schedule.*  optimizer.learning_rate_schedule
     @DecoderLM, @EncoderDecoder   models for run.model (default: by the task's kind)
 
@@ -42,6 +43,7 @@ transformer = gin.external_configurable(TransformerConfig, "transformer", denyli
 loss = gin.external_configurable(LossConfig, "loss")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
 adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
+adamw = gin.external_configurable(optimizer.adamw, "adamw")
 learning_rate_schedule = gin.external_configurable(optimizer.learning_rate_schedule,
                                                    "learning_rate_schedule")
 MODELS = {"lm": gin.external_configurable(DecoderLM, "DecoderLM"),

@@ -32,6 +32,7 @@ from mtrain.data import tasks as tasks_lib
 from mtrain.data.vocabulary import DEFAULT_SIZE
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
+from mtrain.evaluation.generation import Generator
 from mtrain.io.checkpoints import require_checkpoints
 from mtrain.io.lock import check_data_dir, check_model_dir_free, preparing_data
 from mtrain.io.metrics import log
@@ -107,21 +108,24 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     recorded = None if restart or planning else _recorded_vocabulary(settings.model_dir)
     planned = vocab_config.planned_size(recorded)
     trainer, stepper, schedule = _model(settings, task, layout, mesh, planned)
-    source = vocab = translator = None
+    source = vocab = translator = generator = None
     if not planning:
         source, vocab = _data(settings, task, vocab_config, recorded, restart)
         if _padded(vocab.vocab_size) != _padded(planned):  # sentencepiece fell short
             raise ConfigError(f"the vocabulary has {vocab.vocab_size} pieces, where "
                               f"{planned} were asked for (vocabulary.size)")
-        if task.kind == "translation":
-            try:
+        try:
+            if task.kind == "translation":
                 translator = Translator(trainer, vocab, config.decoding())
-            except (ValueError, LayoutError) as e:
-                raise ConfigError(str(e).splitlines()[0]) from None
+            elif settings.mode == "infer":
+                generator = Generator(trainer, vocab, config.decoding(), settings.seed)
+        except (ValueError, LayoutError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
     return Experiment(
         config=settings, task=task, source=source, vocab=vocab, trainer=trainer,
-        stepper=stepper, schedule=schedule, translator=translator,
-        optimizer_settings=config.settings(settings.optimizer or config.adafactor),
+        stepper=stepper, schedule=schedule, translator=translator, generator=generator,
+        optimizer_settings={**config.settings(settings.optimizer or config.adafactor),
+                            **config.settings(config.learning_rate_schedule)},
         config_text=config.operative(),
         flops_per_step=trainer.model.analytic_flops(settings.batch_size,
                                                     settings.sequence_length))
@@ -148,8 +152,6 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
     if s.mode not in MODES:
         raise ConfigError(f"unknown mode {s.mode!r}; use one of {', '.join(MODES)}")
     task = tasks_lib.get_task(s.task)
-    if s.mode == "infer" and task.kind != "translation":
-        raise ConfigError(f"--mode=infer translates, but task {s.task!r} is a {task.kind} task")
     if s.init_from:
         check_reachable(s.init_from, "run.init_from")
         if not epath.Path(s.init_from).is_dir():
@@ -191,12 +193,12 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
         model_config = config.transformer(vocab_size=_padded(vocab_size))
         if s.activation_dtype is not None:
             model_config = dataclasses.replace(model_config, activation_dtype=s.activation_dtype)
+        schedule = config.learning_rate_schedule(train_steps=s.train_steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if model_config.max_length < s.sequence_length:
         raise ConfigError(f"run.sequence_length={s.sequence_length} is longer than "
                           f"transformer.max_length={model_config.max_length}")
-    schedule = config.learning_rate_schedule(train_steps=s.train_steps)
     # Updates with a non-finite gradient leave parameters and optimizer state as they were.
     optimizer = s.optimizer or config.adafactor
     opt = optax.apply_if_finite(optimizer(schedule), s.max_nonfinite_steps)

@@ -67,6 +67,7 @@ def test_gin_param_overrides_file_and_relative_model_dir(data_dir, tmp_path, mon
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "2" / "state" / "_METADATA")
 
 
+@pytest.mark.slow
 def test_layouts_give_the_same_first_step_loss(data_dir, tmp_path):
     first = ["run.train_steps=1", "run.log_every=1", "run.eval_split='test'"]
     losses = []

@@ -48,6 +48,7 @@ def decode(vocab, settings, scanned, beam_size):
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["unrolled, one device",
                                                         "scanned, batch:2;model:4"])
+@pytest.mark.slow
 def test_every_attention_path_decodes_the_einsum_path_tokens(joint_vocab, monkeypatch, scanned):
     expected = {beam: decode(joint_vocab, {"attention": "einsum"}, scanned, beam)
                 for beam in (1, 3)}

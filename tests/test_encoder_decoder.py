@@ -177,6 +177,7 @@ def test_sharded_beam_search_decodes_as_on_one_device(joint_vocab):
     assert len(greedy(params, SENTENCES[:2])) == 2
 
 
+@pytest.mark.slow
 def test_translation_cli_train_eval_and_infer(tmp_path, monkeypatch, capsys):
     from mtrain.__main__ import main
 
@@ -254,6 +255,7 @@ def test_translation_cli_train_eval_and_infer(tmp_path, monkeypatch, capsys):
                         f"--output_file={tmp_path / 'out.txt'}"]) == 2
     assert "cannot read --input_file" in capsys.readouterr().err
     assert (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n") == lines
-    # An LM task cannot translate: one clear error.
+    # An LM model dir with no checkpoint to continue prompts with: one clear error.
     assert main(["--gin_file=tasks/bible_lm.gin", "--gin_file=layouts/dp4_mp2.gin",
                  f"--model_dir={tmp_path / 'lm'}", "--mode=infer"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mtrain.parallel.layout import Layout
-from mtrain.models import attention
+from mtrain.models import attention, kernels
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 
 import test_trainer
@@ -167,12 +167,12 @@ def test_cudnn_call_is_the_packed_mask(monkeypatch):
 def test_segment_layout():
     """cuDNN's table of a packed row: each segment's length and start, -1 after the last."""
     ids = jnp.asarray([[1, 1, 2, 2, 2, 0], [1] * 6, [0] * 6, [3, 4, 4, 5, 0, 0]], jnp.int32)
-    lengths, offsets, most = attention.segment_layout(ids, 3)
+    lengths, offsets, most = kernels.segment_layout(ids, 3)
     np.testing.assert_array_equal(lengths, [[2, 3, -1], [6, -1, -1], [-1, -1, -1], [1, 2, 1]])
     np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1], [-1] * 4,
                                             [0, 1, 3, -1]])
     assert int(most) == 3
-    assert int(attention.segment_layout(ids, 2)[2]) == 3  # more than the table holds
+    assert int(kernels.segment_layout(ids, 2)[2]) == 3  # more than the table holds
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -191,7 +191,7 @@ def test_cudnn_segments_matches_the_reference(monkeypatch, causal):
     assert ("cudnn_segments", (4, attention.CUDNN_MAX_SEGMENTS + 1)) in calls
     # A table of 2 segments per row, with rows of up to 4: never a wrong number, NaN (the
     # emulated kernel would leave segments 3 and 4 unwritten; the real one too).
-    out = attention._cudnn_segments(q, k, v, ids, ids, causal, max_segments=2)
+    out = kernels.cudnn_segments(q, k, v, ids, ids, causal, max_segments=2)
     assert np.isnan(out[ids > 0]).all() and not np.isnan(out[ids == 0]).any()
     # And over the mesh: each shard of the batch builds its own table.
     layout = Layout("batch:4;model:2", "batch:batch;heads:model")
@@ -215,7 +215,7 @@ def test_cudnn_segments_honours_segments(monkeypatch):
 def test_kernel_choice_and_errors(monkeypatch):
     ids = packed_ids(2, 128, 2)
     q, k, v = qkv(2, 128, 128)
-    for kernel in attention.GPU_KERNELS:
+    for kernel in kernels.GPU_KERNELS:
         with pytest.raises(ValueError, match=f"flash_kernel='{kernel}' needs a GPU"):
             attention.flash(q, k, v, attention.AttentionMask.of_self(ids, True), kernel)
         with pytest.raises(ValueError, match=f"flash_kernel='{kernel}' needs a GPU"):

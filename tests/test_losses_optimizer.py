@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 
 from mtrain.training import losses, optimizer
 
@@ -132,3 +134,52 @@ def test_chunked_loss_with_split_vocab_never_all_gathers():
     np.testing.assert_allclose(value, expected, rtol=1e-5)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_cosine_schedule_is_warmup_then_cosine_to_the_final_fraction():
+    schedule = optimizer.learning_rate_schedule(warmup_steps=10, train_steps=110, constant=3e-3,
+                                                shape="cosine", final_fraction=0.1)
+    for count in (0, 4, 9, 10, 35, 60, 85, 109, 150):
+        s = count + 1  # the rate of the update that makes step s
+        if s < 10:
+            want = 3e-3 * s / 10
+        else:
+            p = min((s - 10) / 100, 1.0)
+            want = 3e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * p)))
+        np.testing.assert_allclose(float(schedule(count)), want, rtol=1e-6, err_msg=f"{count}")
+    np.testing.assert_allclose(float(schedule(59)), 3e-3 * 0.55, rtol=1e-6)  # half-way
+    # decay_steps: the decay's horizon instead of train_steps
+    fixed = optimizer.learning_rate_schedule(warmup_steps=10, train_steps=20, decay_steps=110,
+                                             constant=3e-3, shape="cosine", final_fraction=0.1)
+    np.testing.assert_allclose(float(fixed(59)), float(schedule(59)), rtol=1e-6)
+    for bad in (dict(train_steps=10), dict(train_steps=None), dict(final_fraction=1.5),
+                dict(shape="linear")):
+        with pytest.raises(ValueError):
+            optimizer.learning_rate_schedule(**{"warmup_steps": 10, "train_steps": 110,
+                                                "shape": "cosine", **bad})
+
+
+def test_adamw_first_update_is_optaxs_and_adams_closed_form():
+    """The first Adam step is -lr * g / (|g| + eps) per element (bias-corrected moments of
+    one gradient), plus decoupled weight decay -lr * wd * p on matrices only; with gradients
+    of global norm above clip_norm, g is scaled down to that norm first."""
+    params = {"w": jnp.arange(6.0).reshape(2, 3) / 10 - 0.2, "scale": jnp.ones(3)}
+    grads = {"w": jnp.array([[0.3, -0.2, 0.0], [1.0, 2.0, -0.5]]), "scale": jnp.array([0.1, 0.2, -0.3])}
+    lr, wd = 1e-2, 0.1
+    for clip in (None, 1.0):
+        opt = optimizer.adamw(lr, weight_decay=wd, clip_norm=clip)
+        updates, _ = opt.update(grads, opt.init(params), params)
+        g = grads
+        if clip:
+            norm = np.sqrt(sum(float(jnp.sum(x**2)) for x in grads.values()))
+            g = {k: v * clip / norm for k, v in grads.items()}
+        for k in params:
+            want = -lr * np.asarray(g[k]) / (np.abs(np.asarray(g[k])) + 1e-8)
+            if k == "w":
+                want = want - lr * wd * np.asarray(params[k])
+            np.testing.assert_allclose(updates[k], want, rtol=1e-5, atol=1e-7, err_msg=f"{k} {clip}")
+        if clip is None:
+            reference = optax.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd,
+                                    mask={"w": True, "scale": False})
+            ref_updates, _ = reference.update(grads, reference.init(params), params)
+            jax.tree.map(np.testing.assert_array_equal, updates, ref_updates)

@@ -220,6 +220,7 @@ def test_cli_plan_text_report_and_bad_input(capsys):
     assert "--auto_layout and --devices go with --mode=plan" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_auto_layout_ranks_the_legal_layouts_that_fit(capsys):
     # One layer: every candidate lays out the same tensors as at full depth, compiled faster.
     run_lib.parse_config(["quickstart.gin"], ["transformer.num_layers=1"])

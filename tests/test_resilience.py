@@ -515,7 +515,6 @@ BAD_INPUTS = [
     (["--auto_layout"], "--auto_layout and --devices go with --mode=plan"),
     (["--mode=eval", "--restart"], "--restart goes with --mode=train"),
     (["--mode=plan", "--target=tpu-v9"], "unknown --target 'tpu-v9'"),
-    (["--mode=infer"], "--mode=infer translates, but task 'bible_lm' is a lm task"),
     # data, vocabulary and files that cannot be used
     (["--gin_file=tasks/lm1b.gin", "--data_source=/no/such/raw"], "/no/such/raw"),
     (["--gin_file=tasks/lm1b.gin", "--data_source={tmp}/garbage"], "could not build lm1b:1.1.0 from the raw tree", garbage_lm1b_tree),

@@ -66,6 +66,7 @@ def test_long_lines_are_cut_with_a_warning(lm_dir, tmp_path, capsys):
     assert [r["cut"] for r in rows] == [False, True] and rows[1]["tokens"] == 32
 
 
+@pytest.mark.slow
 def test_translation_scores_the_target_given_the_source(data_dir, tmp_path, capsys):
     files = ("tasks/bible_enfr.gin", "layouts/dp4_mp2.gin")
     model_dir = tmp_path / "enfr"

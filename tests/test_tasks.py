@@ -136,6 +136,7 @@ def test_word_count_is_words_plus_end_of_sentence(lm1b, en_vocab):
     assert evaluation.heldout_statistics(short)["words"] < stats["words"] / 3  # trimmed away
 
 
+@pytest.mark.slow
 def test_cli_trains_lm1b_offline_from_the_shipped_corpus(tmp_path, monkeypatch):
     from mtrain.__main__ import main
 

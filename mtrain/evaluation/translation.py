@@ -30,7 +30,8 @@ from mtrain.data.vocabulary import Vocabulary
 class DecodingConfig:
     """``decoding.beam_size = 4``, ``decoding.alpha = 0.6`` (the paper's setting) in gin.
 
-    `max_decode_length` 0 means the training sequence length; `num_examples` is how many
+    `max_decode_length` 0 means the training sequence length (an LM's: at most that many
+    tokens after the prompt, within it); `num_examples` is how many
     examples of the eval split BLEU is computed on (0: all); `batch_size` how many sentences
     are decoded at once (0: the training batch size; a multiple of the mesh's batch
     dimension).
@@ -41,6 +42,11 @@ class DecodingConfig:
     max_decode_length: int = 0
     num_examples: int = 0
     batch_size: int = 0
+    # Generating from an LM (`generation.Generator`): 0 greedy, else sampled at this
+    # temperature from the top_k most likely tokens (0: all) within top_p of the mass.
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
 
 
 class Translator:
@@ -59,6 +65,10 @@ class Translator:
                                                 (self.batch_size, self.length),
                                                 tensor="decoding.batch_size sentences")
         self.max_decode_length = config.max_decode_length or self.length
+        longest = getattr(trainer.model.config, "max_length", self.max_decode_length)
+        if self.max_decode_length > longest:
+            raise ValueError(f"decoding.max_decode_length={self.max_decode_length} is longer "
+                             f"than transformer.max_length={longest}")
         self.truncated = 0  # how many texts `encode_batch` cut to the sequence length
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._decode = jax.jit(
@@ -74,7 +84,8 @@ class Translator:
             positions = jnp.where(segments > 0, jnp.arange(inputs.shape[1])[None, :], 0)
             encoded = model.apply({"params": params}, inputs, segments, positions,
                                   method=model.encode)
-            cache = self._empty_cache(params, encoded, segments)
+            cache = empty_cache(model, (encoded, segments), encoded.shape[0],
+                                self.max_decode_length)
             if config.beam_size > 1:  # the decoder sees every beam: expand what it closes over
                 encoded, segments = decoding.expand_to_beams((encoded, segments), config.beam_size)
 
@@ -95,15 +106,6 @@ class Translator:
                 tokens_to_logits, cache, self.batch_size, config.beam_size,
                 self.max_decode_length, alpha=config.alpha, eos_id=self.vocab.eos_id)
             return sequences[:, 0]  # the best hypothesis of each sentence
-
-    def _empty_cache(self, params, encoded, segments):
-        """Zeros shaped like the decoder's key/value cache for max_decode_length positions."""
-        model = self.trainer.model
-        ids = jnp.zeros((encoded.shape[0], self.max_decode_length), jnp.int32)
-        shapes = jax.eval_shape(
-            lambda: model.init(jax.random.key(0), encoded, segments, ids,
-                               method=model.decode_step))["cache"]
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
         """[batch_size, length] input ids: EOS appended, trimmed (counted in `truncated`),
@@ -129,3 +131,12 @@ class Translator:
             placed = jax.make_array_from_process_local_data(self.sharding, ids, shape)
             decoded = np.asarray(jax.device_get(self._decode(params, placed)))
             yield [self.vocab.decode(row) for row in decoded[: len(chunk)]]
+
+
+def empty_cache(model, leading: tuple, rows: int, length: int):
+    """Zeros shaped like a model's key/value cache for `rows` sequences of `length`
+    positions: the cache that `decode_step(*leading, ids)` makes with ids [rows, length]."""
+    ids = jnp.zeros((rows, length), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *leading, ids,
+                                               method=model.decode_step))["cache"]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -24,7 +24,7 @@ the [length, memory_length] logits:
 - ``cudnn_segments``: cuDNN's packed-segment layout (a table of each segment's start and
   length; Hopper on, self-attention only), which computes no block outside the segments
   but runs every entry of its table: faster than ``cudnn`` only for rows of a few long
-  examples with a table to match (`_cudnn_segments` has the H100 figures).
+  examples with a table to match (`kernels.cudnn_segments` has the H100 figures).
 
 `flash` picks the kernel (``flash_kernel='auto'``: cudnn on GPU, splash elsewhere) and runs
 it under `jax.shard_map` over the mesh dimensions that split ``batch`` and ``heads``, so a
@@ -66,12 +66,10 @@ from jax.sharding import PartitionSpec as P
 
 from mtrain.parallel import layout as layout_lib
 from mtrain.errors import DataError
-from mtrain.models import base
+from mtrain.models import base, kernels
+from mtrain.models.kernels import CUDNN_MAX_SEGMENTS, NEG_INF, segment_starts
 
-NEG_INF = -1e9
 FLASH_KERNELS = ("auto", "cudnn", "cudnn_segments", "splash", "triton")
-# The default size of cudnn_segments' table: packed examples per row at most.
-CUDNN_MAX_SEGMENTS = 64
 
 
 @flax.struct.dataclass
@@ -94,14 +92,9 @@ class AttentionMask:
     def dense(self) -> jax.Array:
         """[batch, 1, length, memory_length]: the real positions of the query's own segment
         (and with `causal` only those at or before it)."""
-        real = (self.memory > 0)[:, None, :]
         if self.query is None:
-            return real[:, None]
-        mask = (self.query[:, :, None] == self.memory[:, None, :]) & real
-        if self.causal:
-            length, memory_length = self.query.shape[1], self.memory.shape[1]
-            mask &= jnp.arange(length)[:, None] >= jnp.arange(memory_length)[None, :]
-        return mask[:, None]
+            return (self.memory > 0)[:, None, None, :]
+        return kernels.packed_mask(self.query, self.memory, self.causal)
 
     def kernel_query_ids(self) -> jax.Array:
         """The query segment ids given to a flash kernel: padding (0) takes the segment of
@@ -109,18 +102,31 @@ class AttentionMask:
         return jnp.where(self.query == 0, self.memory[:, :1], self.query)
 
 
-def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None):
-    """softmax(q k^T masked) v in float32 logits: q [b, l, h, d], k and v [b, m, h, d];
-    `mask` an `AttentionMask` or a dense boolean [b, 1|h, l, m]; `dropout(weights)` is
-    applied to the attention weights. No 1/sqrt(d) scale (the query initialiser has it)."""
+def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None):
+    """softmax(q k^T + bias, masked) v in float32 logits: q [b, l, h, d], k and v [b, m, g,
+    d] with g key/value heads dividing h (query head i uses key/value head i // (h / g));
+    `mask` an `AttentionMask` or a dense boolean [b, 1|h, l, m]; `bias` (float32, [1|b, h, l,
+    m]) added to the logits; `dropout(weights)` applied to the attention weights. No
+    1/sqrt(d) scale (the query initialiser has it)."""
     dense = mask.dense() if isinstance(mask, AttentionMask) else mask
-    logits = jnp.einsum("blhk,bmhk->bhlm", q, k, preferred_element_type=jnp.float32)
+    (b, length, h, d), g = q.shape, k.shape[2]
+    if g == h:
+        logits = jnp.einsum("blhk,bmhk->bhlm", q, k, preferred_element_type=jnp.float32)
+    else:  # grouped: each key/value head serves h / g query heads, never copied
+        grouped = q.reshape(b, length, g, h // g, d)
+        logits = jnp.einsum("blgrk,bmgk->bgrlm", grouped, k, preferred_element_type=jnp.float32)
+        logits = logits.reshape(b, h, length, k.shape[1])
+    if bias is not None:
+        logits = logits + bias
     logits = jnp.where(dense, logits, NEG_INF)
     logits = layout_lib.constrain(logits, ("batch", "heads", "length", "memory_length"))
     weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
     if dropout is not None:
         weights = dropout(weights)
-    return jnp.einsum("bhlm,bmhk->blhk", weights, v)
+    if g == h:
+        return jnp.einsum("bhlm,bmhk->blhk", weights, v)
+    weights = weights.reshape(b, g, h // g, length, k.shape[1])
+    return jnp.einsum("bgrlm,bmgk->blgrk", weights, v).reshape(b, length, h, d)
 
 
 def default_kernel(backend: str | None = None) -> str:
@@ -133,10 +139,6 @@ def default_kernel(backend: str | None = None) -> str:
 def _compute_capability() -> float:
     """This process's first device's CUDA compute capability (0 off NVIDIA GPUs)."""
     return float(getattr(jax.devices()[0], "compute_capability", "0"))
-
-
-def _needs_a_gpu(kernel: str) -> str:
-    return f"flash_kernel={kernel!r} needs a GPU; use 'splash' or 'auto' here"
 
 
 def _tokamax_missing() -> bool:
@@ -153,10 +155,10 @@ def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
     packed layout from Hopper on; for another backend (a plan for a GPU target, made on a
     CPU), the lower limit."""
     kernel = kernel if kernel != "auto" else default_kernel(backend)
-    if kernel not in GPU_KERNELS:
+    if kernel not in kernels.GPU_KERNELS:
         return None
     if backend != "gpu":
-        return _needs_a_gpu(kernel)
+        return kernels.needs_a_gpu(kernel)
     if kernel == "triton":
         return ("flash_kernel='triton' needs tokamax: pip install 'mtrain[gpu]'"
                 if _tokamax_missing() else None)
@@ -191,11 +193,11 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
         if (kernel == "cudnn" and mask.self_attention and packing is not None
                 and packing <= AUTO_TABLE_LIMIT):
             kernel, max_segments = "cudnn_segments", packing
-    if kernel not in KERNELS:
+    if kernel not in kernels.KERNELS:
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
     if kernel == "cudnn_segments" and not mask.self_attention:
         kernel = "cudnn"  # (the packed layout is self-attention's)
-    fn = functools.partial(KERNELS[kernel], causal=mask.causal)
+    fn = functools.partial(kernels.KERNELS[kernel], causal=mask.causal)
     if kernel == "cudnn_segments":
         fn = functools.partial(fn, max_segments=max_segments)
     # cudnn_segments leaves padding (segment 0) out of every segment.
@@ -206,7 +208,11 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
 def _sharded(fn, q, k, v, query_ids, memory_ids):
     """fn(q, k, v, query_ids, memory_ids) under `jax.shard_map` over the mesh axes that
     split ``batch`` and ``heads`` in the active layout (inside a replica, over the axes not
-    already manual); called directly when no layout is active or nothing is split."""
+    already manual); called directly when no layout is active or nothing is split.
+
+    Grouped key/value heads (fewer than the query heads, on ``kv_heads``) go in split as
+    ``kv_heads`` is; where that is not as ``heads`` is, each shard cuts the key/value heads
+    its query heads use out of the whole ones (`_kv_heads_of_shard`)."""
     active = layout_lib.active()
     if active is None:
         return fn(q, k, v, query_ids, memory_ids)
@@ -215,128 +221,46 @@ def _sharded(fn, q, k, v, query_ids, memory_ids):
     manual = set(context.manual_axes) if not context.empty else set()
     if manual:
         mesh = context
-    batch, heads = (layout.mesh_dim_for(n) for n in ("batch", "heads"))
-    batch, heads = (None if a in manual else a for a in (batch, heads))
+    batch, heads, kv_heads = (layout.mesh_dim_for(n) for n in ("batch", "heads", "kv_heads"))
+    batch, heads, kv_heads = (None if a in manual else a for a in (batch, heads, kv_heads))
+    if k.shape[2] == q.shape[2]:
+        kv_heads = heads  # (full multi-head attention: keys and values on ``heads``)
     if batch is None and heads is None:
         return fn(q, k, v, query_ids, memory_ids)
     qkv, ids = P(batch, None, heads, None), P(batch, None)
+    if kv_heads == heads:
+        kv, local = qkv, fn
+    else:
+        kv = P(batch, None, None, None)
+
+        def local(q, k, v, query_ids, memory_ids):
+            k, v = _kv_heads_of_shard(q.shape[2], k, v, heads)
+            return fn(q, k, v, query_ids, memory_ids)
+
     free = frozenset(mesh.axis_names) - manual
-    return jax.shard_map(fn, mesh=mesh, in_specs=(qkv, qkv, qkv, ids, ids), out_specs=qkv,
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, kv, kv, ids, ids), out_specs=qkv,
                          axis_names=free, check_vma=False)(q, k, v, query_ids, memory_ids)
 
 
-def _block(n: int, largest: int = 512) -> int:
-    """A kernel block size for a sequence of `n`: the largest of 512, 256, 128 (at most
-    `largest`) dividing it, else `n` itself (short or odd lengths: one block)."""
-    return next((b for b in (512, 256, 128) if b <= largest and n % b == 0), n)
-
-
-def _pad(q, k, v, query_ids, memory_ids, multiple: int):
-    """Pads the sequences to multiples of `multiple` for a blocked kernel. Padded keys get
-    segment -1, which no real query has; padded queries get -1 too when there are padded
-    keys to see, else the segment of memory position 0 (no empty rows either way)."""
-    pad_q, pad_m = -q.shape[1] % multiple, -k.shape[1] % multiple
-    if not (pad_q or pad_m):
-        return q, k, v, query_ids, memory_ids
-    widen = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))  # noqa: E731
-    fill = jnp.full_like(memory_ids[:, :1], -1) if pad_m else memory_ids[:, :1]
-    query_ids = jnp.concatenate([query_ids, jnp.broadcast_to(fill, (q.shape[0], pad_q))], 1)
-    memory_ids = jnp.pad(memory_ids, ((0, 0), (0, pad_m)), constant_values=-1)
-    return widen(q, pad_q), widen(k, pad_m), widen(v, pad_m), query_ids, memory_ids
-
-
-def _splash(q, k, v, query_ids, memory_ids, causal):
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    length = q.shape[1]
-    q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 128)  # its lanes
-    heads, shape = q.shape[2], (q.shape[1], k.shape[1])
-    one = splash.CausalMask(shape) if causal else splash.FullMask(shape)
-    bq, bkv = _block(shape[0]), _block(shape[1])
-    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
-                              block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
-                              block_q_dq=bq, block_kv_dq=bkv)
-    kernel = splash.make_splash_mha(
-        splash.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-        interpret=jax.default_backend() != "tpu")
-
-    def one_row(q, k, v, qs, ks):  # [l, h, d] -> the kernel's [h, l, d]
-        out = kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),
-                     segment_ids=splash.SegmentIds(q=qs, kv=ks))
-        return out.swapaxes(0, 1)
-
-    return jax.vmap(one_row)(q, k, v, query_ids, memory_ids)[:, :length]
-
-
-def _triton(q, k, v, query_ids, memory_ids, causal):
-    """tokamax's Triton kernel given the packed mask (as `_cudnn`); with `causal` it also
-    skips the blocks above the diagonal."""
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"transformer.{_needs_a_gpu('triton')}")
-    import tokamax
-
-    mask = AttentionMask(query_ids, memory_ids, causal).dense()
-    return tokamax.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
-                                         implementation="triton")
-
-
-def _cudnn(q, k, v, query_ids, memory_ids, causal):
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"transformer.{_needs_a_gpu('cudnn')}")
-    length = q.shape[1]
-    # cuDNN takes a mask (as a bias) in training only over even lengths.
-    q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)
-    mask = AttentionMask(query_ids, memory_ids, causal).dense()
-    # is_causal as well: cuDNN then skips the blocks above the diagonal.
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
-                                        implementation="cudnn")[:, :length]
-
-
-def segment_starts(ids, xp=jnp):
-    """Where a segment of `ids` [batch, length] starts (an id > 0 unlike the one before it),
-    by `xp` (jax.numpy in the step, numpy on the host)."""
-    return (ids > 0) & (ids != xp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-
-
-def segment_layout(ids, max_segments: int):
-    """cuDNN's packed layout of the segments of `ids` [batch, length] (each a run of equal
-    ids > 0, as packing makes them): the length of each [batch, max_segments] and its start
-    [batch, max_segments + 1], -1 after a row's last (the `q_seqlen` and `q_offsets` of jax's
-    `fused_attention_stablehlo.dot_product_attention`); and the most segments of any row,
-    which may exceed `max_segments` (the table then holds only the first ones)."""
-    starts = segment_starts(ids, jnp)
-    ends = (ids > 0) & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
-    first = jax.vmap(lambda row, size: jnp.nonzero(row, size=size, fill_value=-1)[0],
-                     in_axes=(0, None))
-    offsets = first(starts, max_segments + 1).astype(jnp.int32)
-    lengths = jnp.where(offsets[:, :-1] >= 0,
-                        first(ends, max_segments) - offsets[:, :-1] + 1, -1).astype(jnp.int32)
-    return lengths, offsets, starts.sum(axis=1).max()
-
-
-def _cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_MAX_SEGMENTS):
-    """Self-attention by cuDNN's packed-segment layout: each segment attends within itself
-    (causally or not), and no block outside the segments is computed. The table holds
-    `max_segments` entries per row and cuDNN runs every entry, empty or not: on an H100
-    (16 x 2048, 16 heads x 128, forward + backward) 2.2 ms with a table of 4, 5.4 ms of 64,
-    15 ms of 256, where the masked kernel takes 4.7 ms however the rows are packed. So it
-    pays only for rows of a few long examples, with a table to match. A row of more
-    segments than the table cannot be computed: its outputs are NaN (`check_batch` refuses
-    such a batch first). cuDNN writes nothing at padding positions: their outputs
-    are set to 0, and no gradient leaves them."""
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"transformer.{_needs_a_gpu('cudnn_segments')}")
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # no public API for it
-
-    del memory_ids  # the same as query_ids for self-attention (checked by `flash`)
-    real = (query_ids > 0)[:, :, None, None]
-    q, k, v = (jnp.where(real, x, jax.lax.stop_gradient(x)) for x in (q, k, v))
-    lengths, offsets, most = segment_layout(query_ids, max_segments)
-    mode = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    out = cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
-                                      q_offsets=offsets, kv_offsets=offsets, scale=1.0,
-                                      mask_type=mode)
-    return jnp.where(real & (most <= max_segments), out, jnp.where(real, jnp.nan, 0))
+def _kv_heads_of_shard(local_heads: int, k, v, heads_axis: str | None):
+    """The key/value heads [b, m, g', d] that this shard's `local_heads` query heads use,
+    out of all g: a slice where the shard holds whole groups of query heads or part of one
+    (the usual case); else, the heads repeated per query head (a copy, in this shard only)."""
+    g = k.shape[2]
+    if heads_axis is None:
+        return k, v
+    index = jax.lax.axis_index(heads_axis)
+    per_group = local_heads * jax.lax.axis_size(heads_axis) // g  # query heads per kv head
+    first = index * local_heads // per_group
+    if local_heads % per_group == 0:
+        count = local_heads // per_group
+    elif per_group % local_heads == 0:
+        count = 1
+    else:
+        which = (index * local_heads + jnp.arange(local_heads)) // per_group
+        return jnp.take(k, which, axis=2), jnp.take(v, which, axis=2)
+    return (jax.lax.dynamic_slice_in_dim(k, first, count, 2),
+            jax.lax.dynamic_slice_in_dim(v, first, count, 2))
 
 
 # The largest table 'auto' gives cudnn_segments; a batch whose rows need more runs the masked
@@ -379,8 +303,4 @@ def check_batch(config, batch: dict) -> None:
                             f"transformer.flash_max_segments={table}: raise it, or use "
                             f"flash_kernel 'cudnn'")
 
-
-KERNELS = {"splash": _splash, "triton": _triton, "cudnn": _cudnn,
-           "cudnn_segments": _cudnn_segments}
-GPU_KERNELS = ("cudnn", "cudnn_segments", "triton")
 

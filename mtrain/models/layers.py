@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from mtrain.parallel.layout import constrain, use_parameter
 from mtrain.models import attention
+from mtrain.models import positions as positions_lib
 
 Dtype = Any
 
@@ -51,23 +52,43 @@ class RMSNorm(nn.Module):
         return (y * scale).astype(self.dtype)
 
 
+# The feed-forward activations by name (T5X's and Mesh-TF's spelling); 'gelu' is the tanh
+# approximation, as T5 trains with.
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "linear": lambda x: x,
+}
+
+
 class DenseReluDense(nn.Module):
-    """d_model -> d_ff (ReLU, dropout) -> d_model, as Mesh-TF's `dense_relu_dense`."""
+    """The feed-forward layer: d_model -> d_ff -> d_model, Mesh-TF's `dense_relu_dense`.
+
+    With one activation (default ``('relu',)``) one input projection ``wi``; with several
+    (``('gelu', 'linear')``: GeGLU, ``('silu', 'linear')``: SwiGLU) one projection ``wi_<i>``
+    per activation, their activations multiplied elementwise, as T5X's `MlpBlock`. Then
+    dropout and the output projection ``wo``."""
 
     d_ff: int
     dropout_rate: float = 0.0
     dtype: Dtype = jnp.float32
+    activations: tuple[str, ...] = ("relu",)
 
     @nn.compact
     def __call__(self, x, deterministic: bool):
         d_model = x.shape[-1]
         dt = self.dtype
-        wi = param(self, "wi", normal(d_model**-0.5), (d_model, self.d_ff), ("d_model", "d_ff"),
-                   dt)
+        h = None
+        for i, name in enumerate(self.activations):
+            wi = param(self, "wi" if len(self.activations) == 1 else f"wi_{i}",
+                       normal(d_model**-0.5), (d_model, self.d_ff), ("d_model", "d_ff"), dt)
+            a = ACTIVATIONS[name](jnp.einsum("bld,df->blf", x, wi))
+            h = a if h is None else h * a
+        h = constrain(h, ("batch", "length", "d_ff"))
         wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"),
                    dt)
-        h = jnp.einsum("bld,df->blf", x, wi)
-        h = constrain(jax.nn.relu(h), ("batch", "length", "d_ff"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         y = jnp.einsum("blf,fd->bld", h, wo)
         return constrain(y, ("batch", "length", "d_model"))
@@ -94,9 +115,18 @@ class MultiHeadAttention(nn.Module):
 
     Incremental decoding (`decode_index` given, self-attention only): `x` is one position
     [batch, 1, d_model]; its key and value are written at `decode_index` into the "cache"
-    collection (``cached_key``/``cached_value`` [batch, max_length, heads, d_kv], made by an
-    `init` with the full decoding length), and the query attends to the cached positions
+    collection (``cached_key``/``cached_value`` [batch, max_length, kv heads, d_kv], made by
+    an `init` with the full decoding length), and the query attends to the cached positions
     <= `decode_index` by the einsum path. `mask` is then ignored.
+
+    `num_kv_heads` key/value heads (0: `num_heads`): fewer is grouped-query attention (1:
+    multi-query), each key/value head serving num_heads / num_kv_heads query heads; their
+    parameters and activations then lie on ``kv_heads`` (with as many as the queries, on
+    ``heads``: the full multi-head attention of the 2018 Transformer, laid out as before).
+    `rotary_max_wavelength` (self-attention): RoPE on queries and keys at `positions`
+    [batch, length] (the decoding step's, while decoding; the cache holds rotated keys).
+    `bias` [1|batch, heads, length, memory_length] (float32) is added to the logits: T5's
+    relative position bias, which no flash kernel takes ('auto' then runs einsum).
     """
 
     num_heads: int
@@ -106,37 +136,49 @@ class MultiHeadAttention(nn.Module):
     implementation: str = "einsum"
     flash_kernel: str = "auto"
     flash_max_segments: int = attention.CUDNN_MAX_SEGMENTS
+    num_kv_heads: int = 0
+    rotary_max_wavelength: float | None = None
 
-    def _path(self, deterministic: bool, single_query: bool = False) -> str:
+    def _path(self, deterministic: bool, single_query: bool = False,
+              bias: bool = False) -> str:
         """'einsum', 'dot_product' or 'flash' for this call (`single_query`: a decoding
-        step's)."""
+        step's; `bias`: with an additive bias)."""
         use = self.implementation
         if use == "auto":
-            use = "flash" if attention.uses_flash(use, self.flash_kernel, jax.default_backend(),
-                                                  self.dtype, self.d_kv) else "einsum"
+            use = "flash" if not bias and attention.uses_flash(
+                use, self.flash_kernel, jax.default_backend(), self.dtype, self.d_kv) else "einsum"
         if single_query or (self.dropout_rate > 0.0 and not deterministic):
             return "einsum"
         return use
 
     @nn.compact
     def __call__(self, x, memory, mask: attention.AttentionMask, deterministic: bool,
-                 decode_index=None):
+                 decode_index=None, positions=None, bias=None):
         d_model = x.shape[-1]
         h, k = self.num_heads, self.d_kv
-        qkv_names, dt = ("d_model", "heads", "d_kv"), self.dtype
-        wq = param(self, "q", normal((d_model * k) ** -0.5), (d_model, h, k), qkv_names, dt)
-        wk = param(self, "k", normal(d_model**-0.5), (d_model, h, k), qkv_names, dt)
-        wv = param(self, "v", normal(d_model**-0.5), (d_model, h, k), qkv_names, dt)
+        g = self.num_kv_heads or h
+        kv_heads = "heads" if g == h else "kv_heads"
+        dt = self.dtype
+        wq = param(self, "q", normal((d_model * k) ** -0.5), (d_model, h, k),
+                   ("d_model", "heads", "d_kv"), dt)
+        kv_weights = ("d_model", kv_heads, "d_kv")
+        wk = param(self, "k", normal(d_model**-0.5), (d_model, g, k), kv_weights, dt)
+        wv = param(self, "v", normal(d_model**-0.5), (d_model, g, k), kv_weights, dt)
         wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model),
                    ("heads", "d_kv", "d_model"), dt)
         q = constrain(jnp.einsum("bld,dhk->blhk", x, wq), ("batch", "length", "heads", "d_kv"))
-        kv_names = ("batch", "memory_length", "heads", "d_kv")
+        kv_names = ("batch", "memory_length", kv_heads, "d_kv")
         key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk), kv_names)
         value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv), kv_names)
+        if self.rotary_max_wavelength is not None:
+            q = positions_lib.rotate(q, positions, self.rotary_max_wavelength)
+            key = positions_lib.rotate(key, positions, self.rotary_max_wavelength)
         single_query = decode_index is not None or mask.query is None
         if decode_index is not None:
             key, value, mask = self._cached(key, value, decode_index)
-        path = self._path(deterministic, single_query)
+            if bias is not None:  # (made for max_length positions: cut to the cache's)
+                bias = bias[..., :key.shape[1]]
+        path = self._path(deterministic, single_query, bias is not None)
         if path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments)
@@ -144,11 +186,12 @@ class MultiHeadAttention(nn.Module):
             dense = mask.dense()
             out = jax.nn.dot_product_attention(
                 q, key, value, mask=jnp.broadcast_to(dense, (q.shape[0], h, *dense.shape[2:])),
+                bias=None if bias is None else bias.astype(q.dtype),
                 scale=1.0)  # the query initialiser absorbs 1/sqrt(d_kv)
         else:
             drop = nn.Dropout(self.dropout_rate)
             out = attention.reference(q, key, value, mask,
-                                      lambda w: drop(w, deterministic=deterministic))
+                                      lambda w: drop(w, deterministic=deterministic), bias)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = jnp.einsum("blhk,hkd->bld", out, wo)
         return constrain(y, ("batch", "length", "d_model"))

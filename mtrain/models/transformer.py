@@ -7,6 +7,11 @@ dropout on its residual branch -> final RMSNorm -> dropout -> softmax (unshared 
 `shared_embedding_and_softmax=True` reuses the embedding table). Attention respects packed
 segments; decoder self-attention is causal.
 
+The blocks of later models are settings of the same two (`TransformerConfig`): gated
+feed-forward layers (`mlp_activations`), rotary positions or T5's relative position bias in
+place of the position tables (`position_encoding`, `positions.py`), and grouped-query or
+multi-query attention (`num_kv_heads`).
+
 A model's `features` say which packed features its `__call__` takes: for each, the tokens,
 segment ids and positions, in that order.
 """
@@ -20,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.parallel.layout import constrain
-from mtrain.models import attention, layers
+from mtrain.models import attention, counts, layers
+from mtrain.models import positions as positions_lib
+from mtrain.models.blocks import REMAT_POLICIES, block_class, layer_stack, run_layers, scanned_blocks
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
 
@@ -53,12 +60,46 @@ class TransformerConfig:
     flash_kernel: str = "auto"
     # cudnn_segments' table: packed examples per row at most.
     flash_max_segments: int = CUDNN_MAX_SEGMENTS
+    # The feed-forward layer's activations: ('relu',) one input projection; several
+    # (('gelu', 'linear'): GeGLU as T5.1.1, ('silu', 'linear'): SwiGLU as Llama) one
+    # projection each, multiplied (`layers.ACTIVATIONS` has the names).
+    mlp_activations: tuple[str, ...] = shape_field(("relu",))
+    # 'learned' (a position table per stack), 'rotary' (RoPE on queries and keys) or
+    # 'relative_bias' (T5's bucketed relative position bias, a table per stack).
+    position_encoding: str = shape_field("learned")
+    rotary_max_wavelength: float = 10_000.0
+    relative_num_buckets: int = shape_field(32)
+    relative_max_distance: int = 128
+    # Key/value heads: 0 (default) as many as num_heads; 1 multi-query; between,
+    # grouped-query attention (it divides num_heads). Fewer than num_heads lie on a
+    # dimension of their own, ``kv_heads``, for the layout rules.
+    num_kv_heads: int = shape_field(0)
 
     @property
     def dtype(self):
         return jnp.dtype(self.activation_dtype)
 
     def __post_init__(self):
+        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+        if not self.num_kv_heads:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"transformer.num_kv_heads={self.num_kv_heads} must divide "
+                             f"transformer.num_heads={self.num_heads}")
+        unknown = [a for a in self.mlp_activations if a not in layers.ACTIVATIONS]
+        if unknown or not self.mlp_activations:
+            raise ValueError(f"transformer.mlp_activations: {unknown or 'none given'}; the "
+                             f"names are {', '.join(layers.ACTIVATIONS)}")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(f"transformer.position_encoding must be one of "
+                             f"{', '.join(POSITION_ENCODINGS)}, got {self.position_encoding!r}")
+        if self.position_encoding == "rotary" and self.d_kv % 2:
+            raise ValueError(f"transformer.position_encoding='rotary' rotates pairs: d_kv "
+                             f"must be even, got {self.d_kv}")
+        if self.position_encoding == "relative_bias" and self.attention == "flash":
+            raise ValueError("transformer.position_encoding='relative_bias' adds a bias no "
+                             "flash kernel here takes: use attention 'auto', 'einsum' or "
+                             "'dot_product'")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"transformer.remat_policy must be one of {sorted(REMAT_POLICIES)}, "
                              f"got {self.remat_policy!r}")
@@ -84,96 +125,7 @@ class TransformerConfig:
                              "flash attention where it can run, einsum elsewhere)")
 
 
-# What a rematerialised layer keeps for the backward pass; the rest is recomputed.
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-}
-
-
-class Block(nn.Module):
-    """x + dropout(self_attention(norm(x))), [x + dropout(encoder_decoder_attention(norm(x),
-    memory))], x + dropout(ffn(norm(x))): a layer of the LM, the encoder or the decoder."""
-
-    config: TransformerConfig
-    cross_attention: bool = False
-
-    @nn.compact
-    def __call__(self, x, mask, deterministic: bool, memory=None, memory_mask=None,
-                 decode_index=None):
-        c = self.config
-        drop = nn.Dropout(c.dropout_rate)
-
-        def attend(name):
-            return layers.MultiHeadAttention(c.num_heads, c.d_kv, c.dropout_rate, c.dtype,
-                                             c.attention, c.flash_kernel,
-                                             c.flash_max_segments, name=name)
-
-        y = layers.RMSNorm(dtype=c.dtype, name="attention_norm")(x)
-        y = attend("self_attention")(y, y, mask, deterministic, decode_index)
-        x = x + drop(y, deterministic=deterministic)
-        if self.cross_attention:
-            y = layers.RMSNorm(dtype=c.dtype, name="encoder_decoder_attention_norm")(x)
-            y = attend("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
-            x = x + drop(y, deterministic=deterministic)
-        y = layers.RMSNorm(dtype=c.dtype, name="mlp_norm")(x)
-        y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, name="mlp")(y, deterministic)
-        x = x + drop(y, deterministic=deterministic)
-        return constrain(x, ("batch", "length", "d_model"))
-
-
-class ScannedBlock(Block):
-    """A Block as the body of `nn.scan`: (carry, per-layer output)."""
-
-    @nn.compact
-    def __call__(self, x, mask, deterministic: bool, memory=None, memory_mask=None,
-                 decode_index=None):
-        return super().__call__(x, mask, deterministic, memory, memory_mask, decode_index), None
-
-
-def block_class(c: TransformerConfig, scanned: bool = False):
-    """Block (or ScannedBlock), rematerialised by `c.remat_policy`."""
-    cls = ScannedBlock if scanned else Block
-    if c.remat_policy == "none":
-        return cls
-    # deterministic (argument 3, counting self) is a Python bool: static.
-    return nn.remat(cls, policy=REMAT_POLICIES[c.remat_policy], static_argnums=(3,))
-
-
-def scanned_blocks(c: TransformerConfig, num_layers: int, cross_attention: bool = False,
-                   **kwargs):
-    """One (remat) Block scanned `num_layers` times; run it with `run_layers`.
-
-    Its parameters are stacked on a leading ``layers`` dimension (a logical axis that the
-    layout leaves whole). Its decoding cache is stacked on axis 1, after the rows: beam search
-    reorders every cache leaf along axis 0. Every argument after `x` (masks, `deterministic`,
-    memory, `decode_index`) is the same for all layers.
-    """
-    scan = nn.scan(block_class(c, scanned=True), variable_axes={"params": 0, "cache": 1},
-                   split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
-                   length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-    return scan(c, cross_attention, **kwargs)
-
-
-def run_layers(stack, x, *args):
-    """x through a sequence of Blocks, or through `scanned_blocks`."""
-    if isinstance(stack, nn.Module):
-        return stack(x, *args)[0]
-    for layer in stack:
-        x = layer(x, *args)
-    return x
-
-
-def layer_stack(c: TransformerConfig, x, mask, deterministic: bool):
-    """The decoder-only LM's layers: `num_layers` Blocks ``layer_{i}``, or with `scan_layers`
-    one Block ``layers`` scanned over a stacked ``layers`` parameter dimension."""
-    if c.scan_layers:
-        stack = scanned_blocks(c, c.num_layers, name="layers")
-    else:
-        stack = [block_class(c)(c, name=f"layer_{i}") for i in range(c.num_layers)]
-    return run_layers(stack, x, mask, deterministic)
-
+POSITION_ENCODINGS = ("learned", "rotary", "relative_bias")
 
 def _softmax_table(module: nn.Module, c: TransformerConfig):
     """The softmax weights [d_model, vocab] in the compute dtype (cast on their shards, as
@@ -202,29 +154,6 @@ def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x, return_hidden
     return constrain(logits, ("batch", "length", "vocab"))
 
 
-def _layer_parameters(c: TransformerConfig, encoder_layers: int, decoder_layers: int) -> int:
-    """Matmul parameters of the layer stacks: an encoder (or LM) layer has attention (4 d h
-    d_kv) and a feed-forward block (2 d d_ff); a decoder layer two attentions."""
-    attention, ffn = 4 * c.d_model * c.num_heads * c.d_kv, 2 * c.d_model * c.d_ff
-    return encoder_layers * (attention + ffn) + decoder_layers * (2 * attention + ffn)
-
-
-def _analytic_flops(c: TransformerConfig, layer_parameters: int, attention_layers: int,
-                    batch_size: int, length: int) -> float:
-    """6 x matmul parameters x tokens (forward 2, backward 4) plus attention's scores and
-    weighted sums, 12 x length x heads x d_kv per token and layer of attention. The
-    embedding lookup is no matmul; the softmax is (shared or not)."""
-    tokens = batch_size * length
-    matmul = layer_parameters + c.vocab_size * c.d_model
-    scores = 12 * length * c.num_heads * c.d_kv * tokens
-    return 6 * matmul * tokens + attention_layers * scores
-
-
-def _tables(c: TransformerConfig) -> int:
-    """The embedding and softmax tables as the paper counts them (no position tables)."""
-    return (1 if c.shared_embedding_and_softmax else 2) * c.vocab_size * c.d_model
-
-
 class _PackingAware:
     """The optional model contract of `base` for the transformers: their attention's kernel
     on a Hopper GPU wants each batch's packing, and 'cudnn_segments' refuses a batch with a
@@ -240,38 +169,76 @@ class _PackingAware:
 
 class DecoderLM(_PackingAware, nn.Module):
     """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]
-    (with `return_hidden`: the final hidden states and the output kernel, see `_logits`)."""
+    (with `return_hidden`: the final hidden states and the output kernel, see `_logits`).
+    `decode_step(ids)` continues a sequence one token at a time with a key/value cache (the
+    "cache" collection, as `EncoderDecoder.decode_step`)."""
 
     config: TransformerConfig
     features = ("targets",)  # the packed features __call__ takes, in order
 
     def analytic_parameters(self) -> int:
-        """layers (4 d h d_kv + 2 d d_ff) + 2 V d (V d with a shared softmax)."""
-        return _layer_parameters(self.config, self.config.num_layers, 0) + _tables(self.config)
+        """layers (attention 4 d h d_kv + feed-forward 2 d d_ff, with all heads and one
+        activation; see `counts.layer_parameters`) + 2 V d (V d with a shared softmax)."""
+        return counts.layer_parameters(self.config, self.config.num_layers, 0) + counts.tables(self.config)
 
     def analytic_flops(self, batch_size: int, length: int) -> float:
         c = self.config
-        return _analytic_flops(c, _layer_parameters(c, c.num_layers, 0), c.num_layers,
-                               batch_size, length)
+        return counts.analytic_flops(c, counts.layer_parameters(c, c.num_layers, 0), c.num_layers,
+                               batch_size, length, c.num_layers)
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, decode: bool = False):
         c = self.config
-        inputs = layers.shift_right(targets, segment_ids)
+        decode_index = mask = None
+        if decode:  # `targets` are the tokens to feed, the index says where (decode_step)
+            decode_index = DecodeIndex(name="decode_index")()
+            inputs = targets
+            positions = decode_index + jnp.broadcast_to(jnp.arange(targets.shape[1]),
+                                                        targets.shape)
+        else:
+            inputs = layers.shift_right(targets, segment_ids)
+            mask = attention.AttentionMask.of_self(segment_ids, causal=True)
         embed = layers.Embed(c.vocab_size, c.d_model, c.dtype, name="token_embedding")
-        pos_table = layers.param(
-            self, "position_embedding", layers.normal(1.0), (c.max_length, c.d_model),
-            ("length", "d_model"),
-        )
-        x = embed(inputs) + jnp.take(pos_table, positions, axis=0).astype(c.dtype)
+        x = embed(inputs)
+        if c.position_encoding == "learned":
+            pos_table = layers.param(
+                self, "position_embedding", layers.normal(1.0), (c.max_length, c.d_model),
+                ("length", "d_model"),
+            )
+            x = x + jnp.take(pos_table, positions, axis=0).astype(c.dtype)
         x = constrain(x, ("batch", "length", "d_model"))
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        mask = attention.AttentionMask.of_self(segment_ids, causal=True)
-        x = layer_stack(c, x, mask, deterministic)
+        bias = None
+        if c.position_encoding == "relative_bias":
+            bias = _relative_bias(c, _relative_bias_table(c, False, "relative_bias"),
+                                  inputs.shape[1], decode_index)
+        x = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
         x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         return _logits(c, embed, _softmax_table(self, c), x, return_hidden)
+
+    def decode_step(self, ids):
+        """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token; 0 first),
+        as `EncoderDecoder.decode_step`: the cache is made by `init` of this method with
+        `ids` [n, max_length]."""
+        return self(ids, None, None, deterministic=True, decode=True)[:, -1]
+
+
+def _relative_bias(c: TransformerConfig, module: positions_lib.RelativeBias, length: int,
+                   decode_index=None):
+    """A stack's relative position bias [1, heads, length, memory_length] from `module`, for
+    `length` queries: over themselves, or while decoding (from `decode_index` on) over every
+    position up to max_length (the attention cuts it to its cache)."""
+    queries = jnp.arange(length)
+    if decode_index is None:
+        return module(queries, queries)
+    return module(decode_index + queries, jnp.arange(c.max_length))
+
+
+def _relative_bias_table(c: TransformerConfig, bidirectional: bool, name: str | None = None):
+    return positions_lib.RelativeBias(c.num_heads, c.relative_num_buckets,
+                                      c.relative_max_distance, bidirectional, name=name)
 
 
 class DecodeIndex(nn.Module):
@@ -321,21 +288,25 @@ class EncoderDecoder(_PackingAware, nn.Module):
     def analytic_parameters(self) -> int:
         """encoder layers (4 d h d_kv + 2 d d_ff) + decoder layers (8 d h d_kv + 2 d d_ff) +
         2 V d: one embedding for inputs and targets, one softmax (V d less when shared)."""
-        return _layer_parameters(self.config, *self._stacks()) + _tables(self.config)
+        return counts.layer_parameters(self.config, *self._stacks()) + counts.tables(self.config)
 
     def analytic_flops(self, batch_size: int, length: int) -> float:
         encoder, decoder = self._stacks()
-        return _analytic_flops(self.config, _layer_parameters(self.config, encoder, decoder),
-                               encoder + 2 * decoder, batch_size, length)
+        return counts.analytic_flops(self.config, counts.layer_parameters(self.config, encoder, decoder),
+                               encoder + 2 * decoder, batch_size, length, encoder + decoder)
 
     def setup(self):
         c = self.config
         self.embed = layers.Embed(c.vocab_size, c.d_model, c.dtype)
-        names = ("length", "d_model")
-        self.encoder_positions = layers.param(self, "encoder_position_embedding",
-                                              layers.normal(1.0), (c.max_length, c.d_model), names)
-        self.decoder_positions = layers.param(self, "decoder_position_embedding",
-                                              layers.normal(1.0), (c.max_length, c.d_model), names)
+        self.encoder_positions = self.decoder_positions = None
+        if c.position_encoding == "learned":
+            names = ("length", "d_model")
+            self.encoder_positions = layers.param(
+                self, "encoder_position_embedding", layers.normal(1.0),
+                (c.max_length, c.d_model), names)
+            self.decoder_positions = layers.param(
+                self, "decoder_position_embedding", layers.normal(1.0),
+                (c.max_length, c.d_model), names)
         encoder_layers = c.num_encoder_layers or c.num_layers
         if c.scan_layers:
             self.encoder = scanned_blocks(c, encoder_layers)
@@ -348,23 +319,36 @@ class EncoderDecoder(_PackingAware, nn.Module):
         self.dropout = nn.Dropout(c.dropout_rate)
         self.softmax = _softmax_table(self, c)
         self.decode_index = DecodeIndex()
+        if c.position_encoding == "relative_bias":
+            self.encoder_relative_bias = _relative_bias_table(c, bidirectional=True)
+            self.decoder_relative_bias = _relative_bias_table(c, bidirectional=False)
 
     def _embed(self, ids, table, positions, deterministic):
-        x = self.embed(ids) + jnp.take(table, positions, axis=0).astype(self.config.dtype)
+        x = self.embed(ids)
+        if table is not None:
+            x = x + jnp.take(table, positions, axis=0).astype(self.config.dtype)
         x = constrain(x, ("batch", "length", "d_model"))
         return self.dropout(x, deterministic=deterministic)
+
+    def _bias(self, stack: str, length: int, decode_index=None):
+        if self.config.position_encoding != "relative_bias":
+            return None
+        module = self.encoder_relative_bias if stack == "encoder" else self.decoder_relative_bias
+        return _relative_bias(self.config, module, length, decode_index)
 
     def encode(self, inputs, inputs_segment_ids, inputs_positions, deterministic: bool = True):
         """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
         x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
         mask = attention.AttentionMask.of_self(inputs_segment_ids, causal=False)
-        x = run_layers(self.encoder, x, mask, deterministic)
+        x = run_layers(self.encoder, x, mask, deterministic, None, None, None, inputs_positions,
+                       self._bias("encoder", inputs.shape[1]))
         x = self.dropout(self.encoder_norm(x), deterministic=deterministic)
         return constrain(x, ("batch", "memory_length", "d_model"))
 
-    def _decoder_stack(self, x, mask, encoded, memory_mask, deterministic, decode_index=None,
-                       return_hidden=False):
-        x = run_layers(self.decoder, x, mask, deterministic, encoded, memory_mask, decode_index)
+    def _decoder_stack(self, x, mask, encoded, memory_mask, deterministic, positions,
+                       decode_index=None, return_hidden=False):
+        x = run_layers(self.decoder, x, mask, deterministic, encoded, memory_mask, decode_index,
+                       positions, self._bias("decoder", x.shape[1], decode_index))
         x = self.dropout(self.decoder_norm(x), deterministic=deterministic)
         return _logits(self.config, self.embed, self.softmax, x, return_hidden)
 
@@ -377,7 +361,7 @@ class EncoderDecoder(_PackingAware, nn.Module):
         mask = attention.AttentionMask.of_self(targets_segment_ids, causal=True)
         memory_mask = attention.AttentionMask(targets_segment_ids, inputs_segment_ids)
         return self._decoder_stack(x, mask, encoded, memory_mask, deterministic,
-                                   return_hidden=return_hidden)
+                                   targets_positions, return_hidden=return_hidden)
 
     def decode_step(self, encoded, inputs_segment_ids, ids):
         """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token; 0 first).
@@ -387,8 +371,9 @@ class EncoderDecoder(_PackingAware, nn.Module):
         that call only creates the cache, with room for max_length positions.
         """
         i = self.decode_index()
-        positions = i + jnp.arange(ids.shape[1])[None, :]
+        positions = i + jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         x = self._embed(ids, self.decoder_positions, positions, deterministic=True)
         memory_mask = attention.AttentionMask(None, inputs_segment_ids)
-        logits = self._decoder_stack(x, None, encoded, memory_mask, True, decode_index=i)
+        logits = self._decoder_stack(x, None, encoded, memory_mask, True, positions,
+                                     decode_index=i)
         return logits[:, -1]

@@ -18,6 +18,7 @@ from mtrain.data import tasks as tasks_lib
 from mtrain.data.sources import TextSource
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.evaluation.translation import Translator
+from mtrain.evaluation.generation import Generator
 from mtrain.io.checkpoints import state_signature
 from mtrain.models.base import shape_fields
 from mtrain.training.loop import Stepper
@@ -120,6 +121,7 @@ class Experiment:
     config_text: str  # the operative gin config, for <model_dir>/config.gin
     flops_per_step: float  # model FLOPs of one train step (the model's analytic_flops)
     translator: Translator | None = None  # translation tasks: decodes for BLEU and infer
+    generator: Generator | None = None  # LM tasks: continues prompts for infer
 
     @property
     def model_dir(self) -> str:

@@ -1,5 +1,5 @@
-"""``--mode=infer``: a file of lines in, their translations out, with the latest checkpoint,
-written as they are made."""
+"""``--mode=infer``: a file of lines in, their translations (an LM: continuations) out, with
+the latest checkpoint, written as they are made."""
 
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ def check_output_file(output_file: str | None, input_file: str | None = None) ->
 
 def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
     """``--mode=infer``: translates the lines of `input_file` (or stdin) with the latest
-    checkpoint, one line out per line in and in order, to `output_file` (or stdout).
+    checkpoint (an LM continues each line instead: `generation.Generator`), one line out per
+    line in and in order, to `output_file` (or stdout).
 
-    Translations are written as each batch of decoding.batch_size lines finishes, so a run
-    stopped half-way keeps the lines it translated; a progress line (lines done, lines/s,
+    Outputs are written as each batch of decoding.batch_size lines finishes, so a run
+    stopped half-way keeps the lines it finished; a progress line (lines done, lines/s,
     time left) goes to the log at least every 10 seconds."""
     lines = read_lines(input_file)
     state, step = restore_for_reading(ModelDir(exp.model_dir).checkpoints,
@@ -51,12 +52,20 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     if writing:
         out = sys.stdout if output_file in (None, "-") else open(output_file, "w",
                                                                   encoding="utf-8")
-    log.info("translating %d lines with the checkpoint of step %d, %d at a time "
-             "(decoding.batch_size)", len(lines), step, exp.translator.batch_size)
-    progress = _Progress(len(lines))
+    decoder = exp.translator or exp.generator
+    verb = "translat" if exp.translator else "continu"
+    how = ""
+    if exp.generator:
+        c = exp.generator.config
+        how = (", greedy" if c.temperature == 0 else
+               f", sampling at temperature {c.temperature} (top_k {c.top_k}, top_p {c.top_p}, "
+               f"run.seed {exp.generator.seed})")
+    log.info("%sing %d lines with the checkpoint of step %d, %d at a time "
+             "(decoding.batch_size)%s", verb, len(lines), step, decoder.batch_size, how)
+    progress = _Progress(len(lines), f"{verb}ed")
     try:
         with progress:
-            for batch in exp.translator.batches(state.params, lines):
+            for batch in decoder.batches(state.params, lines):
                 if writing:
                     out.write("".join(t + "\n" for t in batch))
                     out.flush()
@@ -64,11 +73,11 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     finally:
         if out is not None and out is not sys.stdout:
             out.close()
-    if exp.translator.truncated:
+    if decoder.truncated:
         log.warning("%d of %d input lines were longer than %d tokens (run.sequence_length) "
-                    "and were cut to it before translating", exp.translator.truncated,
-                    len(lines), exp.translator.length)
-    log.info("translated %d lines in %.0f s", len(lines), time.time() - progress.started)
+                    "and were cut to it before %sing", decoder.truncated, len(lines),
+                    decoder.length, verb)
+    log.info("%sed %d lines in %.0f s", verb, len(lines), time.time() - progress.started)
     return len(lines)
 
 
@@ -76,8 +85,8 @@ class _Progress:
     """Logs lines done, lines/s and the time left every `every` seconds from a thread of its
     own, so that a line comes even while one batch takes longer than that."""
 
-    def __init__(self, total: int, every: float = 10.0):
-        self.total, self.every, self.done = total, every, 0
+    def __init__(self, total: int, done_verb: str = "translated", every: float = 10.0):
+        self.total, self.every, self.done, self.verb = total, every, 0, done_verb
         self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -90,7 +99,7 @@ class _Progress:
             elapsed = time.time() - self.started
             rate = self.done / elapsed
             left = f"{(self.total - self.done) / rate:.0f} s left" if rate else "time left unknown"
-            log.info("translated %d of %d lines, %.2f lines/s, %s", self.done, self.total,
+            log.info("%s %d of %d lines, %.2f lines/s, %s", self.verb, self.done, self.total,
                      rate, left)
 
     def __enter__(self):

@@ -19,8 +19,21 @@ log = logging.getLogger("mtrain")
 
 
 def describe_model(c) -> str:
-    return (f"{c.num_layers} layers d_model {c.d_model} d_ff {c.d_ff} heads {c.num_heads}x{c.d_kv} "
-            f"vocab {c.vocab_size}")
+    """The model in a line; the blocks of today's models where they are not the 2018 ones."""
+    out = (f"{c.num_layers} layers d_model {c.d_model} d_ff {c.d_ff} heads {c.num_heads}x{c.d_kv} "
+           f"vocab {c.vocab_size}")
+    extras = []
+    if getattr(c, "num_kv_heads", c.num_heads) != c.num_heads:
+        extras.append(f"{c.num_kv_heads} key/value heads")
+    if tuple(getattr(c, "mlp_activations", ("relu",))) != ("relu",):
+        extras.append("feed-forward " + "*".join(c.mlp_activations))
+    encoding = getattr(c, "position_encoding", "learned")
+    if encoding == "rotary":
+        extras.append("rotary positions")
+    elif encoding == "relative_bias":
+        path = "einsum" if c.attention == "auto" else c.attention
+        extras.append(f"relative position bias (attention {path}: no flash kernel takes a bias)")
+    return out + "".join(f", {e}" for e in extras)
 
 
 def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",

@@ -63,6 +63,8 @@ def attention_kernel(c: TransformerConfig) -> str:
     `layers.MultiHeadAttention`): 'auto' is flash there unless training applies attention
     dropout or the kernel does not take the activations (cuDNN: float32)."""
     dropping = c.attention == "auto" and c.dropout_rate > 0.0
+    if c.position_encoding == "relative_bias":  # a bias no flash kernel takes
+        return "dense"
     if attention.uses_flash(c.attention, c.flash_kernel, "gpu", c.dtype, c.d_kv) and not dropping:
         return "flash"
     return "dense"
@@ -83,6 +85,11 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     d, f = per("d_model", c.d_model), per("d_ff", c.d_ff)
     heads = per("heads", c.num_heads)
     hk = heads * c.d_kv
+    # key/value heads: grouped ones (fewer, on ``kv_heads``) make smaller keys and values
+    gk = (per("heads", c.num_heads) if c.num_kv_heads == c.num_heads
+          else per("kv_heads", c.num_kv_heads)) * c.d_kv
+    gates = len(c.mlp_activations)  # feed-forward input projections
+    rotated = (hk + gk) * a if c.position_encoding == "rotary" else 0.0
     tokens = batch_size * length / num_microbatches / layout.ways("batch") / layout.ways("length")
 
     def layer(cross: bool) -> tuple[float, float]:
@@ -90,7 +97,7 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         layer: self-attention over `length` positions (and encoder-decoder attention over
         as many), then the feed-forward block."""
         attentions = 2 if cross else 1
-        matmul_outputs = attentions * (3 * hk + d) + f + d  # q k v, projection; wi, wo
+        matmul_outputs = attentions * (hk + 2 * gk + d) + gates * f + d  # q k v, o; wi, wo
         residuals = attentions * (hk * a + heads * 4)  # a flash kernel's output and lse
         if kernel == "dense":  # logits (float32) and weights @ values are matmuls too
             matmul_outputs += attentions * hk
@@ -98,7 +105,8 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         else:
             logits = 0.0
         dots = d * a + matmul_outputs * a + logits  # with the layer's input
-        everything = dots + (1 + attentions) * d * 4 + f * a + residuals  # norms, relu
+        # norms, activations (and their product), rotated queries and keys
+        everything = dots + (1 + attentions) * d * 4 + gates * f * a + residuals + rotated
         if kernel == "dense":
             everything += attentions * heads * length * a  # the softmax weights
         saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
@@ -113,7 +121,7 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     working = tokens * max(w for _, w in stack)
     if layout.parameter_rules:  # a layer's weights gathered, and their gradient unreduced
         attentions = 1 if kind == "lm" else 2
-        working += (attentions * 4 * d * hk + 2 * d * f) * (a + 4)
+        working += (attentions * 2 * d * (hk + gk) + (gates + 1) * d * f) * (a + 4)
     vocab = per("vocab", c.vocab_size)
     # A slice of the logits and their gradient (the float32 softmax fuses into the reduction).
     logits = tokens / loss_chunks * vocab * 2 * a

@@ -1,0 +1,148 @@
+"""Generating text with a trained decoder-only LM: each prompt continued by greedy decoding
+or by sampling (temperature, top-k, top-p), batched, jitted and sharded as `translation`.
+
+    generator = Generator(trainer, vocab, DecodingConfig(temperature=0.8, top_p=0.9), seed=0)
+    text = generator(params, ["In the beginning God"])
+
+`sample` is model-agnostic, as `decoding`'s searches are. It runs the model one position
+at a time with its key/value cache, from the start token (0) on; while a row is inside its
+prompt it feeds the prompt's next token instead of what it would pick, so that prompts of
+any length share one loop and one decoding index (T5X's decoder-only prefix works the same
+way). A prompt is the line's tokens without EOS, as an LM example begins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mtrain.data.vocabulary import Vocabulary
+from mtrain.evaluation.decoding import TokensToLogits
+from mtrain.evaluation.translation import DecodingConfig, empty_cache
+from mtrain.training.trainer import Trainer, local_rows
+
+
+def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
+    """`logits` [n, vocab] with every token outside the `top_k` most likely (0: all) and
+    outside the smallest set whose probabilities reach `top_p` (1: all) set to -inf."""
+    if top_k:
+        kth = lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
+        kept = jnp.where(before < top_p, ordered, jnp.inf)
+        logits = jnp.where(logits < kept.min(axis=-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int, rng,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           eos_id: int = 1) -> jax.Array:
+    """[batch, length] int32: each row's prompt (`prompts` [batch, length], its tokens then
+    0s) followed by its continuation: at most `max_decode_len` tokens, ended by EOS, then
+    0s. Greedy for `temperature` 0, else sampled from softmax(logits / temperature) after
+    `filter_logits`, with the key ``fold_in(rng, position)``."""
+    batch, length = prompts.shape
+    prompt_lengths = jnp.sum(prompts > 0, axis=1)
+    stop = jnp.minimum(prompt_lengths + max_decode_len, length)
+
+    def cond(state):
+        index, _, _, done, _ = state
+        return (index < length) & ~jnp.all(done)
+
+    def body(state):
+        index, last, seqs, done, cache = state
+        logits, cache = tokens_to_logits(last[:, None], cache)
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=-1)
+        else:
+            logits = filter_logits(logits / temperature, top_k, top_p)
+            token = jax.random.categorical(jax.random.fold_in(rng, index), logits)
+        prompted = index < prompt_lengths
+        token = jnp.where(prompted, prompts[:, index], jnp.where(done, 0, token)).astype(jnp.int32)
+        seqs = lax.dynamic_update_slice_in_dim(seqs, token[:, None], index, axis=1)
+        done = done | (~prompted & (token == eos_id)) | (index + 1 >= stop)
+        return index + 1, token, seqs, done, cache
+
+    state = (jnp.array(0, jnp.int32), jnp.zeros((batch,), jnp.int32),
+             jnp.zeros((batch, length), jnp.int32), stop <= prompt_lengths, cache)
+    return lax.while_loop(cond, body, state)[2]
+
+
+class Generator:
+    """Continues batches of prompts with the model, layout and batch of `trainer` (the rows
+    hold run.sequence_length positions: prompt and continuation together)."""
+
+    def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig,
+                 seed: int = 0):
+        if config.temperature < 0:
+            raise ValueError(f"decoding.temperature must be >= 0, got {config.temperature}")
+        if config.top_k < 0 or not 0.0 < config.top_p <= 1.0:
+            raise ValueError(f"decoding.top_k must be >= 0 and decoding.top_p in (0, 1], got "
+                             f"{config.top_k} and {config.top_p}")
+        self.trainer, self.vocab, self.config, self.seed = trainer, vocab, config, seed
+        self.length = trainer.batch_shape[1]
+        self.batch_size = config.batch_size or trainer.batch_shape[0]
+        if self.batch_size < 1:
+            raise ValueError(f"decoding.batch_size must be positive, got {config.batch_size}")
+        self.sharding = trainer.layout.sharding(trainer.mesh, ("batch", "length"),
+                                                (self.batch_size, self.length),
+                                                tensor="decoding.batch_size prompts")
+        self.max_decode_length = config.max_decode_length or self.length
+        self.truncated = 0  # how many prompts were cut to leave room for a token
+        replicated = NamedSharding(trainer.mesh, PartitionSpec())
+        self._generate = jax.jit(
+            self._generate_fn, in_shardings=(trainer.state_shardings.params, self.sharding,
+                                             replicated),
+            out_shardings=replicated)
+
+    def _generate_fn(self, params, prompts, rng):
+        model, config = self.trainer.model, self.config
+        with self.trainer.layout.activate(self.trainer.mesh):
+            cache = empty_cache(model, (), prompts.shape[0], self.length)
+
+            def tokens_to_logits(ids, cache):
+                logits, variables = model.apply({"params": params, "cache": cache}, ids,
+                                                method=model.decode_step, mutable=["cache"])
+                real = jnp.arange(logits.shape[-1]) < self.vocab.vocab_size  # (padded vocab)
+                return jnp.where(real, logits.astype(jnp.float32), -jnp.inf), variables["cache"]
+
+            return sample(tokens_to_logits, cache, prompts, self.max_decode_length, rng,
+                          config.temperature, config.top_k, config.top_p, self.vocab.eos_id)
+
+    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
+        """[batch_size, length] prompt ids (no EOS; cut to leave one position, counted in
+        `truncated`) and each prompt's length."""
+        ids, lengths = np.zeros((self.batch_size, self.length), np.int32), []
+        for row, text in enumerate(texts):
+            tokens = self.vocab.encode(text)
+            if len(tokens) > self.length - 1:
+                tokens, self.truncated = tokens[:self.length - 1], self.truncated + 1
+            ids[row, :len(tokens)] = tokens
+            lengths.append(len(tokens))
+        return ids, lengths
+
+    def __call__(self, params, texts: Sequence[str]) -> list[str]:
+        """The continuations of `texts`, in order."""
+        return [t for batch in self.batches(params, texts) for t in batch]
+
+    def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
+        """The continuations of `texts` (without the prompt), a batch at a time. The k-th
+        batch samples with the key ``fold_in(PRNGKey(seed), k)``: a rerun gives the same."""
+        first, stop = local_rows(self.sharding, (self.batch_size, self.length))
+        shape = (self.batch_size, self.length)
+        for number, start in enumerate(range(0, len(texts), self.batch_size)):
+            chunk = list(texts[start:start + self.batch_size])
+            ids, lengths = self.encode_batch(chunk)
+            placed = jax.make_array_from_process_local_data(self.sharding, ids[first:stop], shape)
+            rng = jax.random.fold_in(jax.random.key(self.seed), number)
+            out = np.asarray(jax.device_get(self._generate(params, placed, rng)))
+            yield [self.vocab.decode(list(row[n:]) + [self.vocab.eos_id])
+                   for row, n in zip(out, lengths)]

@@ -1,0 +1,154 @@
+"""The flash kernels `attention.flash` dispatches to, each on one shard: q [b, l, h, d], k
+and v [b, m, g, d] (g key/value heads dividing h), the query and memory segment ids, and
+`causal`. The module doc of `attention` says what each is for and where it runs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e9
+# The default size of cudnn_segments' table: packed examples per row at most.
+CUDNN_MAX_SEGMENTS = 64
+
+
+def packed_mask(query_ids, memory_ids, causal: bool) -> jax.Array:
+    """[batch, 1, length, memory_length]: the real memory positions of each query's own
+    segment (and with `causal` only those at or before it)."""
+    real = (memory_ids > 0)[:, None, :]
+    mask = (query_ids[:, :, None] == memory_ids[:, None, :]) & real
+    if causal:
+        length, memory_length = query_ids.shape[1], memory_ids.shape[1]
+        mask &= jnp.arange(length)[:, None] >= jnp.arange(memory_length)[None, :]
+    return mask[:, None]
+
+
+def needs_a_gpu(kernel: str) -> str:
+    return f"flash_kernel={kernel!r} needs a GPU; use 'splash' or 'auto' here"
+
+
+def _block(n: int, largest: int = 512) -> int:
+    """A kernel block size for a sequence of `n`: the largest of 512, 256, 128 (at most
+    `largest`) dividing it, else `n` itself (short or odd lengths: one block)."""
+    return next((b for b in (512, 256, 128) if b <= largest and n % b == 0), n)
+
+
+def _pad(q, k, v, query_ids, memory_ids, multiple: int):
+    """Pads the sequences to multiples of `multiple` for a blocked kernel. Padded keys get
+    segment -1, which no real query has; padded queries get -1 too when there are padded
+    keys to see, else the segment of memory position 0 (no empty rows either way)."""
+    pad_q, pad_m = -q.shape[1] % multiple, -k.shape[1] % multiple
+    if not (pad_q or pad_m):
+        return q, k, v, query_ids, memory_ids
+    widen = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))  # noqa: E731
+    fill = jnp.full_like(memory_ids[:, :1], -1) if pad_m else memory_ids[:, :1]
+    query_ids = jnp.concatenate([query_ids, jnp.broadcast_to(fill, (q.shape[0], pad_q))], 1)
+    memory_ids = jnp.pad(memory_ids, ((0, 0), (0, pad_m)), constant_values=-1)
+    return widen(q, pad_q), widen(k, pad_m), widen(v, pad_m), query_ids, memory_ids
+
+
+def splash(q, k, v, query_ids, memory_ids, causal):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
+
+    length = q.shape[1]
+    q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 128)  # its lanes
+    heads, g, shape = q.shape[2], k.shape[2], (q.shape[1], k.shape[1])
+    one = splash_lib.CausalMask(shape) if causal else splash_lib.FullMask(shape)
+    bq, bkv = _block(shape[0]), _block(shape[1])
+    sizes = splash_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
+                              block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+                              block_q_dq=bq, block_kv_dq=bkv)
+    make = splash_lib.make_splash_mha if g == heads else splash_lib.make_splash_mqa
+    kernel = make(splash_lib.MultiHeadMask([one] * (heads // g if g < heads else heads)),
+                  block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                  interpret=jax.default_backend() != "tpu")
+
+    def one_row(q, k, v, qs, ks):  # [l, h, d] -> the kernel's [h, l, d]
+        ids = splash_lib.SegmentIds(q=qs, kv=ks)
+        if g == heads:
+            return kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),
+                          segment_ids=ids).swapaxes(0, 1)
+        # grouped: the multi-query kernel for each key/value head and its query heads
+        grouped = q.reshape(q.shape[0], g, heads // g, q.shape[2]).transpose(1, 2, 0, 3)
+        out = jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids), in_axes=(0, 1, 1))(
+            grouped, k, v)  # [g, h / g, l, d]
+        return out.transpose(2, 0, 1, 3).reshape(q.shape)
+
+    return jax.vmap(one_row)(q, k, v, query_ids, memory_ids)[:, :length]
+
+
+def triton(q, k, v, query_ids, memory_ids, causal):
+    """tokamax's Triton kernel given the packed mask (as `_cudnn`); with `causal` it also
+    skips the blocks above the diagonal."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"transformer.{needs_a_gpu('triton')}")
+    import tokamax
+
+    mask = packed_mask(query_ids, memory_ids, causal)
+    return tokamax.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
+                                         implementation="triton")
+
+
+def cudnn(q, k, v, query_ids, memory_ids, causal):
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"transformer.{needs_a_gpu('cudnn')}")
+    length = q.shape[1]
+    # cuDNN takes a mask (as a bias) in training only over even lengths.
+    q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)
+    mask = packed_mask(query_ids, memory_ids, causal)
+    # is_causal as well: cuDNN then skips the blocks above the diagonal.
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
+                                        implementation="cudnn")[:, :length]
+
+
+def segment_starts(ids, xp=jnp):
+    """Where a segment of `ids` [batch, length] starts (an id > 0 unlike the one before it),
+    by `xp` (jax.numpy in the step, numpy on the host)."""
+    return (ids > 0) & (ids != xp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
+
+
+def segment_layout(ids, max_segments: int):
+    """cuDNN's packed layout of the segments of `ids` [batch, length] (each a run of equal
+    ids > 0, as packing makes them): the length of each [batch, max_segments] and its start
+    [batch, max_segments + 1], -1 after a row's last (the `q_seqlen` and `q_offsets` of jax's
+    `fused_attention_stablehlo.dot_product_attention`); and the most segments of any row,
+    which may exceed `max_segments` (the table then holds only the first ones)."""
+    starts = segment_starts(ids, jnp)
+    ends = (ids > 0) & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
+    first = jax.vmap(lambda row, size: jnp.nonzero(row, size=size, fill_value=-1)[0],
+                     in_axes=(0, None))
+    offsets = first(starts, max_segments + 1).astype(jnp.int32)
+    lengths = jnp.where(offsets[:, :-1] >= 0,
+                        first(ends, max_segments) - offsets[:, :-1] + 1, -1).astype(jnp.int32)
+    return lengths, offsets, starts.sum(axis=1).max()
+
+
+def cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_MAX_SEGMENTS):
+    """Self-attention by cuDNN's packed-segment layout: each segment attends within itself
+    (causally or not), and no block outside the segments is computed. The table holds
+    `max_segments` entries per row and cuDNN runs every entry, empty or not: on an H100
+    (16 x 2048, 16 heads x 128, forward + backward) 2.2 ms with a table of 4, 5.4 ms of 64,
+    15 ms of 256, where the masked kernel takes 4.7 ms however the rows are packed. So it
+    pays only for rows of a few long examples, with a table to match. A row of more
+    segments than the table cannot be computed: its outputs are NaN (`check_batch` refuses
+    such a batch first). cuDNN writes nothing at padding positions: their outputs
+    are set to 0, and no gradient leaves them."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"transformer.{needs_a_gpu('cudnn_segments')}")
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # no public API for it
+
+    del memory_ids  # the same as query_ids for self-attention (checked by `flash`)
+    real = (query_ids > 0)[:, :, None, None]
+    q, k, v = (jnp.where(real, x, jax.lax.stop_gradient(x)) for x in (q, k, v))
+    lengths, offsets, most = segment_layout(query_ids, max_segments)
+    mode = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    out = cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
+                                      q_offsets=offsets, kv_offsets=offsets, scale=1.0,
+                                      mask_type=mode)
+    return jnp.where(real & (most <= max_segments), out, jnp.where(real, jnp.nan, 0))
+
+
+KERNELS = {"splash": splash, "triton": triton, "cudnn": cudnn,
+           "cudnn_segments": cudnn_segments}
+GPU_KERNELS = ("cudnn", "cudnn_segments", "triton")
+

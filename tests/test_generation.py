@@ -1,0 +1,110 @@
+"""Generation from an LM (`evaluation.generation`): the sampling loop on a model written
+out here, then a real decoder-only model through `Generator` on several layouts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtrain.evaluation import generation
+from mtrain.evaluation.translation import DecodingConfig
+from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.parallel.layout import Layout
+from mtrain.training import optimizer
+from mtrain.training.trainer import Trainer
+
+V = 16
+
+
+def counting_model(ids, cache):
+    """A 'model' whose logits favour (previous token + 1) mod V, never 0, with a little
+    spread; its cache counts the steps (a leaf per row, as a model's)."""
+    nxt = (ids[:, 0] + 1) % V
+    nxt = jnp.where(nxt == 0, 2, nxt)
+    logits = jnp.where(jnp.arange(V)[None, :] == nxt[:, None], 3.0, 0.0) + \
+        0.1 * jnp.arange(V)[None, :]
+    return logits, cache + 1
+
+
+PROMPTS = jnp.array([[5, 6, 0, 0, 0, 0, 0, 0],
+                     [9, 0, 0, 0, 0, 0, 0, 0],
+                     [3, 4, 5, 6, 7, 8, 9, 10]])
+
+
+def run(**kwargs):
+    kwargs = {"max_decode_len": 8, "rng": jax.random.key(0), "eos_id": 1, **kwargs}
+    return np.asarray(generation.sample(counting_model, jnp.zeros((3,), jnp.int32), PROMPTS,
+                                        **kwargs))
+
+
+def test_greedy_keeps_the_prompt_and_continues_it():
+    out = run()
+    np.testing.assert_array_equal(out[0], [5, 6, 7, 8, 9, 10, 11, 12])
+    np.testing.assert_array_equal(out[1], [9, 10, 11, 12, 13, 14, 15, 2])
+    np.testing.assert_array_equal(out[2], PROMPTS[2])  # a full prompt: nothing to add
+    np.testing.assert_array_equal(run(max_decode_len=2)[0], [5, 6, 7, 8, 0, 0, 0, 0])
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    hot = dict(temperature=5.0)
+    assert (run(**hot) == run(**hot)).all()
+    assert (run(**hot) != run(**hot, rng=jax.random.key(1))).any()
+    np.testing.assert_array_equal(run(temperature=5.0, top_k=1), run())
+    np.testing.assert_array_equal(run(temperature=5.0, top_p=1e-6), run())
+    prompt_kept = run(**hot)
+    np.testing.assert_array_equal(prompt_kept[:, :2][:2], [[5, 6], [9, prompt_kept[1, 1]]])
+
+
+def test_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.isfinite(generation.filter_logits(logits, top_k=2)).tolist() == \
+        [[True, True, False, False]]
+    # top_p: the smallest set of the likeliest tokens whose mass reaches p
+    assert np.isfinite(generation.filter_logits(logits, top_p=0.7)).tolist() == \
+        [[True, True, False, False]]
+    assert np.isfinite(generation.filter_logits(logits, top_p=0.5)).tolist() == \
+        [[True, False, False, False]]
+    assert np.isfinite(generation.filter_logits(logits, top_p=0.81)).sum() == 3
+
+
+class Vocab:
+    """What `Generator` uses of a sentencepiece vocabulary, on ids written as words."""
+
+    vocab_size, eos_id = 60, 1
+
+    def encode(self, text):
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids):
+        ids = list(ids)
+        return " ".join(str(i) for i in ids[:ids.index(1)] if i)
+
+
+CONFIG = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, num_kv_heads=2,
+                           d_kv=8, num_layers=2, max_length=16, position_encoding="rotary",
+                           mlp_activations=("silu", "linear"))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_layouts_never_change_the_generated_tokens(scan):
+    """float32 greedy decoding of a (randomly initialised) rotary GQA LM, scanned or not:
+    the same tokens on one device, batch:8, model:8 and batch:4;model:2 with the key/value
+    heads whole while the query heads are split."""
+    config = TransformerConfig(**{**CONFIG.__dict__, "scan_layers": scan})
+    prompts = ["5 6 7", "9", "3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18", "20 21"]
+    outputs = []
+    for mesh_shape, rules in [("", ""), ("batch:8", "batch:batch"),
+                              ("model:8", "d_ff:model;vocab:model"),
+                              ("batch:4;model:2", "batch:batch;heads:model;kv_heads:model"),
+                              ("batch:4;model:2", "batch:batch;heads:model")]:
+        layout = Layout(mesh_shape, rules)
+        mesh = layout.make_mesh(jax.devices()[:layout.size])
+        trainer = Trainer(DecoderLM(config), optimizer.adafactor(1e-3), layout, mesh, 8, 16,
+                          seed=3)
+        params = trainer.init_state().params
+        generator = generation.Generator(trainer, Vocab(), DecodingConfig(), seed=0)
+        outputs.append(generator(params, prompts))
+        assert generator.truncated == 1  # the 16-token prompt, cut to leave one position
+    assert all(o == outputs[0] for o in outputs[1:]), outputs
+    assert len(outputs[0][2].split()) <= 1  # one position left after the cut prompt
+    assert max(len(o.split()) for o in outputs[0]) > 1
