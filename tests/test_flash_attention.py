@@ -270,6 +270,7 @@ def test_flash_trains_like_einsum_on_the_mesh(einsum_losses, mesh_shape, rules):
     np.testing.assert_allclose(_losses(FLASH, mesh_shape, rules), einsum_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_flash_encoder_decoder_trains_like_einsum():
     layout = ("batch:4;model:2", "batch:batch;" + test_trainer.SPLIT_MODEL)
     np.testing.assert_allclose(_losses(FLASH, *layout, model=EncoderDecoder),

@@ -85,7 +85,7 @@ CONFIG = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, num
                            mlp_activations=("silu", "linear"))
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_layouts_never_change_the_generated_tokens(scan):
     """float32 greedy decoding of a (randomly initialised) rotary GQA LM, scanned or not:
     the same tokens on one device, batch:8, model:8 and batch:4;model:2 with the key/value

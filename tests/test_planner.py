@@ -357,3 +357,27 @@ def test_the_peak_an_accelerator_is_measured_against():
         0.0, "no peak known for NVIDIA A100-SXM4-80GB")
     flops, source = device_peak_flops()  # this CPU
     assert flops > 0 and source.startswith("measured float32 matmul, shared by 8 CPU devices")
+
+
+def test_step_model_counts_the_new_blocks():
+    """Grouped key/value heads save activations (smaller keys and values); gates add a
+    feed-forward projection's; a relative bias makes the attention dense (no flash kernel
+    takes it); rotary positions add their FLOPs to the model's."""
+    from mtrain.planning import step_model
+
+    base = TransformerConfig(vocab_size=32768, d_model=2048, d_ff=5504, num_heads=16, d_kv=128,
+                             num_layers=16, max_length=2048, activation_dtype="bfloat16",
+                             remat_policy="none", attention="auto")
+
+    def saved(**changes):
+        config = dataclasses.replace(base, **changes)
+        return step_model.estimate(
+            config, "lm", Layout(), 16, 2048, 1, 16, 4e9, 4e9, 4e8,
+            DecoderLM(config).analytic_flops(16, 2048), TARGETS["h100"]).saved_activation_bytes
+
+    assert saved(num_kv_heads=4) < saved() < saved(mlp_activations=("silu", "linear"))
+    # per token and layer, 2 x (16 - 4) x 128 bf16 key and value elements less
+    assert saved() - saved(num_kv_heads=4) == 16 * 2048 * 16 * 2 * 12 * 128 * 2
+    assert step_model.attention_kernel(dataclasses.replace(base, position_encoding="relative_bias")) == "dense"
+    rotary = dataclasses.replace(base, position_encoding="rotary")
+    assert DecoderLM(rotary).analytic_flops(16, 2048) > DecoderLM(base).analytic_flops(16, 2048)

@@ -616,6 +616,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
+@pytest.mark.slow
 def test_full_disk_during_save_is_one_clear_error(trained, small_disk):
     """In a process of its own, so that what orbax's abandoned writes print at exit counts
     (`trained` made the vocabulary, so the run does not say it trains one)."""
@@ -652,3 +653,16 @@ def test_unreadable_checkpoints_are_one_line_in_a_process(data_dir, tmp_path):
     assert len(lines) == 2 and lines[-1].startswith("mtrain: error: no checkpoint can be read: "
                                                     "checkpoints 4, 2 in"), lines
     assert sorted(os.listdir(model_dir / "checkpoints")) == ["2.damaged", "4.damaged"]
+
+
+def test_a_failed_saves_cause_names_the_system_error():
+    """tensorstore's errors are long: cut to one line, the system's reason (from its
+    os_error_code) stays in view (a full disk once read as a cut-off zarr spec)."""
+    from mtrain.io import checkpoints
+
+    long = ValueError("RESOURCE_EXHAUSTED: Error opening \"zarr\" driver: Error writing "
+                      "\"opt_state/.zarray\" in OCDBT " + "x" * 400 + " [os_error_code='28']")
+    reason = checkpoints._reason(long)
+    assert reason.startswith("No space left on device: RESOURCE_EXHAUSTED") and len(reason) < 300
+    assert checkpoints._reason(OSError(28, "No space left on device")) == \
+        "[Errno 28] No space left on device"

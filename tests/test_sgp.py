@@ -39,6 +39,7 @@ def heldout_loss(t, params):
 
 
 @pytest.mark.parametrize("mesh_shape", ["batch:8", "batch:4;model:2"])
+@pytest.mark.slow
 def test_sgp_trains_like_all_reduce(mesh_shape):
     steps = 40
     t = trainer(mesh_shape)

@@ -144,6 +144,7 @@ def test_microbatches_give_the_same_update_with_less_memory(reference, k):
         assert micro < 0.7 * full
 
 
+@pytest.mark.slow
 def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
     chunked = trainer(loss_config=LossConfig(chunks=4))
     assert (trainer().loss_chunks, chunked.loss_chunks) == (1, 4)

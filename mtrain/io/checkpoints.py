@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -323,7 +324,11 @@ def _reason(error: BaseException) -> str:
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= 250 else f"{text[:120]} ... {text[-125:]}"
+    short = text if len(text) <= 250 else f"{text[:120]} ... {text[-125:]}"
+    # tensorstore names the system's error by its number too: say it where the cut hid it
+    code = re.search(r"os_error_code='?(\d+)", text)
+    reason = os.strerror(int(code.group(1))) if code else None
+    return f"{reason}: {short}" if reason and reason not in short else short
 
 
 # --- what a checkpoint's run must share with the run that restores it -------------------
