@@ -52,7 +52,9 @@ def triton_interpreted(monkeypatch):
 
 def softmax_attention(q, k, v, dense):
     """`attention.reference` without its layout constraint (the emulated kernel runs inside
-    the flash path's shard_map, on one shard)."""
+    the flash path's shard_map, on one shard); grouped key/value heads, as cuDNN takes them,
+    each serving its query heads."""
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
     logits = jnp.where(dense, jnp.einsum("blhk,bmhk->bhlm", q, k), attention.NEG_INF)
     return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(logits, axis=-1), v)
 

@@ -460,3 +460,21 @@ def test_the_speed_levers_and_sgp_take_the_new_blocks():
     # own gradients, one peer's mixing) and learn the batch as it does.
     np.testing.assert_allclose(gossip[0], all_reduce[0], rtol=1e-2)
     assert gossip[2] < gossip[1] < gossip[0] and abs(gossip[2] / all_reduce[2] - 1) < 0.05
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "cudnn_segments"])
+@pytest.mark.parametrize("g", [1, 2])
+def test_cudnn_takes_grouped_heads(monkeypatch, kernel, g):
+    """cuDNN's kernels take fewer key/value heads than query heads (jax checks only that keys
+    and values have as many): both calls, emulated on this CPU (tests/accelerators.py), are
+    given the grouped heads as they are and equal the reference."""
+    from accelerators import on_a_gpu_emulated
+
+    calls = on_a_gpu_emulated(monkeypatch)
+    ids = packed_ids(2, 128, segments=3)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
+    q, k, v = _grouped_qkv(g)
+    real = (ids > 0)[..., None, None]
+    out = attention.flash(q, k, v, mask, kernel, max_segments=4)
+    np.testing.assert_allclose(out * real, attention.reference(q, k, v, mask) * real, **TOL)
+    assert calls and calls[0][0] == kernel if kernel == "cudnn_segments" else calls == ["cudnn"]

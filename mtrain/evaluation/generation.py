@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.evaluation.decoding import TokensToLogits
-from mtrain.evaluation.translation import DecodingConfig, empty_cache
-from mtrain.training.trainer import Trainer, local_rows
+from mtrain.evaluation.translation import BatchedDecoder, DecodingConfig, empty_cache
+from mtrain.training.trainer import Trainer
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -76,9 +76,11 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
     return lax.while_loop(cond, body, state)[2]
 
 
-class Generator:
+class Generator(BatchedDecoder):
     """Continues batches of prompts with the model, layout and batch of `trainer` (the rows
     hold run.sequence_length positions: prompt and continuation together)."""
+
+    texts = "prompts"
 
     def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig,
                  seed: int = 0):
@@ -87,16 +89,8 @@ class Generator:
         if config.top_k < 0 or not 0.0 < config.top_p <= 1.0:
             raise ValueError(f"decoding.top_k must be >= 0 and decoding.top_p in (0, 1], got "
                              f"{config.top_k} and {config.top_p}")
-        self.trainer, self.vocab, self.config, self.seed = trainer, vocab, config, seed
-        self.length = trainer.batch_shape[1]
-        self.batch_size = config.batch_size or trainer.batch_shape[0]
-        if self.batch_size < 1:
-            raise ValueError(f"decoding.batch_size must be positive, got {config.batch_size}")
-        self.sharding = trainer.layout.sharding(trainer.mesh, ("batch", "length"),
-                                                (self.batch_size, self.length),
-                                                tensor="decoding.batch_size prompts")
-        self.max_decode_length = config.max_decode_length or self.length
-        self.truncated = 0  # how many prompts were cut to leave room for a token
+        super().__init__(trainer, vocab, config)
+        self.seed = seed
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._generate = jax.jit(
             self._generate_fn, in_shardings=(trainer.state_shardings.params, self.sharding,
@@ -129,20 +123,12 @@ class Generator:
             lengths.append(len(tokens))
         return ids, lengths
 
-    def __call__(self, params, texts: Sequence[str]) -> list[str]:
-        """The continuations of `texts`, in order."""
-        return [t for batch in self.batches(params, texts) for t in batch]
-
     def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
         """The continuations of `texts` (without the prompt), a batch at a time. The k-th
         batch samples with the key ``fold_in(PRNGKey(seed), k)``: a rerun gives the same."""
-        first, stop = local_rows(self.sharding, (self.batch_size, self.length))
-        shape = (self.batch_size, self.length)
         for number, start in enumerate(range(0, len(texts), self.batch_size)):
-            chunk = list(texts[start:start + self.batch_size])
-            ids, lengths = self.encode_batch(chunk)
-            placed = jax.make_array_from_process_local_data(self.sharding, ids[first:stop], shape)
+            ids, lengths = self.encode_batch(texts[start:start + self.batch_size])
             rng = jax.random.fold_in(jax.random.key(self.seed), number)
-            out = np.asarray(jax.device_get(self._generate(params, placed, rng)))
+            out = np.asarray(jax.device_get(self._generate(params, self.place(ids), rng)))
             yield [self.vocab.decode(list(row[n:]) + [self.vocab.eos_id])
                    for row, n in zip(out, lengths)]

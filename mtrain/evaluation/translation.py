@@ -49,27 +49,51 @@ class DecodingConfig:
     top_p: float = 1.0
 
 
-class Translator:
-    """Translates batches of sentences with the model and layout of `trainer`."""
+class BatchedDecoder:
+    """What translating and generating share: texts decoded `batch_size` at a time (the
+    training batch size, or decoding.batch_size), each batch split over the mesh as a
+    training batch is (a LayoutError if it cannot be), with at most `max_decode_length`
+    positions of output."""
+
+    texts = "sentences"  # what a batch holds, for the layout's errors
 
     def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig):
-        if config.beam_size < 1:
-            raise ValueError(f"decoding.beam_size must be at least 1, got {config.beam_size}")
         self.trainer, self.vocab, self.config = trainer, vocab, config
         self.length = trainer.batch_shape[1]
         self.batch_size = config.batch_size or trainer.batch_shape[0]
         if self.batch_size < 1:
             raise ValueError(f"decoding.batch_size must be positive, got {config.batch_size}")
-        # Sentences split over the mesh as a training batch is (LayoutError if they cannot).
         self.sharding = trainer.layout.sharding(trainer.mesh, ("batch", "length"),
                                                 (self.batch_size, self.length),
-                                                tensor="decoding.batch_size sentences")
+                                                tensor=f"decoding.batch_size {self.texts}")
         self.max_decode_length = config.max_decode_length or self.length
         longest = getattr(trainer.model.config, "max_length", self.max_decode_length)
         if self.max_decode_length > longest:
             raise ValueError(f"decoding.max_decode_length={self.max_decode_length} is longer "
                              f"than transformer.max_length={longest}")
-        self.truncated = 0  # how many texts `encode_batch` cut to the sequence length
+        self.truncated = 0  # how many texts were cut to fit
+
+    def place(self, ids: np.ndarray) -> jax.Array:
+        """A host batch [batch_size, length] of ids on the mesh (this process's rows)."""
+        shape = (self.batch_size, self.length)
+        first, stop = local_rows(self.sharding, shape)
+        return jax.make_array_from_process_local_data(self.sharding, ids[first:stop], shape)
+
+    def __call__(self, params, texts: Sequence[str]) -> list[str]:
+        """The outputs for `texts`, in order."""
+        return [t for batch in self.batches(params, texts) for t in batch]
+
+    def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
+        raise NotImplementedError
+
+
+class Translator(BatchedDecoder):
+    """Translates batches of sentences with the model and layout of `trainer`."""
+
+    def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig):
+        if config.beam_size < 1:
+            raise ValueError(f"decoding.beam_size must be at least 1, got {config.beam_size}")
+        super().__init__(trainer, vocab, config)
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._decode = jax.jit(
             self._decode_fn,
@@ -117,19 +141,12 @@ class Translator:
             ids[row, : len(tokens)] = tokens
         return ids
 
-    def __call__(self, params, texts: Sequence[str]) -> list[str]:
-        """The translations of `texts`, in order."""
-        return [t for batch in self.batches(params, texts) for t in batch]
-
     def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
         """The translations of `texts`, in order, a batch of `batch_size` at a time."""
-        first, stop = local_rows(self.sharding, (self.batch_size, self.length))
-        shape = (self.batch_size, self.length)
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start:start + self.batch_size])
-            ids = self.encode_batch(chunk)[first:stop]  # this process's rows
-            placed = jax.make_array_from_process_local_data(self.sharding, ids, shape)
-            decoded = np.asarray(jax.device_get(self._decode(params, placed)))
+            decoded = np.asarray(jax.device_get(self._decode(params, self.place(
+                self.encode_batch(chunk)))))
             yield [self.vocab.decode(row) for row in decoded[: len(chunk)]]
 
 
