@@ -5,7 +5,7 @@ refused in one line with the model dir unchanged; infer, score and plan run. In-
 `main()` (the paths they test are not about processes), on smaller vocabularies so that
 the data is prepared in seconds.
 
-The LM trains 200 steps, enough that greedy generation continues prompts taken from its
+The LM trains 120 steps, enough that greedy generation continues prompts taken from its
 training text with the text's next word far more often than chance (1 in the vocabulary's
 2,048 pieces); and AdamW resumes bit for bit.
 """
@@ -68,8 +68,8 @@ def common_modes(capsys, argv, tmp_path, prompts, kind):
 def test_llama_tiny_lm(fresh_home, tmp_path, capsys):
     model_dir = tmp_path / "llama"
     argv = ["--gin_file=experiments/llama_tiny_lm.gin", f"--model_dir={model_dir}",
-            "--gin_param=run.train_steps=200", "--gin_param=run.eval_every=0",
-            "--gin_param=run.checkpoint_every=100",
+            "--gin_param=run.train_steps=120", "--gin_param=run.eval_every=0",
+            "--gin_param=run.checkpoint_every=60",
             "--gin_param=decoding.max_decode_length=4"]  # (a few words are enough here)
     assert main(argv) == 0
     err = capsys.readouterr().err
@@ -77,7 +77,7 @@ def test_llama_tiny_lm(fresh_home, tmp_path, capsys):
     assert "2 key/value heads, feed-forward silu*linear, rotary positions" in err
     assert main(argv) == 0  # the same command again: nothing left to train, nothing redone
     err = capsys.readouterr().err
-    assert "preparing" not in err and "resuming from the checkpoint of step 200" in err
+    assert "preparing" not in err and "resuming from the checkpoint of step 120" in err
 
     refused(capsys, argv + ["--gin_param=transformer.num_kv_heads=4"], model_dir,
             "num_kv_heads=2 there, 4 here")
