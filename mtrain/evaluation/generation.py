@@ -81,6 +81,14 @@ class Generator(BatchedDecoder):
     hold run.sequence_length positions: prompt and continuation together)."""
 
     texts = "prompts"
+    verb = "continu"
+
+    def how(self) -> str:
+        c = self.config
+        if c.temperature == 0:
+            return ", greedy"
+        return (f", sampling at temperature {c.temperature} (top_k {c.top_k}, top_p {c.top_p}, "
+                f"run.seed {self.seed})")
 
     def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig,
                  seed: int = 0):

@@ -56,6 +56,11 @@ class BatchedDecoder:
     positions of output."""
 
     texts = "sentences"  # what a batch holds, for the layout's errors
+    verb = "translat"  # what it does, for the log: translat-ing, translat-ed
+
+    def how(self) -> str:
+        """How it decodes, for the log's first line (after a comma), or ''."""
+        return ""
 
     def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig):
         self.trainer, self.vocab, self.config = trainer, vocab, config

@@ -53,15 +53,10 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
         out = sys.stdout if output_file in (None, "-") else open(output_file, "w",
                                                                   encoding="utf-8")
     decoder = exp.translator or exp.generator
-    verb = "translat" if exp.translator else "continu"
-    how = ""
-    if exp.generator:
-        c = exp.generator.config
-        how = (", greedy" if c.temperature == 0 else
-               f", sampling at temperature {c.temperature} (top_k {c.top_k}, top_p {c.top_p}, "
-               f"run.seed {exp.generator.seed})")
+    verb = decoder.verb
     log.info("%sing %d lines with the checkpoint of step %d, %d at a time "
-             "(decoding.batch_size)%s", verb, len(lines), step, decoder.batch_size, how)
+             "(decoding.batch_size)%s", verb, len(lines), step, decoder.batch_size,
+             decoder.how())
     progress = _Progress(len(lines), f"{verb}ed")
     try:
         with progress:
