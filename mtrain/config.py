@@ -7,6 +7,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     run.*                     RunConfig (the run's settings: `run_config`)
     vocabulary.*              VocabularyConfig (size or path: `vocabulary_config`)
     transformer.*             TransformerConfig (the model's hyper-parameters; not vocab_size)
+    moe.*                     MoEConfig (its experts, where transformer.moe_every > 0)
     loss.*                    LossConfig
     decoding.*                DecodingConfig
     adafactor.*               optimizer.adafactor (the default run.optimizer)
@@ -30,6 +31,7 @@ import gin
 from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import DecodingConfig
+from mtrain.models.moe import MoEConfig
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.modes.experiment import RunConfig
 from mtrain.training import optimizer
@@ -39,7 +41,9 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 run = gin.external_configurable(RunConfig, "run")
 vocabulary = gin.external_configurable(VocabularyConfig, "vocabulary")
-transformer = gin.external_configurable(TransformerConfig, "transformer", denylist=["vocab_size"])
+transformer = gin.external_configurable(TransformerConfig, "transformer",
+                                        denylist=["vocab_size", "moe"])
+moe = gin.external_configurable(MoEConfig, "moe")
 loss = gin.external_configurable(LossConfig, "loss")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
 adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
@@ -69,6 +73,19 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
 def run_config(**overrides) -> RunConfig:
     """The run's settings: gin's ``run.*`` bindings, then `overrides` (the command line's)."""
     return dataclasses.replace(run(), **overrides)
+
+
+def model_config(vocab_size: int) -> TransformerConfig:
+    """The ``transformer.*`` settings (and ``moe.*`` where its layers have experts) for a
+    vocabulary of `vocab_size`. Raises ValueError for settings that do not make a model,
+    or ``moe.*`` settings without experts to apply to."""
+    model = transformer(vocab_size=vocab_size)
+    if not model.moe_every:
+        if gin.get_bindings("moe"):
+            raise ValueError(f"moe.{sorted(gin.get_bindings('moe'))[0]} is set, but "
+                             "transformer.moe_every is 0: no layer has experts")
+        return model
+    return dataclasses.replace(model, moe=moe())
 
 
 def vocabulary_config() -> VocabularyConfig:

@@ -190,7 +190,7 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
     pieces, padded to a multiple of 128 so that it splits over any mesh dimension up to 128
     (the extra ids never occur in the data)."""
     try:
-        model_config = config.transformer(vocab_size=_padded(vocab_size))
+        model_config = config.model_config(_padded(vocab_size))
         if s.activation_dtype is not None:
             model_config = dataclasses.replace(model_config, activation_dtype=s.activation_dtype)
         schedule = config.learning_rate_schedule(train_steps=s.train_steps)

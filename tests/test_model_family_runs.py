@@ -144,3 +144,54 @@ def test_t5_1_1_tiny_enfr(fresh_home, tmp_path, capsys):
             "num_kv_heads=8 there, 2 here")
     common_modes(capsys, trained, tmp_path, ["And God said, Let there be light.", "Amen."],
                  "translation")
+
+
+def test_moe_tiny_lm(fresh_home, tmp_path, capsys):
+    """`experiments/moe_tiny_lm.gin` (experts split over `batch`) from an empty HOME: it
+    trains and logs its experts' losses and load, the same command again resumes, a resumed
+    run continues bit for bit, another `num_experts` is refused, the checkpoint is restored
+    under another layout (experts over `model`: the same scores), and eval and plan run."""
+    model_dir = tmp_path / "moe"
+    argv = ["--gin_file=experiments/moe_tiny_lm.gin", "--gin_param=vocabulary.size=512",
+            "--gin_param=run.sequence_length=64", "--gin_param=run.eval_every=0",
+            "--gin_param=run.checkpoint_every=2", "--gin_param=run.log_every=2",
+            "--gin_param=learning_rate_schedule.warmup_steps=2",
+            "--gin_param=learning_rate_schedule.decay_steps=10"]  # (not of run.train_steps)
+    assert main(argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "preparing lm1b:1.1.0" in err and "8 experts (d_ff 256, top-2) every 2 layers" in err
+    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "train/load_balance_loss" in r]
+    assert logged and all(0 <= r["train/dropped_fraction"] < 1 and r["train/router_z_loss"] > 0
+                          and 1 / 8 <= r["train/busiest_expert_share"] <= 1 for r in logged)
+    assert all(r["train/loss"] > r["train/cross_entropy"] for r in logged)
+    trained = argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=6"]
+    assert main(argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=4"]) == 0
+    assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
+    assert main(trained) == 0
+    straight = tmp_path / "straight"
+    assert main(argv + [f"--model_dir={straight}", "--gin_param=run.train_steps=6"]) == 0
+    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(model_dir, 6),
+                           saved_state(straight, 6))
+    refused(capsys, trained + ["--gin_param=moe.num_experts=4"], model_dir,
+            "moe.num_experts=8 there, 4 here")
+
+    lines = ["And God said, Let there be light: and there was light.", "Amen."]
+    (tmp_path / "score.txt").write_text("".join(p + "\n" for p in lines), encoding="utf-8")
+
+    def scores(*params):
+        out = tmp_path / "scores.jsonl"
+        assert main(trained + ["--mode=score", f"--input_file={tmp_path / 'score.txt'}",
+                               f"--output_file={out}", *[f"--gin_param={p}" for p in params]]) == 0
+        return [json.loads(line)["log_likelihood"] for line in out.read_text().splitlines()]
+
+    np.testing.assert_allclose(  # (the layout-invariance tests' tolerance)
+        scores('run.mesh_shape="model:8"',
+               'run.layout_rules="experts:model;d_ff:model;heads:model"'),
+        scores(), rtol=1e-5)
+    assert main(trained + ["--mode=eval"]) == 0
+    capsys.readouterr()
+    assert main(trained + ["--mode=plan", "--format=json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["active_parameters"] < plan["analytic_parameters"]
+    assert plan["collectives"]["all-to-all"]["count"] > 0 and plan["expert_bytes"] > 0

@@ -43,9 +43,19 @@ def shape_field(default: Any) -> Any:
 
 
 def shape_fields(config: Any) -> dict[str, Any]:
-    """The values of `config`'s shape fields, by name."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if f.metadata.get("shape")}
+    """The values of `config`'s shape fields, by name; a shape field that is itself a
+    config gives its own shape fields as ``field.name`` (``moe.num_experts``), none while
+    it is None."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if not f.metadata.get("shape"):
+            continue
+        if dataclasses.is_dataclass(value):
+            out.update({f"{f.name}.{k}": v for k, v in shape_fields(value).items()})
+        elif value is not None:
+            out[f.name] = value
+    return out
 
 
 def batch_keys(features: Sequence[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """The layers of a Transformer's stacks: `Block` (attention, [encoder-decoder attention,]
-feed-forward, each pre-RMSNorm with a residual), rematerialised by a policy, and stacked
-one per layer or as one block scanned over the layers."""
+feed-forward or mixture of experts, each pre-RMSNorm with a residual), rematerialised by
+a policy, and stacked one per layer or as one block (or group of blocks) scanned over the
+layers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import flax.linen as nn
 import jax
 
 from mtrain.models import layers
+from mtrain.models.moe import STATS, MoeFeedForward
 from mtrain.parallel.layout import constrain
 
 # What a rematerialised layer keeps for the backward pass; the rest is recomputed.
@@ -28,6 +30,7 @@ class Block(nn.Module):
 
     config: Any  # a TransformerConfig
     cross_attention: bool = False
+    moe: bool = False  # the feed-forward layer is the config's experts (`moe.py`)
 
     @nn.compact
     def __call__(self, x, mask, deterministic: bool, memory=None, memory_mask=None,
@@ -50,8 +53,13 @@ class Block(nn.Module):
             y = attend("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
             x = x + drop(y, deterministic=deterministic)
         y = layers.RMSNorm(dtype=c.dtype, name="mlp_norm")(x)
-        y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, c.mlp_activations,
-                                  name="mlp")(y, deterministic)
+        if self.moe:
+            real = None if mask is None or mask.query is None else mask.query > 0
+            y = MoeFeedForward(c.moe, c.moe.expert_d_ff, c.dropout_rate, c.dtype,
+                               c.mlp_activations, name="mlp")(y, deterministic, real)
+        else:
+            y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, c.mlp_activations,
+                                      name="mlp")(y, deterministic)
         x = x + drop(y, deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
 
@@ -66,6 +74,27 @@ class ScannedBlock(Block):
                                 positions, bias), None
 
 
+class ScannedGroup(nn.Module):
+    """`moe_every` Blocks ``layer_0``, ``layer_1``, ..., the last with experts: the body of
+    `nn.scan` for a stack whose layers repeat in groups (`scanned_blocks`)."""
+
+    config: Any
+    cross_attention: bool = False
+
+    @nn.compact
+    def __call__(self, x, *args):
+        c = self.config
+        for i in range(c.moe_every):
+            x = block_class(c)(c, self.cross_attention, moe=is_moe(c, i), name=f"layer_{i}")(
+                x, *args)
+        return x, None
+
+
+def is_moe(c, layer: int) -> bool:
+    """Whether a stack's layer `layer` (from 0) has experts: the last of every `moe_every`."""
+    return bool(c.moe_every) and (layer + 1) % c.moe_every == 0
+
+
 def block_class(c, scanned: bool = False):
     """Block (or ScannedBlock), rematerialised by `c.remat_policy`."""
     cls = ScannedBlock if scanned else Block
@@ -77,17 +106,22 @@ def block_class(c, scanned: bool = False):
 
 def scanned_blocks(c, num_layers: int, cross_attention: bool = False,
                    **kwargs):
-    """One (remat) Block scanned `num_layers` times; run it with `run_layers`.
+    """One (remat) Block scanned `num_layers` times; run it with `run_layers`. With
+    experts every `moe_every` > 1 layers, one `ScannedGroup` of that many Blocks scanned
+    num_layers / moe_every times.
 
     Its parameters are stacked on a leading ``layers`` dimension (a logical axis that the
     layout leaves whole). Its decoding cache is stacked on axis 1, after the rows: beam search
     reorders every cache leaf along axis 0. Every argument after `x` (masks, `deterministic`,
     memory, `decode_index`) is the same for all layers.
     """
-    scan = nn.scan(block_class(c, scanned=True), variable_axes={"params": 0, "cache": 1},
+    body, moe = block_class(c, scanned=True), {"moe": c.moe_every == 1}
+    if c.moe_every > 1:
+        body, moe, num_layers = ScannedGroup, {}, num_layers // c.moe_every
+    scan = nn.scan(body, variable_axes={"params": 0, "cache": 1, STATS: 0},
                    split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
                    length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-    return scan(c, cross_attention, **kwargs)
+    return scan(c, cross_attention, **moe, **kwargs)
 
 
 def run_layers(stack, x, *args):
@@ -106,5 +140,6 @@ def layer_stack(c, x, mask, deterministic: bool, decode_index=None, positions=No
     if c.scan_layers:
         stack = scanned_blocks(c, c.num_layers, name="layers")
     else:
-        stack = [block_class(c)(c, name=f"layer_{i}") for i in range(c.num_layers)]
+        stack = [block_class(c)(c, moe=is_moe(c, i), name=f"layer_{i}")
+                 for i in range(c.num_layers)]
     return run_layers(stack, x, mask, deterministic, None, None, decode_index, positions, bias)

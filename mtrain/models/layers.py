@@ -239,3 +239,17 @@ def shift_right(targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
     shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
     prev_segment = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
     return jnp.where(segment_ids == prev_segment, shifted, 0)
+
+
+class DecodeIndex(nn.Module):
+    """The position incremental decoding is at: a scalar in the "cache" collection, returned
+    and then advanced by each decoding step (not by the `init` that creates the cache)."""
+
+    @nn.compact
+    def __call__(self):
+        initialised = self.has_variable("cache", "index")
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        i = index.value
+        if initialised:
+            index.value = i + 1
+        return i

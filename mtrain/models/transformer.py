@@ -9,8 +9,9 @@ segments; decoder self-attention is causal.
 
 The blocks of later models are settings of the same two (`TransformerConfig`): gated
 feed-forward layers (`mlp_activations`), rotary positions or T5's relative position bias in
-place of the position tables (`position_encoding`, `positions.py`), and grouped-query or
-multi-query attention (`num_kv_heads`).
+place of the position tables (`position_encoding`, `positions.py`), grouped-query or
+multi-query attention (`num_kv_heads`), and mixture-of-experts feed-forward layers every
+`moe_every` layers (`moe.py`).
 
 A model's `features` say which packed features its `__call__` takes: for each, the tokens,
 segment ids and positions, in that order.
@@ -27,9 +28,11 @@ import jax.numpy as jnp
 from mtrain.parallel.layout import constrain
 from mtrain.models import attention, counts, layers
 from mtrain.models import positions as positions_lib
-from mtrain.models.blocks import REMAT_POLICIES, block_class, layer_stack, run_layers, scanned_blocks
+from mtrain.models.blocks import (REMAT_POLICIES, block_class, is_moe, layer_stack, run_layers,
+                                  scanned_blocks)
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
+from mtrain.models.moe import MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,10 @@ class TransformerConfig:
     # grouped-query attention (it divides num_heads). Fewer than num_heads lie on a
     # dimension of their own, ``kv_heads``, for the layout rules.
     num_kv_heads: int = shape_field(0)
+    # Mixture of experts: 0 (none) or N, every N-th layer's feed-forward layer is `moe`'s
+    # experts (the last of each N layers; with scan_layers the scan repeats a group of N).
+    moe_every: int = shape_field(0)
+    moe: MoEConfig | None = shape_field(None)  # None while moe_every is 0
 
     @property
     def dtype(self):
@@ -81,6 +88,19 @@ class TransformerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
+        if self.moe_every < 0:
+            raise ValueError(f"transformer.moe_every must be 0 (no experts) or positive, got "
+                             f"{self.moe_every}")
+        moe = None
+        if self.moe_every:
+            moe = self.moe or MoEConfig()
+            moe = dataclasses.replace(moe, expert_d_ff=moe.expert_d_ff or self.d_ff)
+            stacks = {self.num_layers, self.num_encoder_layers or self.num_layers}
+            if self.scan_layers and any(n % self.moe_every for n in stacks):
+                raise ValueError(f"transformer.scan_layers scans groups of moe_every="
+                                 f"{self.moe_every} layers: it must divide the number of "
+                                 f"layers of each stack ({', '.join(map(str, sorted(stacks)))})")
+        object.__setattr__(self, "moe", moe)
         if not self.num_kv_heads:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -182,9 +202,15 @@ class DecoderLM(_PackingAware, nn.Module):
         return counts.layer_parameters(self.config, self.config.num_layers, 0) + counts.tables(self.config)
 
     def analytic_flops(self, batch_size: int, length: int) -> float:
+        """With experts, of the active parameters (a token's top_k experts and the router)."""
         c = self.config
-        return counts.analytic_flops(c, counts.layer_parameters(c, c.num_layers, 0), c.num_layers,
-                               batch_size, length, c.num_layers)
+        return counts.analytic_flops(c, counts.layer_parameters(c, c.num_layers, 0, active=True),
+                                     c.num_layers, batch_size, length, c.num_layers)
+
+    def active_parameters(self) -> int:
+        """The parameters one token computes with: all but the experts it is not sent to."""
+        return counts.layer_parameters(self.config, self.config.num_layers, 0, active=True) \
+            + counts.tables(self.config)
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
@@ -192,7 +218,7 @@ class DecoderLM(_PackingAware, nn.Module):
         c = self.config
         decode_index = mask = None
         if decode:  # `targets` are the tokens to feed, the index says where (decode_step)
-            decode_index = DecodeIndex(name="decode_index")()
+            decode_index = layers.DecodeIndex(name="decode_index")()
             inputs = targets
             positions = decode_index + jnp.broadcast_to(jnp.arange(targets.shape[1]),
                                                         targets.shape)
@@ -241,20 +267,6 @@ def _relative_bias_table(c: TransformerConfig, bidirectional: bool, name: str | 
                                       c.relative_max_distance, bidirectional, name=name)
 
 
-class DecodeIndex(nn.Module):
-    """The position incremental decoding is at: a scalar in the "cache" collection, returned
-    and then advanced by each decoding step (not by the `init` that creates the cache)."""
-
-    @nn.compact
-    def __call__(self):
-        initialised = self.has_variable("cache", "index")
-        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        i = index.value
-        if initialised:
-            index.value = i + 1
-        return i
-
-
 class EncoderDecoder(_PackingAware, nn.Module):
     """The encoder-decoder Transformer (Mesh-TF's `Bitransformer`) for translation.
 
@@ -291,9 +303,16 @@ class EncoderDecoder(_PackingAware, nn.Module):
         return counts.layer_parameters(self.config, *self._stacks()) + counts.tables(self.config)
 
     def analytic_flops(self, batch_size: int, length: int) -> float:
+        """With experts, of the active parameters (a token's top_k experts and the router)."""
         encoder, decoder = self._stacks()
-        return counts.analytic_flops(self.config, counts.layer_parameters(self.config, encoder, decoder),
-                               encoder + 2 * decoder, batch_size, length, encoder + decoder)
+        stacks = counts.layer_parameters(self.config, encoder, decoder, active=True)
+        return counts.analytic_flops(self.config, stacks, encoder + 2 * decoder, batch_size,
+                                     length, encoder + decoder)
+
+    def active_parameters(self) -> int:
+        """The parameters one token computes with: all but the experts it is not sent to."""
+        return counts.layer_parameters(self.config, *self._stacks(), active=True) \
+            + counts.tables(self.config)
 
     def setup(self):
         c = self.config
@@ -312,13 +331,14 @@ class EncoderDecoder(_PackingAware, nn.Module):
             self.encoder = scanned_blocks(c, encoder_layers)
             self.decoder = scanned_blocks(c, c.num_layers, cross_attention=True)
         else:
-            self.encoder = [block_class(c)(c) for _ in range(encoder_layers)]
-            self.decoder = [block_class(c)(c, cross_attention=True) for _ in range(c.num_layers)]
+            self.encoder = [block_class(c)(c, moe=is_moe(c, i)) for i in range(encoder_layers)]
+            self.decoder = [block_class(c)(c, cross_attention=True, moe=is_moe(c, i))
+                            for i in range(c.num_layers)]
         self.encoder_norm = layers.RMSNorm(dtype=c.dtype)
         self.decoder_norm = layers.RMSNorm(dtype=c.dtype)
         self.dropout = nn.Dropout(c.dropout_rate)
         self.softmax = _softmax_table(self, c)
-        self.decode_index = DecodeIndex()
+        self.decode_index = layers.DecodeIndex()
         if c.position_encoding == "relative_bias":
             self.encoder_relative_bias = _relative_bias_table(c, bidirectional=True)
             self.decoder_relative_bias = _relative_bias_table(c, bidirectional=False)

@@ -27,6 +27,10 @@ def describe_model(c) -> str:
         extras.append(f"{c.num_kv_heads} key/value heads")
     if tuple(getattr(c, "mlp_activations", ("relu",))) != ("relu",):
         extras.append("feed-forward " + "*".join(c.mlp_activations))
+    if getattr(c, "moe_every", 0):
+        m = c.moe
+        extras.append(f"{m.num_experts} experts (d_ff {m.expert_d_ff}, top-{m.top_k}) every "
+                      + (f"{c.moe_every} layers" if c.moe_every > 1 else "layer"))
     encoding = getattr(c, "position_encoding", "learned")
     if encoding == "rotary":
         extras.append("rotary positions")
@@ -56,7 +60,9 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
             raise ConfigError(f"--auto_layout for {devices} devices, but only "
                               f"{jax.device_count()} are available to compile for")
         results = planner.auto_layout(
-            exp.trainer.with_layout, devices, target_spec, progress=lambda message: log.info("auto-layout %s", message))
+            exp.trainer.with_layout, devices, target_spec,
+            progress=lambda message: log.info("auto-layout %s", message),
+            experts=bool(getattr(exp.model_config, "moe_every", 0)))
         report = {"model": describe, "num_devices": devices, "target": target,
                   "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
                                   "parameter_layout_rules": c.parameter_layout_rules,

@@ -8,7 +8,8 @@ A *mesh shape* names the processor dimensions: ``"batch:16;model:32"``.
 `PartitionSpec` over mesh dimensions (``P(None, "model")``), checking Mesh-TF's legality rules:
 one mesh dimension splits at most one dimension of a tensor, and a split dimension must be
 divisible by the size of its mesh dimension. Every violation is a `LayoutError` that says what
-to change.
+to change. One exception is by name: an ``experts`` dimension claims its mesh dimension
+first (`LEADING`).
 
 *Parameter layout rules* (``"d_model:batch"``) lay out parameters and optimizer state on top
 of the layout rules, while activations follow the layout rules alone: the same rule syntax
@@ -37,6 +38,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain.parallel.layout_syntax import LayoutError, parse_layout_rules, parse_mesh_shape
+
+# Tensor dimensions that claim their mesh dimension before the others of a tensor: an
+# expert's weights and inputs [experts, ...] split over `experts` keep whole the dimensions
+# whose rules name the same mesh dimension (the groups of tokens under ``experts:batch``,
+# an expert's ``d_ff`` under ``experts:model;d_ff:model``), as Mesh-TF's MoE renames them
+# ``batch_unsplit``: expert parallelism and the rules of the dense layers live side by side.
+LEADING = ("experts",)
 
 # The mesh dimension names mtrain's gin files and layout search use: a rule may name one
 # that the mesh at hand lacks (dropped, as in Mesh-TF).
@@ -179,8 +187,13 @@ class Layout:
                 f"{tensor}: {len(names)} dimension names {names} for a tensor of rank {len(shape)}"
             )
         spec, used = [], {}
+        # A leading dimension (`LEADING`: the experts of a mixture of experts) claims its
+        # mesh dimension first: another dimension of the tensor split over it stays whole.
+        claimed = {rules[n]: n for n in names if n in LEADING and n in rules}
         for i, name in enumerate(names):
             mesh_dim = None if name is None else rules.get(name)
+            if mesh_dim is not None and claimed.get(mesh_dim, name) != name:
+                mesh_dim = None
             if mesh_dim is not None:
                 if mesh_dim in used:
                     which = "the layout rules"

@@ -62,9 +62,11 @@ class Plan:
     target: str
     parameters: int
     analytic_parameters: int
+    active_parameters: int  # those a token computes with (fewer with experts)
     batch_size: int
     sequence_length: int
     parameter_bytes: int  # per device, as for all sizes below
+    expert_bytes: int  # of which the experts' weights
     optimizer_bytes: int
     batch_bytes: int
     temp_bytes: int
@@ -120,6 +122,11 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     comms = hlo.collectives
     batch, length = trainer.batch_shape
     param_bytes = _bytes(abstract.params, shardings.params)
+    expert_bytes = sum(  # the parameters with an `experts` dimension
+        math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x, s, names in
+        zip(jax.tree_util.tree_leaves(abstract.params), jax.tree_util.tree_leaves(shardings.params),
+            jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names))
+        if names and "experts" in names)
     opt_bytes = _bytes(abstract.opt_state, shardings.opt_state)
     batch_bytes = memory.argument_size_in_bytes - param_bytes - opt_bytes - 4  # 4: the step
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -159,8 +166,11 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
         mesh_shape=mesh_shape, layout_rules=rules,
         parameter_layout_rules=layout.parameter_rules_text, num_devices=n, target=target.name,
         parameters=sum(x.size for x in jax.tree_util.tree_leaves(abstract.params)),
-        analytic_parameters=model.analytic_parameters(), batch_size=batch, sequence_length=length,
-        parameter_bytes=param_bytes, optimizer_bytes=opt_bytes, batch_bytes=batch_bytes,
+        analytic_parameters=model.analytic_parameters(),
+        active_parameters=getattr(model, "active_parameters", model.analytic_parameters)(),
+        batch_size=batch, sequence_length=length,
+        parameter_bytes=param_bytes, expert_bytes=expert_bytes, optimizer_bytes=opt_bytes,
+        batch_bytes=batch_bytes,
         temp_bytes=memory.temp_size_in_bytes, xla_total_bytes=xla_total, total_bytes=total,
         hbm_bytes=target.hbm_bytes, fits=total <= target.hbm_bytes, memory_basis=basis,
         step_model=dataclasses.asdict(estimate) if estimate else {}, xla_flops=flops, matmul_flops=hlo.matmul_flops,
@@ -194,11 +204,13 @@ def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
             for rest in _factorizations(n // d, parts - 1)]
 
 
-def candidate_layouts(num_devices: int) -> list[tuple[str, str, str]]:
+def candidate_layouts(num_devices: int, experts: bool = False) -> list[tuple[str, str, str]]:
     """(mesh shape, layout rules, parameter layout rules) candidates for `num_devices`
     devices: pure data and pure model parallelism, every 2-D batch x model mesh with each of
     the model rules, every 3-D batch x model x embed mesh, and each of those whose layout
-    rules leave d_model whole once more with FSDP's parameter rules."""
+    rules leave d_model whole once more with FSDP's parameter rules. With `experts` (a
+    mixture of experts), each also with the experts split over `batch` (expert
+    parallelism) and, where it has a `model` dimension, over `model`."""
     if num_devices == 1:
         return [("", "", "")]
     out = [(f"batch:{num_devices}", "batch:batch"),
@@ -207,6 +219,9 @@ def candidate_layouts(num_devices: int) -> list[tuple[str, str, str]]:
         out += [(f"batch:{b};model:{m}", rules) for rules in _MODEL_RULES]
     for b, m, e in _factorizations(num_devices, 3):
         out += [(f"batch:{b};model:{m};embed:{e}", rules) for rules in _3D_RULES]
+    if experts:
+        out += [(mesh, f"{rules};experts:{dim}") for mesh, rules in list(out)
+                for dim in ("batch", "model") if f"{dim}:" in mesh]
     fsdp = [(mesh, rules, _FSDP_RULES) for mesh, rules in out
             if mesh.startswith("batch:") and "d_model:" not in rules]
     return [(mesh, rules, "") for mesh, rules in out] + fsdp
@@ -222,13 +237,14 @@ class Candidate:
 
 
 def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, target: Target,
-                progress: Callable[[str], None] = lambda message: None) -> list[Candidate]:
-    """Every candidate layout for `num_devices`, best first: those that fit ranked by
-    estimated step time, then those that do not fit (least memory first), then the illegal
-    ones. A candidate whose parameters and optimizer state alone overflow the target is not
-    compiled."""
+                progress: Callable[[str], None] = lambda message: None,
+                experts: bool = False) -> list[Candidate]:
+    """Every candidate layout for `num_devices` (`experts`: of a mixture of experts, see
+    `candidate_layouts`), best first: those that fit ranked by estimated step time, then
+    those that do not fit (least memory first), then the illegal ones. A candidate whose
+    parameters and optimizer state alone overflow the target is not compiled."""
     results = []
-    candidates = candidate_layouts(num_devices)
+    candidates = candidate_layouts(num_devices, experts)
     for i, (mesh_shape, rules, parameter_rules) in enumerate(candidates):
         c = Candidate(mesh_shape, rules, parameter_rules)
         results.append(c)
@@ -302,8 +318,11 @@ def format_plan(p: Plan, describe: str = "") -> str:
         f"parameters: {p.parameters:,}" + (
             f" (analytic matmul and embedding parameters: {p.analytic_parameters:,})"
             if p.analytic_parameters else ""),
+        *([f"  active per token: {p.active_parameters:,} (its top-k experts of all)"]
+          if p.active_parameters != p.analytic_parameters else []),
         "memory per device:",
-        f"  parameters        {_size(p.parameter_bytes):>12}",
+        f"  parameters        {_size(p.parameter_bytes):>12}" + (
+            f"   (experts' weights {_size(p.expert_bytes)})" if p.expert_bytes else ""),
         f"  optimizer state   {_size(p.optimizer_bytes):>12}",
         f"  batch             {_size(p.batch_bytes):>12}",
         f"  XLA temporaries   {_size(p.temp_bytes):>12}   (activations, gradients, scratch)",

@@ -7,7 +7,9 @@ scheduler frees activations as the backward pass goes. Measured on one H100 (iss
 counts instead what a step keeps:
 
 - parameters, optimizer state and the batch (from their shardings: exact);
-- the activations each layer saves for the backward pass, by remat policy
+- the activations each layer saves for the backward pass (a mixture of experts': its
+  tokens' slots at the training capacity, and the dispatch and combine tensors), by remat
+  policy
   (``none``: everything; ``dots``: the matmul outputs and the layer input; ``full``: the
   layer input) and by attention kernel (a flash kernel saves its output and log-sum-exp and
   recomputes the rest; the einsum path's logits are a matmul: [heads, memory_length] float32
@@ -92,12 +94,26 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     rotated = (hk + gk) * a if c.position_encoding == "rotary" else 0.0
     tokens = batch_size * length / num_microbatches / layout.ways("batch") / layout.ways("length")
 
-    def layer(cross: bool) -> tuple[float, float]:
+    m = c.moe
+    if m:  # an expert's slots per token, and its d_ff where `experts` leaves it split
+        slots = m.top_k * m.capacity_factor_train
+        fe = m.expert_d_ff / (1 if layout.mesh_dim_for("experts") == layout.mesh_dim_for("d_ff")
+                              else layout.ways("d_ff"))
+        group = m.group_length(length)
+
+    def layer(cross: bool, experts: bool = False) -> tuple[float, float]:
         """(bytes saved for the backward pass, bytes of its working set) per token of one
         layer: self-attention over `length` positions (and encoder-decoder attention over
-        as many), then the feed-forward block."""
+        as many), then the feed-forward block, or with `experts` the mixture of experts:
+        each token in top_k x capacity_factor slots (inputs, hidden, outputs), and the
+        dispatch and combine tensors, group x slots per token (float32)."""
         attentions = 2 if cross else 1
-        matmul_outputs = attentions * (hk + 2 * gk + d) + gates * f + d  # q k v, o; wi, wo
+        ffn = gates * f + d  # wi, wo
+        routing = 0.0
+        if experts:
+            ffn = slots * (d + gates * fe + d) + d
+            routing = 2 * group * slots * 4
+        matmul_outputs = attentions * (hk + 2 * gk + d) + ffn  # q k v, o; the feed-forward
         residuals = attentions * (hk * a + heads * 4)  # a flash kernel's output and lse
         if kernel == "dense":  # logits (float32) and weights @ values are matmuls too
             matmul_outputs += attentions * hk
@@ -106,22 +122,28 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
             logits = 0.0
         dots = d * a + matmul_outputs * a + logits  # with the layer's input
         # norms, activations (and their product), rotated queries and keys
-        everything = dots + (1 + attentions) * d * 4 + gates * f * a + residuals + rotated
+        everything = (dots + (1 + attentions) * d * 4 + gates * (slots * fe if experts else f) * a
+                      + residuals + rotated + routing)
         if kernel == "dense":
             everything += attentions * heads * length * a  # the softmax weights
         saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
         return saved, everything + logits  # + the logits' gradient while it runs
 
-    if kind == "lm":
-        stack = [layer(False)] * c.num_layers
-    else:
-        encoder = c.num_encoder_layers or c.num_layers
-        stack = [layer(False)] * encoder + [layer(True)] * c.num_layers
+    def moe(i: int) -> bool:
+        return bool(c.moe_every) and (i + 1) % c.moe_every == 0
+
+    decoder = [layer(kind != "lm", moe(i)) for i in range(c.num_layers)]
+    encoder = [] if kind == "lm" else [layer(False, moe(i)) for i in
+                                       range(c.num_encoder_layers or c.num_layers)]
+    stack = encoder + decoder
     saved = tokens * sum(s for s, _ in stack)
     working = tokens * max(w for _, w in stack)
     if layout.parameter_rules:  # a layer's weights gathered, and their gradient unreduced
         attentions = 1 if kind == "lm" else 2
-        working += (attentions * 2 * d * (hk + gk) + (gates + 1) * d * f) * (a + 4)
+        ffn = (gates + 1) * d * f
+        if m:  # the experts of this device's share
+            ffn = max(ffn, (gates + 1) * d * fe * m.num_experts / layout.ways("experts"))
+        working += (attentions * 2 * d * (hk + gk) + ffn) * (a + 4)
     vocab = per("vocab", c.vocab_size)
     # A slice of the logits and their gradient (the float32 softmax fuses into the reduction).
     logits = tokens / loss_chunks * vocab * 2 * a

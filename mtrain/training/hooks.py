@@ -24,6 +24,9 @@ from mtrain.training.loop import FiniteGuard, Hook, Step, Stepper
 log = logging.getLogger("mtrain")
 
 
+_STEP_METRICS = ("loss", "cross_entropy", "grad_norm", "num_tokens", "finite")
+
+
 class LogTrain(Hook):
     """`write(step, record)` every `every` steps and at the last one. `flops_per_step`: the
     model's FLOPs of one step; `peak_flops`: one device's peak, for the MFU (0: none);
@@ -53,6 +56,9 @@ class LogTrain(Hook):
             "train/skipped_steps": self.guard.skipped,
             "train/model_flops_per_second_per_device": flops,
             "train/mfu": flops / self.peak_flops if self.peak_flops else np.nan,
+            # the model's own (a mixture of experts' losses and load: `moe.summary`)
+            **{f"train/{k}": np.mean([m[k] for m in finite]) for k in finite[0]
+               if k not in _STEP_METRICS},
             **self.stepper.log_metrics(step.state),
         })
         self.pending, self.tick = [], time.time()

@@ -120,7 +120,7 @@ class SGPTrainer:
         z = pushsum.debias(x, w)
         with self.inner.activate(t.mesh):
             key = jax.random.fold_in(jax.random.fold_in(t.dropout_key, step), ctx.replica_id)
-            grads, loss, xent, tokens = t.gradients(z, batch, key)
+            grads, loss, xent, tokens, stats = t.gradients(z, batch, key)
             updates, opt = t.optimizer.update(grads, opt, z)
             # The update moves x; the de-biased value moves by it divided by w.
             x = jax.tree_util.tree_map(lambda v, u: v + u * w, x, updates)
@@ -133,7 +133,8 @@ class SGPTrainer:
             x, w, inflight = gossip(x, w, inflight)
         # This replica's metrics; only scalars are reduced over the replicas: a metric must
         # not cost the all-reduce SGP avoids. Tokens add up, `finite` holds on every replica.
-        metrics = {k: ctx.all_mean(v) for k, v in step_metrics(grads, loss, xent, tokens).items()}
+        metrics = {k: ctx.all_mean(v) for k, v in step_metrics(grads, loss, xent, tokens,
+                                                                 stats).items()}
         metrics["num_tokens"] = ctx.all_sum(tokens)
         metrics["finite"] = (metrics["finite"] == 1.0).astype(jnp.float32)
         expand = lambda tree: jax.tree_util.tree_map(lambda v: v[None], tree)  # noqa: E731

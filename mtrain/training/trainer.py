@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mtrain.models import moe
 from mtrain.training import losses
 from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
@@ -76,12 +77,14 @@ class TrainState:
     opt_state: Any
 
 
-def step_metrics(grads, loss, xent, tokens) -> dict:
+def step_metrics(grads, loss, xent, tokens, extra=None) -> dict:
     """A train step's metrics: loss, cross-entropy, tokens, gradient norm, and `finite`: 0
     when the loss or a gradient is not finite (wrap the optimizer in optax.apply_if_finite
-    to skip such updates, as run.py does)."""
+    to skip such updates, as run.py does); and `extra`, the model's own (a mixture of
+    experts' statistics, `moe.summary`)."""
     grad_norm = optax.tree.norm(grads)
-    return {"loss": loss, "cross_entropy": xent, "num_tokens": tokens, "grad_norm": grad_norm,
+    return {**(extra or {}), "loss": loss, "cross_entropy": xent, "num_tokens": tokens,
+            "grad_norm": grad_norm,
             "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32)}
 
 
@@ -178,15 +181,21 @@ class Trainer:
         ids = jnp.zeros(shape or self.batch_shape, jnp.int32)
         return {name: ids for name in batch_keys(self.model.features)}
 
-    def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False):
+    def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False,
+               stats=False):
         """The model's logits for a packed batch (its `features`, each with segment ids and
         positions); with `return_hidden` its final hidden states and output kernel. The
-        batch's packing, if it carries one, is the model's `current_packing()`."""
+        batch's packing, if it carries one, is the model's `current_packing()`. With
+        `stats`, ``(out, statistics)``: its experts' (`moe.summary`; {} without)."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
         with packed_rows(getattr(batch, "packing", None)):
-            return self.model.apply({"params": params}, *args, deterministic=deterministic,
-                                    rngs=rngs, **kwargs)
+            out = self.model.apply({"params": params}, *args, deterministic=deterministic,
+                                   rngs=rngs, mutable=[moe.STATS] if stats else False, **kwargs)
+        if not stats:
+            return out
+        out, variables = out
+        return out, moe.summary(variables.get(moe.STATS, {}))
 
     def _init_variables(self, key):
         with self.layout.activate(self.mesh):
@@ -218,41 +227,48 @@ class Trainer:
         return loss, xent, weights, logits
 
     def _loss_sums(self, params, batch, rngs):
-        """(loss, cross-entropy, tokens) summed over the training `batch`'s tokens: with
-        `loss_chunks` > 1 the logits are made a slice at a time (the cross-entropy then
-        carries no gradient)."""
+        """(loss, cross-entropy, tokens, statistics) summed over the training `batch`'s
+        tokens: with `loss_chunks` > 1 the logits are made a slice at a time (the
+        cross-entropy then carries no gradient). A mixture of experts' auxiliary losses
+        (``aux_loss``, a mean) count once per token, and its statistics are summed x tokens
+        too, so that all add up over microbatches."""
         weights = batch["targets_segment_ids"] > 0
         tokens = weights.sum().astype(jnp.float32)
-        if self.loss_chunks == 1:
-            loss, xent, _, _ = self._losses(params, batch, False, rngs)
-            return loss.sum(), xent.sum(), tokens
-        hidden, kernel = self._apply(params, batch, False, rngs, return_hidden=True)
-        loss, xent = losses.chunked_cross_entropy(
-            hidden, kernel, batch["targets"], weights, chunks=self.loss_chunks,
-            z_loss=self.loss_config.z_loss, label_smoothing=self.loss_config.label_smoothing)
-        return loss, xent, tokens
+        c, chunks = self.loss_config, self.loss_chunks
+        out, stats = self._apply(params, batch, False, rngs, chunks > 1, stats=True)
+        if chunks == 1:
+            loss, xent = (x.sum() for x in losses.cross_entropy(
+                out, batch["targets"], weights, z_loss=c.z_loss, label_smoothing=c.label_smoothing))
+        else:  # `out` is (hidden, kernel)
+            loss, xent = losses.chunked_cross_entropy(
+                *out, batch["targets"], weights, chunks=chunks, z_loss=c.z_loss,
+                label_smoothing=c.label_smoothing)
+        if "aux_loss" in stats:
+            loss = loss + tokens * stats.pop("aux_loss")
+        return loss, xent, tokens, {k: v * tokens for k, v in stats.items()}
 
     def _gradients(self, params, batch: Batch, rngs, normalize: bool):
-        """(gradient, loss, cross-entropy, tokens) of `batch`: of the mean token loss with
-        `normalize`, else of the summed loss (the sums add up over microbatches)."""
+        """(gradient, loss, cross-entropy, tokens, statistics) of `batch`: of the mean token
+        loss with `normalize` (statistics: means), else of the sums (to add up)."""
         def loss_fn(params):
-            loss, xent, tokens = self._loss_sums(params, batch, rngs)
+            loss, xent, tokens, stats = self._loss_sums(params, batch, rngs)
             scale = 1.0 / jnp.maximum(tokens, 1.0) if normalize else 1.0
-            return loss * scale, (xent * scale, tokens)
+            stats = {k: v * scale for k, v in stats.items()}
+            return loss * scale, (xent * scale, tokens, stats)
 
-        (loss, (xent, tokens)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, (xent, tokens, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         # Laid out as the parameters are stored: under parameter layout rules (FSDP) each
         # device keeps (and accumulates over microbatches) only its shard of the sum.
         grads = jax.tree_util.tree_map(
             lambda names, g: constrain(g, logical_names(names, g.ndim), "gradient", parameter=True),
             self.param_names, grads, is_leaf=is_names)
-        return grads, loss, xent, tokens
+        return grads, loss, xent, tokens, stats
 
     def gradients(self, params, batch: Batch, dropout_key):
-        """The gradient of the mean token loss of `batch` (and the loss, cross-entropy and
-        token count), accumulated over `num_microbatches` slices of it, one at a time.
-        Microbatch j holds rows j, j + k, j + 2k, ... so that every device keeps working on
-        its own rows."""
+        """The gradient of the mean token loss of `batch` (and the loss, cross-entropy, token
+        count and the model's statistics: `_loss_sums`), accumulated over `num_microbatches`
+        slices of it, one at a time. Microbatch j holds rows j, j + k, j + 2k, ... so that
+        every device keeps working on its own rows."""
         k = self.num_microbatches
         if k == 1:
             return self._gradients(params, batch, {"dropout": dropout_key}, normalize=True)
@@ -270,19 +286,19 @@ class Trainer:
         zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
             lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False), params,
             jax.tree_util.tree_map(lambda x: x[0], micro)))
-        (grads, loss, xent, tokens), _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
+        (grads, loss, xent, tokens, stats), _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
         # The mean over the batch's tokens, however it was sliced.
         scale = 1.0 / jnp.maximum(tokens, 1.0)
-        grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
-        return grads, loss * scale, xent * scale, tokens
+        grads, stats = jax.tree_util.tree_map(lambda g: g * scale, (grads, stats))
+        return grads, loss * scale, xent * scale, tokens, stats
 
     def _train_step_fn(self, state: TrainState, batch: Batch):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
-            grads, loss, xent, tokens = self.gradients(state.params, batch, dropout_key)
+            grads, loss, xent, tokens, stats = self.gradients(state.params, batch, dropout_key)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-        metrics = step_metrics(grads, loss, xent, tokens)
+        metrics = step_metrics(grads, loss, xent, tokens, stats)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def _eval_step_fn(self, params, batch: Batch):

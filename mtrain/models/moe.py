@@ -1,0 +1,201 @@
+"""Mixture of experts: the feed-forward layer as `num_experts` feed-forward layers, each
+token sent to its top-k of them (Mesh-TF's `moe.py` MoE1D, GShard, Switch Transformer).
+
+The tokens of each row are routed in groups of `group_size` (a group never spans rows, so
+that a layout never changes a group). Per group, in float32 whatever the activations:
+
+    logits = x @ router            [groups, group, experts]
+    probs = softmax(logits)        each token's top_k experts, with gates: the top_k
+                                   probabilities renormalised to sum to 1 (GShard, Mixtral);
+                                   with top_k = 1 the probability itself (Switch), so that
+                                   the router learns from the loss
+
+Each expert takes at most `capacity` tokens of a group, ceil(top_k x group x
+capacity_factor / experts): first choices before second choices, then in token order. A
+token beyond its expert's capacity is dropped from that expert: it gets nothing from it and
+passes on through the residual. Padding (segment id 0) is routed nowhere.
+
+Dispatch and combine are one-hot einsums (as in Mesh-TF and GShard), so the layout language
+expresses expert parallelism: the dispatched tokens are [experts, groups, capacity,
+d_model], the expert weights [experts, d_model, d_ff] and [experts, d_ff, d_model]; with
+``experts:batch`` the tokens move from the devices of their group to those of their expert
+and back, which XLA's SPMD partitioner turns into two all-to-alls per layer. An ``experts``
+dimension claims its mesh dimension first (`layout.LEADING`): under ``experts:batch`` the
+groups of the expert side stay whole, under ``experts:model`` an expert's ``d_ff`` does.
+The token-side scores over the experts lie on ``experts_unsplit`` (Mesh-TF's name), the
+slots of an expert on ``expert_capacity``, the tokens of a group on ``group``.
+
+The layer sows its statistics into the ``moe_stats`` collection (`STATS`), which the
+trainer reads (`summary`): the Switch load-balancing loss ``num_experts x sum_i f_i P_i``
+(f_i: the fraction of tokens with expert i among their top_k choices; P_i: the mean router
+probability of expert i), the router z-loss (the mean of logsumexp(logits)^2), the
+fraction of the tokens' expert choices dropped, the busiest expert's share of the choices,
+and `aux_loss`, what the layer adds to the training loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mtrain.models import layers
+from mtrain.models.base import shape_field
+from mtrain.parallel.layout import constrain
+
+STATS = "moe_stats"  # the collection the layers sow their statistics into
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The experts of `TransformerConfig.moe` (gin: ``moe.num_experts = 8``; the layers that
+    have them: ``transformer.moe_every``)."""
+
+    num_experts: int = shape_field(8)
+    top_k: int = shape_field(2)  # 1: Switch; 2: GShard (Mesh-TF's MoE1D), Mixtral
+    expert_d_ff: int = shape_field(0)  # each expert's d_ff; 0: transformer.d_ff
+    capacity_factor_train: float = 1.25
+    capacity_factor_eval: float = 2.0
+    group_size: int = 1024  # tokens routed together (at most a row's length)
+    load_balance_loss: float = 1e-2  # its weight in the training loss
+    router_z_loss: float = 1e-3
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            raise ValueError(f"moe.num_experts must be at least 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"moe.top_k={self.top_k} must be between 1 and moe.num_experts="
+                             f"{self.num_experts}")
+        for name in ("capacity_factor_train", "capacity_factor_eval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"moe.{name} must be positive, got {getattr(self, name)}")
+        if self.group_size < 1 or self.expert_d_ff < 0:
+            raise ValueError(f"moe.group_size must be at least 1 and moe.expert_d_ff at least "
+                             f"0, got {self.group_size} and {self.expert_d_ff}")
+        if self.load_balance_loss < 0 or self.router_z_loss < 0:
+            raise ValueError("moe.load_balance_loss and moe.router_z_loss must not be negative")
+
+    def group_length(self, length: int) -> int:
+        """Tokens per group for rows of `length`: the largest divisor of `length` that is at
+        most `group_size`."""
+        return max(s for s in range(1, min(self.group_size, length) + 1) if length % s == 0)
+
+    def capacity(self, group: int, train: bool) -> int:
+        """An expert's slots per group of `group` tokens (at least 1, at most `group`)."""
+        factor = self.capacity_factor_train if train else self.capacity_factor_eval
+        return max(1, min(group, math.ceil(self.top_k * group * factor / self.num_experts)))
+
+
+def route(logits, real, top_k: int, capacity: int):
+    """Top-k routing with a capacity per expert, on router `logits` [groups, group, experts]
+    (float32) of tokens `real` [groups, group] (1.0, or 0.0 for padding).
+
+    Returns ``(dispatch, combine, stats)``: `dispatch` [groups, group, experts, capacity] is
+    1 where a token takes an expert's slot, `combine` the same weighted by the token's gate,
+    and `stats` the layer's statistics (see the module doc; not yet weighted)."""
+    g, s, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
+    if top_k > 1:
+        gates = gates / gates.sum(-1, keepdims=True)
+    choice = jax.nn.one_hot(index, e, dtype=jnp.int32) * real[..., None, None].astype(jnp.int32)
+    # Slots in priority order: every token's first choice, then every second choice, ...
+    ranked = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
+    position = (jnp.cumsum(ranked, axis=1) - 1).reshape(g, top_k, s, e).transpose(0, 2, 1, 3)
+    slot = jnp.sum(position * choice, axis=-1)  # [g, s, k]: the slot each choice would take
+    kept = (choice.sum(-1) > 0) & (slot < capacity)  # [g, s, k]
+    expert = jax.nn.one_hot(index, e, dtype=jnp.float32) * kept[..., None]
+    place = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # out of range: all 0
+    dispatch = jnp.einsum("gske,gskc->gsec", expert, place)
+    combine = jnp.einsum("gske,gskc->gsec", expert * gates[..., None], place)
+
+    real = real.astype(jnp.float32)
+    tokens = jnp.maximum(real.sum(), 1.0)
+    chosen = choice.sum(2).astype(jnp.float32)  # [g, s, e]: 1 where e is among the choices
+    per_expert = chosen.sum((0, 1))
+    f = per_expert / tokens
+    p = jnp.einsum("gse,gs->e", probs, real) / tokens
+    z = jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
+    choices = jnp.maximum(top_k * real.sum(), 1.0)
+    stats = {"load_balance_loss": e * jnp.sum(f * p), "router_z_loss": z,
+             "dropped_fraction": 1.0 - kept.sum() / choices,
+             "busiest_expert_share": per_expert.max() / choices}
+    return dispatch, combine, stats
+
+
+class MoeFeedForward(nn.Module):
+    """The mixture-of-experts feed-forward layer (see the module doc): x [batch, length,
+    d_model] -> [batch, length, d_model]. `activations` as `layers.DenseReluDense`'s (gated
+    activations apply in every expert); parameters ``router`` [d_model, experts_unsplit],
+    ``wi`` (or ``wi_0``, ``wi_1``, ...) [experts, d_model, d_ff] and ``wo`` [experts, d_ff,
+    d_model]. `nonpadding` [batch, length]: the real tokens (None: all)."""
+
+    config: MoEConfig
+    d_ff: int
+    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+    activations: tuple[str, ...] = ("relu",)
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool, nonpadding=None):
+        m, dt = self.config, self.dtype
+        b, length, d = x.shape
+        e, f = m.num_experts, self.d_ff
+        s = m.group_length(length)
+        g = b * length // s
+        xg = constrain(x.reshape(g, s, d), ("batch", "group", "d_model"))
+        real = (jnp.ones((g, s), jnp.float32) if nonpadding is None
+                else nonpadding.reshape(g, s).astype(jnp.float32))
+        router = layers.param(self, "router", layers.normal(d**-0.5), (d, e),
+                              ("d_model", "experts_unsplit"))  # float32
+        logits = jnp.einsum("gsd,de->gse", xg.astype(jnp.float32), router)
+        logits = constrain(logits, ("batch", "group", "experts_unsplit"))
+        capacity = m.capacity(s, train=not deterministic)
+        dispatch, combine, stats = route(logits, real, m.top_k, capacity)
+        for name, value in {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
+                            + m.router_z_loss * stats["router_z_loss"]}.items():
+            self.sow(STATS, name, value, init_fn=lambda: 0.0, reduce_fn=lambda _, new: new)
+
+        # Each token into its slots, on the devices of its group; then to those of its
+        # expert (the all-to-all, where experts and groups split over the same mesh
+        # dimension), and back after the experts.
+        slots = ("experts", "batch", "expert_capacity")
+        unsplit = ("experts_unsplit", "batch", "expert_capacity", "d_model")
+        inputs = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), xg)
+        inputs = constrain(constrain(inputs, unsplit), (*slots, "d_model"))
+        h = None
+        for i, name in enumerate(self.activations):
+            wi = layers.param(self, "wi" if len(self.activations) == 1 else f"wi_{i}",
+                              layers.normal(d**-0.5), (e, d, f), ("experts", "d_model", "d_ff"),
+                              dt)
+            a = layers.ACTIVATIONS[name](jnp.einsum("egcd,edf->egcf", inputs, wi))
+            h = a if h is None else h * a
+        h = constrain(h, (*slots, "d_ff"))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        wo = layers.param(self, "wo", layers.normal(f**-0.5), (e, f, d),
+                          ("experts", "d_ff", "d_model"), dt)
+        out = constrain(jnp.einsum("egcf,efd->egcd", h, wo), (*slots, "d_model"))
+        out = constrain(out, unsplit)
+        y = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out)
+        y = constrain(y, ("batch", "group", "d_model")).reshape(b, length, d)
+        return constrain(y, ("batch", "length", "d_model"))
+
+
+def summary(stats) -> dict:
+    """A step's mixture-of-experts metrics from the ``moe_stats`` collection of its layers
+    (a scanned stack's as arrays over its layers): the mean over the layers of each
+    statistic, but the busiest expert's share, the most of any layer; and `aux_loss`, what
+    the layers add to the training loss (the mean of theirs, as MaxText). {} for a model
+    without experts."""
+    values: dict[str, list] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        values.setdefault(path[-1].key, []).append(jnp.ravel(leaf))
+    out = {}
+    for name, parts in values.items():
+        joined = jnp.concatenate(parts)
+        out[name] = joined.max() if name == "busiest_expert_share" else joined.mean()
+    return out
