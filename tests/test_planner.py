@@ -381,3 +381,48 @@ def test_step_model_counts_the_new_blocks():
     assert step_model.attention_kernel(dataclasses.replace(base, position_encoding="relative_bias")) == "dense"
     rotary = dataclasses.replace(base, position_encoding="rotary")
     assert DecoderLM(rotary).analytic_flops(16, 2048) > DecoderLM(base).analytic_flops(16, 2048)
+
+
+def test_experts_in_the_step_model_and_the_layout_search():
+    """A mixture of experts keeps its tokens' slots and the dispatch tensors (more saved
+    activations than the dense layer it replaces, which scale with the capacity factor);
+    the layout search tries the experts split over each mesh dimension."""
+    from mtrain.models.moe import MoEConfig
+    from mtrain.planning import step_model
+
+    base = TransformerConfig(vocab_size=32768, d_model=1024, d_ff=4096, num_heads=8, d_kv=128,
+                             num_layers=4, max_length=1024, activation_dtype="bfloat16")
+
+    def saved(**moe):
+        config = dataclasses.replace(base, moe_every=2 if moe else 0,
+                                     moe=MoEConfig(num_experts=8, **moe) if moe else None)
+        return step_model.estimate(
+            config, "lm", Layout("batch:8", "batch:batch;experts:batch"), 16, 1024, 1, 16,
+            4e9, 4e9, 4e8, DecoderLM(config).analytic_flops(16, 1024),
+            TARGETS["h100"]).saved_activation_bytes
+
+    assert saved() < saved(capacity_factor_train=1.0) < saved(capacity_factor_train=2.0)
+    layouts = planner.candidate_layouts(8, experts=True)
+    assert ("batch:8", "batch:batch;experts:batch", "") in layouts
+    assert ("batch:2;model:4", "batch:batch;d_ff:model;heads:model;experts:model", "") in layouts
+    assert not any("experts" in rules for _, rules, _ in planner.candidate_layouts(8))
+
+
+@pytest.mark.slow
+def test_the_26b_experts_preset_fits_256_tpu_v4_chips_with_expert_parallelism():
+    """The README's plan: with `experts:batch` the 26.7B model fits (a 32nd of the experts
+    per row of chips, all-to-all dispatch); with its experts replicated over `batch`, it
+    does not."""
+    proc = run_plan("--gin_file=experiments/moe_26b_lm.gin", "--target=tpu-v4", "--format=json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["num_devices"] == 256 and 26e9 < report["parameters"] < 27e9
+    assert 1.6e9 < report["active_parameters"] < 1.8e9
+    assert report["fits"] and report["collectives"]["all-to-all"]["count"] > 0
+    # 64 experts over 32 x 8: a 256th of their 25.8B float32 weights on each chip
+    assert report["expert_bytes"] == 12 * 64 * 2 * 2048 * 8192 * 4 // 256
+    proc = run_plan("--gin_file=experiments/moe_26b_lm.gin", "--target=tpu-v4", "--format=json",
+                    '--gin_param=run.layout_rules="batch:batch;d_ff:model;heads:model;vocab:model"')
+    assert proc.returncode == 0, proc.stderr
+    replicated = json.loads(proc.stdout)
+    assert not replicated["fits"] and replicated["collectives"]["all-to-all"]["count"] == 0

@@ -17,7 +17,7 @@ A model is a flax `nn.Module`, built as ``model(config)`` from the run's `Transf
   parameters as the Mesh-TF paper counts them, and its training FLOPs per step (6 x matmul
   parameters x tokens + attention), for the planner and the MFU the run logs.
 
-and, optionally (`uses_packing`, `check_batch`):
+and, optionally (`uses_packing`, `check_batch`, `active_parameters`, statistics):
 
 - `uses_packing`: True if a kernel of the model wants to know how the examples of each batch
   are packed. The trainer then computes `packing_of` each host batch, carries it with the
@@ -25,6 +25,10 @@ and, optionally (`uses_packing`, `check_batch`):
   `current_packing()` while the model is traced (`packed_rows`). A model's attention on a
   Hopper GPU runs cuDNN's packed-segment layout with a table of that size.
 - ``check_batch(batch)``: raises `errors.DataError` for a host batch it cannot compute.
+- ``active_parameters()``: the parameters one token computes with, where fewer than all (a
+  mixture of experts); the planner reports both.
+- what it sows into the ``moe_stats`` collection while training (`moe.summary`): logged as
+  ``train/<name>``, its ``aux_loss`` added to the training loss.
 """
 
 from __future__ import annotations
