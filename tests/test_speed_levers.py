@@ -165,7 +165,7 @@ def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
             batch = t.place_batch(packed_batch(0, features))
             out.append(jax.jit(lambda p, b: t.gradients(p, b, t.dropout_key))(
                 t.init_state().params, batch))
-        (g1, loss1, xent1, n1), (g8, loss8, xent8, n8) = out
+        (g1, loss1, xent1, n1, _), (g8, loss8, xent8, n8, _) = out
         np.testing.assert_allclose([loss8, xent8, n8], [loss1, xent1, n1], rtol=tol)
         for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g8)):
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
