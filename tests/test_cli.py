@@ -186,6 +186,7 @@ def test_speed_settings_profile_and_mfu_from_gin(data_dir, tmp_path):
     gin.clear_config()  # TransformerConfig is gin-configurable: leave no bad binding behind
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_sgp_from_gin_with_checkpoints_either_way(data_dir, tmp_path):
     """run.data_parallel='sgp' trains on the mesh's 4 batch replicas, logs consensus and bytes,
     and its checkpoints (of the average) continue an all-reduce run and the other way round."""

@@ -54,6 +54,7 @@ def train(mesh_shape, rules, steps=3, parameter_rules=""):
     return losses, jax.device_get(state.params)
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_same_loss_on_one_device_and_on_a_2x4_mesh():
     ref_losses, ref_params = train("", "")
     assert ref_losses[-1] < ref_losses[0]

@@ -98,6 +98,7 @@ def test_fsdp_with_scanned_rematerialised_layers_microbatches_and_flash_attentio
                            params, ref_params)
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_sgp_refuses_fsdp_over_its_gossip_dimension_and_keeps_it_over_another():
     with pytest.raises(ValueError, match="parameter layout rule 'd_model:batch' splits the "
                                          "parameters over the gossip mesh dimension 'batch'"):

@@ -133,7 +133,8 @@ def _no_drops(**kwargs):
                      capacity_factor_eval=2.0, **kwargs)
 
 
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
 def test_lm_decoding_equals_the_teacher_forced_pass(scan):
     """With room for every token (no drops), the experts' layers decode one token at a time
     as the full forward pass computes them (a scanned stack: a group of a dense and an
@@ -221,15 +222,14 @@ MOE_LAYOUTS = [  # (mesh shape, layout rules, parameter layout rules)
     ("", "", ""),
     ("batch:8", "batch:batch;experts:batch", ""),
     ("model:8", "experts:model;d_ff:model;heads:model", ""),
-    ("batch:4;model:2", "batch:batch;experts:batch;d_ff:model", ""),
-    ("batch:4;model:2", "batch:batch;experts:batch;d_ff:model;heads:model", "d_model:batch"),
+    ("batch:4;model:2", "batch:batch;experts:batch;d_ff:model", "d_model:batch"),  # FSDP
     ("batch:8", "batch:batch", ""),  # experts replicated
 ]
 
 
 @pytest.mark.slow
 def test_moe_tiny_trains_alike_on_every_layout_and_dispatches_by_all_to_all():
-    """`moe_tiny` (two layers, one with experts) trains 3 steps with the same losses on one
+    """`moe_tiny` (two layers, one with experts) trains 2 steps with the same losses on one
     device and on 8 with the experts split over `batch`, over `model`, beside `d_ff:model`
     and under FSDP's parameter rules. With `experts:batch` the compiled step dispatches by
     all-to-all and never gathers an expert weight whole, FSDP's rules included (its
@@ -248,7 +248,7 @@ def test_moe_tiny_trains_alike_on_every_layout_and_dispatches_by_all_to_all():
     model_config = config.model_config(test_trainer.CONFIG.vocab_size)
     assert (model_config.moe.num_experts, model_config.moe.top_k) == (8, 2)
     opt = config.adamw(config.learning_rate_schedule(train_steps=10))
-    batches = test_trainer.packed_batches(1) * 3
+    batches = test_trainer.packed_batches(1) * 2
     e, d, f = 8, model_config.d_model, model_config.moe.expert_d_ff
     whole = {(e, d, f), (e, f, d)}
     results = []

@@ -98,6 +98,7 @@ def test_llama_logits_are_hugging_faces():
                                oracle["long_logits"], atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_llama_greedy_tokens_are_hugging_faces():
     """By the incremental decoding path (`decode_step`: the prompt fed a token at a time
     into the cache of 2 key/value heads and rotated keys, then its own argmax)."""
@@ -167,6 +168,7 @@ def test_t5_1_1_logits_are_hugging_faces():
         oracle["long_logits"], atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_t5_1_1_greedy_tokens_are_hugging_faces():
     """By the incremental decoding path (`decode_step`, its cache and the relative bias of
     each decoded position)."""

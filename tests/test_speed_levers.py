@@ -95,6 +95,7 @@ def test_scanned_layers_compute_what_the_unrolled_ones_do(reference):
     np.testing.assert_allclose(train_losses(scanned, params=stacked), reference, rtol=1e-5)
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_scanned_encoder_decoder_computes_what_the_unrolled_one_does():
     both = ("inputs", "targets")
     config = dataclasses.replace(CONFIG, num_encoder_layers=2)  # 2 encoder, 3 decoder layers
