@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain.evaluation import generation
+from mtrain.evaluation import decoding, generation
 from mtrain.evaluation.translation import DecodingConfig
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.parallel.layout import Layout
@@ -33,7 +33,7 @@ PROMPTS = jnp.array([[5, 6, 0, 0, 0, 0, 0, 0],
 
 def run(**kwargs):
     kwargs = {"max_decode_len": 8, "rng": jax.random.key(0), "eos_id": 1, **kwargs}
-    return np.asarray(generation.sample(counting_model, jnp.zeros((3,), jnp.int32), PROMPTS,
+    return np.asarray(decoding.sample(counting_model, jnp.zeros((3,), jnp.int32), PROMPTS,
                                         **kwargs))
 
 
@@ -57,14 +57,14 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 
 def test_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    assert np.isfinite(generation.filter_logits(logits, top_k=2)).tolist() == \
+    assert np.isfinite(decoding.filter_logits(logits, top_k=2)).tolist() == \
         [[True, True, False, False]]
     # top_p: the smallest set of the likeliest tokens whose mass reaches p
-    assert np.isfinite(generation.filter_logits(logits, top_p=0.7)).tolist() == \
+    assert np.isfinite(decoding.filter_logits(logits, top_p=0.7)).tolist() == \
         [[True, True, False, False]]
-    assert np.isfinite(generation.filter_logits(logits, top_p=0.5)).tolist() == \
+    assert np.isfinite(decoding.filter_logits(logits, top_p=0.5)).tolist() == \
         [[True, False, False, False]]
-    assert np.isfinite(generation.filter_logits(logits, top_p=0.81)).sum() == 3
+    assert np.isfinite(decoding.filter_logits(logits, top_p=0.81)).sum() == 3
 
 
 class Vocab:

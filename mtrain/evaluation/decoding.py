@@ -1,4 +1,5 @@
-"""Autoregressive decoding: greedy search and beam search, model-agnostic and jit-able.
+"""Autoregressive decoding: greedy search, sampling after prompts and beam search,
+model-agnostic and jit-able.
 
 The model supplies a ``cache`` and a one-step function; nothing here knows about Flax:
 
@@ -100,27 +101,62 @@ def _gather_cache(cache, beam_indices, batch_size: int, beam_size: int):
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_decode_len: int,
                   eos_id: int = 1) -> jax.Array:
-    """[batch, max_decode_len] int32: argmax decoding; after a sequence's EOS, 0s.
+    """[batch, max_decode_len] int32: argmax decoding; after a sequence's EOS, 0s (`sample`
+    with empty prompts at temperature 0).
 
     The loop stops as soon as every sequence has produced EOS.
     """
     _check_rows(cache, batch_size, "cache")
+    prompts = jnp.zeros((batch_size, max_decode_len), jnp.int32)
+    return sample(tokens_to_logits, cache, prompts, max_decode_len, None, eos_id=eos_id)
+
+
+def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
+    """`logits` [n, vocab] with every token outside the `top_k` most likely (0: all) and
+    outside the smallest set whose probabilities reach `top_p` (1: all) set to -inf."""
+    if top_k:
+        kth = lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
+        kept = jnp.where(before < top_p, ordered, jnp.inf)
+        logits = jnp.where(logits < kept.min(axis=-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int, rng,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           eos_id: int = 1) -> jax.Array:
+    """[batch, length] int32: each row's prompt (`prompts` [batch, length], its tokens then
+    0s) followed by its continuation: at most `max_decode_len` tokens, ended by EOS, then
+    0s. Greedy for `temperature` 0, else sampled from softmax(logits / temperature) after
+    `filter_logits`, with the key ``fold_in(rng, position)``."""
+    batch, length = prompts.shape
+    prompt_lengths = jnp.sum(prompts > 0, axis=1)
+    stop = jnp.minimum(prompt_lengths + max_decode_len, length)
 
     def cond(state):
         index, _, _, done, _ = state
-        return (index < max_decode_len) & ~jnp.all(done)
+        return (index < length) & ~jnp.all(done)
 
     def body(state):
         index, last, seqs, done, cache = state
         logits, cache = tokens_to_logits(last[:, None], cache)
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        token = jnp.where(done, 0, token)  # finished sequences are padded with 0
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=-1)
+        else:
+            logits = filter_logits(logits / temperature, top_k, top_p)
+            token = jax.random.categorical(jax.random.fold_in(rng, index), logits)
+        prompted = index < prompt_lengths
+        token = jnp.where(prompted, prompts[:, index], jnp.where(done, 0, token)).astype(jnp.int32)
         seqs = lax.dynamic_update_slice_in_dim(seqs, token[:, None], index, axis=1)
-        return index + 1, token, seqs, done | (token == eos_id), cache
+        done = done | (~prompted & (token == eos_id)) | (index + 1 >= stop)
+        return index + 1, token, seqs, done, cache
 
-    state = (jnp.array(0, jnp.int32), jnp.zeros((batch_size,), jnp.int32),
-             jnp.zeros((batch_size, max_decode_len), jnp.int32), jnp.zeros((batch_size,), bool),
-             cache)
+    state = (jnp.array(0, jnp.int32), jnp.zeros((batch,), jnp.int32),
+             jnp.zeros((batch, length), jnp.int32), stop <= prompt_lengths, cache)
     return lax.while_loop(cond, body, state)[2]
 
 

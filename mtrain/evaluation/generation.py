@@ -4,11 +4,10 @@ or by sampling (temperature, top-k, top-p), batched, jitted and sharded as `tran
     generator = Generator(trainer, vocab, DecodingConfig(temperature=0.8, top_p=0.9), seed=0)
     text = generator(params, ["In the beginning God"])
 
-`sample` is model-agnostic, as `decoding`'s searches are. It runs the model one position
-at a time with its key/value cache, from the start token (0) on; while a row is inside its
-prompt it feeds the prompt's next token instead of what it would pick, so that prompts of
-any length share one loop and one decoding index (T5X's decoder-only prefix works the same
-way). A prompt is the line's tokens without EOS, as an LM example begins.
+`decoding.sample` runs the model one position at a time with its key/value cache, from
+the start token (0) on; while a row is inside its prompt it feeds the prompt's next token
+instead of what it would pick, so that prompts of any length share one loop and one
+decoding index (T5X's decoder-only prefix works the same way). A prompt is the line's tokens without EOS, as an LM example begins.
 """
 
 from __future__ import annotations
@@ -18,62 +17,12 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtrain.data.vocabulary import Vocabulary
-from mtrain.evaluation.decoding import TokensToLogits
+from mtrain.evaluation.decoding import sample
 from mtrain.evaluation.translation import BatchedDecoder, DecodingConfig, empty_cache
 from mtrain.training.trainer import Trainer
-
-
-def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
-    """`logits` [n, vocab] with every token outside the `top_k` most likely (0: all) and
-    outside the smallest set whose probabilities reach `top_p` (1: all) set to -inf."""
-    if top_k:
-        kth = lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
-        kept = jnp.where(before < top_p, ordered, jnp.inf)
-        logits = jnp.where(logits < kept.min(axis=-1, keepdims=True), -jnp.inf, logits)
-    return logits
-
-
-def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int, rng,
-           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           eos_id: int = 1) -> jax.Array:
-    """[batch, length] int32: each row's prompt (`prompts` [batch, length], its tokens then
-    0s) followed by its continuation: at most `max_decode_len` tokens, ended by EOS, then
-    0s. Greedy for `temperature` 0, else sampled from softmax(logits / temperature) after
-    `filter_logits`, with the key ``fold_in(rng, position)``."""
-    batch, length = prompts.shape
-    prompt_lengths = jnp.sum(prompts > 0, axis=1)
-    stop = jnp.minimum(prompt_lengths + max_decode_len, length)
-
-    def cond(state):
-        index, _, _, done, _ = state
-        return (index < length) & ~jnp.all(done)
-
-    def body(state):
-        index, last, seqs, done, cache = state
-        logits, cache = tokens_to_logits(last[:, None], cache)
-        if temperature == 0.0:
-            token = jnp.argmax(logits, axis=-1)
-        else:
-            logits = filter_logits(logits / temperature, top_k, top_p)
-            token = jax.random.categorical(jax.random.fold_in(rng, index), logits)
-        prompted = index < prompt_lengths
-        token = jnp.where(prompted, prompts[:, index], jnp.where(done, 0, token)).astype(jnp.int32)
-        seqs = lax.dynamic_update_slice_in_dim(seqs, token[:, None], index, axis=1)
-        done = done | (~prompted & (token == eos_id)) | (index + 1 >= stop)
-        return index + 1, token, seqs, done, cache
-
-    state = (jnp.array(0, jnp.int32), jnp.zeros((batch,), jnp.int32),
-             jnp.zeros((batch, length), jnp.int32), stop <= prompt_lengths, cache)
-    return lax.while_loop(cond, body, state)[2]
 
 
 class Generator(BatchedDecoder):

@@ -107,7 +107,7 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     cost = cost[0] if isinstance(cost, list) else cost
     # A parameter's shapes: whole, its stored shard, and (under parameter layout rules) its
     # shard as the layout rules lay it out for use, which is what is gathered.
-    parameter_shapes = set()
+    parameter_shapes, expert_bytes = set(), 0
     for leaf, s, names in zip(jax.tree_util.tree_leaves(abstract.params),
                               jax.tree_util.tree_leaves(shardings.params),
                               jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names)):
@@ -118,15 +118,12 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
         # A scanned stack's parameter [layers, ...] moves a layer at a time in the loop.
         parameter_shapes |= shapes | ({x[1:] for x in shapes} if names and names[0] == "layers"
                                       else set())
+        if names and "experts" in names:  # the experts' weights, per device
+            expert_bytes += math.prod(s.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
     hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
     comms = hlo.collectives
     batch, length = trainer.batch_shape
     param_bytes = _bytes(abstract.params, shardings.params)
-    expert_bytes = sum(  # the parameters with an `experts` dimension
-        math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x, s, names in
-        zip(jax.tree_util.tree_leaves(abstract.params), jax.tree_util.tree_leaves(shardings.params),
-            jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names))
-        if names and "experts" in names)
     opt_bytes = _bytes(abstract.opt_state, shardings.opt_state)
     batch_bytes = memory.argument_size_in_bytes - param_bytes - opt_bytes - 4  # 4: the step
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes

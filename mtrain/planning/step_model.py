@@ -34,6 +34,7 @@ import dataclasses
 
 from mtrain.parallel.layout import Layout
 from mtrain.models import attention
+from mtrain.models.blocks import is_moe
 from mtrain.models.transformer import TransformerConfig
 
 # The fraction of the target's peak bf16 FLOP/s that the model FLOPs of a large, well-fused
@@ -129,11 +130,8 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
         return saved, everything + logits  # + the logits' gradient while it runs
 
-    def moe(i: int) -> bool:
-        return bool(c.moe_every) and (i + 1) % c.moe_every == 0
-
-    decoder = [layer(kind != "lm", moe(i)) for i in range(c.num_layers)]
-    encoder = [] if kind == "lm" else [layer(False, moe(i)) for i in
+    decoder = [layer(kind != "lm", is_moe(c, i)) for i in range(c.num_layers)]
+    encoder = [] if kind == "lm" else [layer(False, is_moe(c, i)) for i in
                                        range(c.num_encoder_layers or c.num_layers)]
     stack = encoder + decoder
     saved = tokens * sum(s for s, _ in stack)
