@@ -143,6 +143,11 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
             len(s.profile_steps) == 2 and 0 < s.profile_steps[0] <= s.profile_steps[1]):
         raise ConfigError(f"run.profile_steps must be (first, last) steps with 0 < first <= "
                           f"last, got {s.profile_steps!r}")
+    if s.data_workers is not None and (not isinstance(s.data_workers, int)
+                                       or isinstance(s.data_workers, bool)
+                                       or s.data_workers < 0):
+        raise ConfigError(f"run.data_workers must be a whole number of processes (0: in this "
+                          f"process), got {s.data_workers!r}")
     if s.data_parallel not in ("allreduce", "sgp"):
         raise ConfigError(f"run.data_parallel must be 'allreduce' or 'sgp', got "
                           f"{s.data_parallel!r}")

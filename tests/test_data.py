@@ -1,14 +1,15 @@
-"""Input pipeline: Bible splits, packing, host sharding, resumable iterators, eval passes."""
+"""Input pipeline: Bible splits, packing, host sharding, workers, resumable iterators, eval
+passes."""
 
 import itertools
-import os
+import json
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from mtrain.data import bible, packing
+from mtrain.data import bible, lanes, packing
 from mtrain.data.pipeline import batches, lm_batches
+from mtrain.models.base import batch_keys
 from mtrain.data.sources import BibleLM, BibleTranslation
 from mtrain.errors import DataError, IncompatibleRun
 from mtrain.data.vocabulary import EOS_ID, UNK_ID, train_vocabulary
@@ -47,34 +48,39 @@ def test_known_verse_is_in_train():
     assert bible.bible_verses()[0] == (1, 1, 1, *GENESIS_1_1)
     assert BibleLM("en").columns("train")["text"][0] == GENESIS_1_1[0]
     assert BibleLM("fr").columns("train")["text"][0] == GENESIS_1_1[1]
-    first = next(iter(BibleTranslation("en", "fr").dataset("train")))
-    assert (first["inputs"].numpy().decode(), first["targets"].numpy().decode()) == GENESIS_1_1
+    first = BibleTranslation("en", "fr").records("train")[0]
+    assert (first["inputs"], first["targets"]) == GENESIS_1_1
     assert GENESIS_1_1[0] not in set(BibleLM("en").texts("validation"))
 
 
 def test_unknown_split_or_language_is_a_clear_error():
     with pytest.raises(DataError, match="unknown split 'valid'.*train, validation, test"):
-        BibleLM().dataset("valid")
+        BibleLM().records("valid")
     with pytest.raises(ValueError, match="languages"):
         BibleLM("de")
 
 
-def test_shards_partition_a_split_and_shuffling_is_per_epoch():
-    source = EN
-    split = source.columns("test")["text"]
-    shards = [[x["text"].decode() for x in source.dataset("test", shard=(i, 3)).as_numpy_iterator()]
-              for i in range(3)]
-    assert sorted(itertools.chain(*shards)) == sorted(split)
-    assert shards[1] == list(split[1::3])
+def test_lanes_partition_a_split_and_shuffle_every_epoch(vocab):
+    """Lane r of B reads shard r of B of the split (every B-th example from r on), a new
+    permutation of it every epoch, the same for the same seed."""
+    split = EN.columns("test")["text"]
+    texts = lambda rows: [vocab.decode(seq) for row in rows for seq in unpack_rows(row)]
+    pack = lanes.PackWindow(EN.records("test"), vocab, {"targets": "text"}, 512)
+    streams = [lanes.lane_windows(len(split), r, 3, seed=7, window=len(split[r::3]), pack=pack)
+               for r in range(3)]
+    epoch1, epoch2 = texts([streams[1][0]]), texts([streams[1][1]])
+    shard = [vocab.decode(vocab.encode(t)) for t in split[1::3]]
+    assert sorted(epoch1) == sorted(epoch2) == sorted(shard)
+    assert epoch1 != epoch2 and epoch1 != shard
+    again = lanes.lane_windows(len(split), 1, 3, seed=7, window=len(shard), pack=pack)
+    assert texts([again[0]]) == epoch1
+    assert sorted(sum((texts([lane[0]]) for lane in streams), [])) == sorted(
+        vocab.decode(vocab.encode(t)) for t in split)
 
-    n = len(shards[1])
-    stream = source.shuffled_dataset("test", seed=7, shard=(1, 3)).take(2 * n)
-    texts = [x["text"].decode() for x in stream.as_numpy_iterator()]
-    epoch1, epoch2 = texts[:n], texts[n:]
-    assert sorted(epoch1) == sorted(epoch2) == sorted(shards[1])
-    assert epoch1 != epoch2 and epoch1 != shards[1]
-    again = source.shuffled_dataset("test", seed=7, shard=(1, 3)).take(n)
-    assert [x["text"].decode() for x in again.as_numpy_iterator()] == epoch1
+
+def unpack_rows(rows):
+    return [seq for i in range(len(rows["targets"]))
+            for seq in unpack({k: v[i] for k, v in rows.items()}, "targets")]
 
 
 # --- packing -----------------------------------------------------------------------------
@@ -102,12 +108,17 @@ def unpack(row, key):
 
 
 def pack(examples, keys, length, window):
-    signature = {k: tf.TensorSpec([None], tf.int32) for k in keys}
-    dataset = tf.data.Dataset.from_generator(lambda: iter(examples), output_signature=signature)
-    # As the pipeline packs: `window` examples at a time, no function per example.
-    dataset = dataset.ragged_batch(window).map(
-        packing.no_autograph(lambda batch: packing.pack_batch(batch, tuple(keys), length)))
-    return list(dataset.unbatch().as_numpy_iterator())
+    """As the pipeline packs: `window` examples at a time; the rows one by one."""
+    rows = []
+    for start in range(0, len(examples), window):
+        arrays = []
+        for key in keys:
+            sequences = [x[key] for x in examples[start:start + window]]
+            arrays += [np.concatenate(sequences).astype(np.int32),
+                       np.cumsum([0] + [len(x) for x in sequences]).astype(np.int64)]
+        packed = dict(zip(batch_keys(keys), packing.pack_arrays(arrays, length)))
+        rows += [{k: v[i] for k, v in packed.items()} for i in range(len(packed[keys[0]]))]
+    return rows
 
 
 def test_packing_one_key_keeps_examples_whole_and_in_order():
@@ -196,33 +207,53 @@ def test_restored_iterator_continues_exactly(vocab, tmp_path):
     other = lm_batches(EN, vocab, "train", LENGTH, BATCH, seed=6, train=True, window=WINDOW)
     with pytest.raises(IncompatibleRun, match=r"saved by another pipeline: seed=5 there, 6 here"):
         other.restore(tmp_path)
+    with pytest.raises(DataError, match="no input pipeline state"):
+        train_batches(vocab).restore(tmp_path / "none")
 
 
-def test_a_position_saved_by_an_older_mtrain_restores_and_a_damaged_one_is_an_error(vocab,
-                                                                                   tmp_path):
-    """Older runs saved the tf.data state with tf.train.Checkpoint (``<prefix>.index`` and
-    ``.data-*`` instead of ``<prefix>.state``): their checkpoints resume exactly too."""
-    batches = train_batches(vocab)
-    for _ in range(2):
-        next(batches)
-    batches.save(tmp_path)
-    prefix = batches.state_prefix(tmp_path)
-    os.remove(prefix + ".state")
-    tf.train.Checkpoint(iterator=batches._iterator).write(prefix)
-    expected = [next(batches) for _ in range(3)]
-    restored = train_batches(vocab)
-    restored.restore(tmp_path)
-    assert_same([next(restored) for _ in range(3)], expected)
-    batches.save(tmp_path / "damaged")
-    with open(batches.state_prefix(tmp_path / "damaged") + ".state", "r+b") as f:
-        f.truncate(10)
-    with pytest.raises(DataError, match="cannot restore the input pipeline"):
-        train_batches(vocab).restore(tmp_path / "damaged")
+def test_workers_make_the_same_batches_and_resume_exactly(vocab, tmp_path):
+    """Two Grain worker processes, each making the rows of half the lanes, give the batches
+    of the in-process pipeline; a position saved with workers restores without them and the
+    other way round, and the saved positions are where each lane's next row lies."""
+    alone, workers = train_batches(vocab), train_batches(vocab, workers=2)
+    try:
+        assert workers.workers == 2
+        assert_same([next(alone) for _ in range(3)], [next(workers) for _ in range(3)])
+        workers.save(tmp_path / "workers")
+        alone.save(tmp_path / "alone")
+        expected = [next(alone) for _ in range(4)]
+        for saved, restored in (("workers", train_batches(vocab)),
+                                ("alone", train_batches(vocab, workers=2))):
+            restored.restore(tmp_path / saved)
+            assert restored.position == 3
+            assert_same([next(restored) for _ in range(4)], expected)
+            restored.close()
+    finally:
+        workers.close()
+    state = json.loads((tmp_path / "alone" / "input_pipeline.process-0-of-1.json").read_text())
+    assert sorted(state["lanes"]) == [str(lane) for lane in range(BATCH)]
+    assert train_batches(vocab, workers=3).workers == 2  # the most that divide 4 rows
 
 
-def test_a_different_number_of_processes_resumes_by_fast_forwarding(vocab, tmp_path):
-    # Saved by one process after 3 batches; resumed by two (each its half of the rows,
-    # neither with a tf.data state of its own), and back again by one.
+def test_a_tf_data_position_of_an_older_mtrain_is_refused_in_one_line(vocab, tmp_path):
+    """Checkpoints of the tf.data pipeline (fc8be58 and older) saved a tf.data state and a
+    position: its order of examples cannot be continued, and nothing is changed on disk."""
+    saved = tmp_path / "input_pipeline.process-0-of-1.json"
+    saved.write_text(json.dumps(dict(train_batches(vocab).config, position=3, start=0,
+                                     shard=[0, 1])))
+    (tmp_path / "input_pipeline.process-0-of-1.state").write_bytes(b"tf.data")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(IncompatibleRun) as error:
+        train_batches(vocab).restore(tmp_path)
+    assert "\n" not in str(error.value)
+    assert "tf.data pipeline of mtrain fc8be58 or older" in str(error.value)
+    assert "run.init_from" in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_different_number_of_processes_resumes_exactly(vocab, tmp_path):
+    # Saved by one process after 3 batches; resumed by two (each its half of the lanes, read
+    # from the one process's file), and back again by one from the two files.
     single = train_batches(vocab)
     for _ in range(3):
         next(single)
@@ -241,8 +272,9 @@ def test_a_different_number_of_processes_resumes_by_fast_forwarding(vocab, tmp_p
     again.restore(tmp_path / "two")
     assert again.position == 5
     assert_same([more], [next(again)])
-    with pytest.raises(DataError, match="no input pipeline state"):
-        train_batches(vocab).restore(tmp_path / "none")
+    (tmp_path / "two" / "input_pipeline.process-1-of-2.json").unlink()
+    with pytest.raises(DataError, match="incomplete: no position of lanes"):
+        train_batches(vocab).restore(tmp_path / "two")
 
 
 def test_eval_pass_sees_every_token_once(vocab):

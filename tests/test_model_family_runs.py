@@ -134,7 +134,7 @@ def test_t5_1_1_tiny_enfr(fresh_home, tmp_path, capsys):
 def test_moe_tiny_lm(fresh_home, tmp_path, capsys):
     """`experiments/moe_tiny_lm.gin` (experts split over `batch`) from an empty HOME: it
     trains and logs its experts' losses and load, the same command again resumes, a resumed
-    run continues bit for bit (AdamW's state and the cosine schedule's decay_steps
+    run continues bit for bit (with two Grain workers where the first run had none) (AdamW's state and the cosine schedule's decay_steps
     included), another `num_experts` is refused, the checkpoint is restored
     under another layout (experts over `model`: the same scores), and eval and plan run."""
     model_dir = tmp_path / "moe"
@@ -154,7 +154,7 @@ def test_moe_tiny_lm(fresh_home, tmp_path, capsys):
     trained = argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=6"]
     assert main(argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=4"]) == 0
     assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
-    assert main(trained) == 0
+    assert main(trained + ["--gin_param=run.data_workers=2"]) == 0  # (none before)
     straight = tmp_path / "straight"
     assert main(argv + [f"--model_dir={straight}", "--gin_param=run.train_steps=6"]) == 0
     jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(model_dir, 6),

@@ -75,8 +75,8 @@ def test_two_processes_train_like_one_and_one_process_resumes(data_dir, tmp_path
     # The same layout with the mesh dimensions the other way round: the hosts still lie
     # along `batch`, each feeding half of every batch.
     files = [FILES[0], "--gin_param=run.mesh_shape='model:2;batch:4'"]
-    procs = start_processes(tmp_path / "two", "run.train_steps=10", *steps, files=files,
-                            base=QUICKSTART)
+    procs = start_processes(tmp_path / "two", "run.train_steps=10", *steps,
+                            "run.data_workers=2", files=files, base=QUICKSTART)
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -86,12 +86,19 @@ def test_two_processes_train_like_one_and_one_process_resumes(data_dir, tmp_path
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
     assert "step 10" in outs[0][1] and "step 10" not in outs[1][1]  # process 1: warnings only
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["10", "5"]
-    for p in range(2):
-        saved = tmp_path / "two" / "checkpoints" / "10" / "data" / f"input_pipeline.process-{p}-of-2.json"
-        assert json.loads(saved.read_text())["shard"] == [p, 2]
+    # Each process read its own rows (lanes) of every batch, with two Grain workers each:
+    # disjoint halves that together are the one process's lanes, each at the same position.
+    data = [tmp_path / run / "checkpoints" / "10" / "data" for run in ("one", "two")]
+    one = json.loads((data[0] / "input_pipeline.process-0-of-1.json").read_text())["lanes"]
+    halves = [json.loads((data[1] / f"input_pipeline.process-{p}-of-2.json").read_text())
+              for p in range(2)]
+    assert [h["shard"] for h in halves] == [[0, 2], [1, 2]]
+    assert sorted(halves[0]["lanes"], key=int) == [str(lane) for lane in range(8)]
+    assert sorted(halves[1]["lanes"], key=int) == [str(lane) for lane in range(8, 16)]
+    assert {**halves[0]["lanes"], **halves[1]["lanes"]} == one
 
-    # One process resumes the two processes' checkpoint, fast-forwarding the input pipeline
-    # to its position, and continues as the single-process run does.
+    # One process resumes the two processes' checkpoint, each lane where the process that
+    # read it left it, and continues as the single-process run does.
     train_in_this_process(tmp_path / "one", "run.train_steps=13", *steps, base=QUICKSTART)
     train_in_this_process(tmp_path / "two", "run.train_steps=13", *steps, base=QUICKSTART)
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "two")

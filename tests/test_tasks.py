@@ -62,9 +62,10 @@ def test_tfds_sources_read_the_prepared_splits_by_index(lm1b, wmt, data_dir, raw
     assert set(wmt.features) == {"en", "fr"}
     assert set(wmt.splits) == {"train", "validation", "test"}
     assert wmt.num_examples("validation") == len(bible.bible_split_verses("validation"))
-    # gather returns exactly the examples asked for, in the order asked.
-    block = wmt.gather("test", np.array([5, 0, 5], np.int64))
-    en, fr = [[s.decode() for s in block[k].numpy()] for k in ("en", "fr")]
+    # records read exactly the examples asked for, in the order asked, as strings.
+    records = wmt.records("test")
+    block = [records[5], records[0], *records.__getitems__([5])]
+    en, fr = [[x[k] for x in block] for k in ("en", "fr")]
     pairs = {v.en: v.fr for v in bible.bible_split_verses("test")}
     assert en[0] == en[2] and all(pairs[e] == f for e, f in zip(en, fr))
     # Prepared once, in a TFDS dir of this origin, and found again without rebuilding.
@@ -73,7 +74,7 @@ def test_tfds_sources_read_the_prepared_splits_by_index(lm1b, wmt, data_dir, raw
     again = tasks.get_task("lm1b").source(data_dir, raw)
     assert again.num_examples("train") == MAX_TRAIN
     with pytest.raises(DataError, match="unknown split 'validation'.*train, test"):
-        lm1b.dataset("validation")
+        lm1b.records("validation")
 
 
 def test_bible_tasks_reject_a_data_source(data_dir):

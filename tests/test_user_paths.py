@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import no_compilation_cache
+from conftest import no_compilation_cache, split_import_times
 from model_dirs import digest, saved_state
 from mtrain.io.lock import DATA_LOCK_FILE
 
@@ -49,15 +49,15 @@ def user_env(home):
     return env
 
 
-def command(home, files, params, model_dir, *more):
+def command(home, files, params, model_dir, *more, python_flags=()):
     """(argv, env) of `python -m mtrain` on 8 CPU devices, with `home` as HOME."""
-    args = [sys.executable, "-m", "mtrain", "--cpu_devices=8", *files,
+    args = [sys.executable, *python_flags, "-m", "mtrain", "--cpu_devices=8", *files,
             *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}", *more]
     return args, user_env(home)
 
 
-def mtrain(home, files, params, model_dir, *more):
-    args, env = command(home, files, params, model_dir, *more)
+def mtrain(home, files, params, model_dir, *more, python_flags=()):
+    args, env = command(home, files, params, model_dir, *more, python_flags=python_flags)
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -101,13 +101,18 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     assert not glob.glob(str(unfinished))
     assert "sentencepiece vocabulary" in first.stderr
 
-    again = mtrain(home, files, [*common, "run.train_steps=6"], stopped)
+    # Resumed with two Grain workers (the first run had none) and, its data prepared,
+    # without importing TensorFlow.
+    again = mtrain(home, files, [*common, "run.train_steps=6", "run.data_workers=2"], stopped,
+                   python_flags=("-X", "importtime"))
     assert again.returncode == 0, again.stderr
+    imported, _ = split_import_times(again.stderr)
+    assert "grain" in imported and "tensorflow" not in imported
     assert "preparing" not in again.stderr and "sentencepiece vocabulary" not in again.stderr
     assert "resuming from the checkpoint of step 4" in again.stderr
     assert sorted(os.listdir(stopped / "checkpoints")) == ["2", "4", "6"]
 
-    whole = mtrain(home, files, [*common, "run.train_steps=6"], straight)
+    whole = mtrain(home, files, [*common, "run.train_steps=6", "run.data_workers=0"], straight)
     assert whole.returncode == 0, whole.stderr
     jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(stopped, 6),
                            saved_state(straight, 6))

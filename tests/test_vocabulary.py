@@ -2,11 +2,11 @@
 
 import itertools
 import os
+import pickle
 import re
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from mtrain.data.sources import BibleLM
 from mtrain.data.vocabulary import (
@@ -38,17 +38,15 @@ def test_conventions_and_round_trip(vocab_path):
     assert load_vocabulary(vocab_path).model_proto == vocab_path.read_bytes()
 
 
-def test_encode_tf_matches_encode(vocab_path):
+def test_encode_batch_matches_encode_and_survives_pickling(vocab_path):
+    """The pipeline's one SentencePiece call per window, and the vocabulary as Grain's
+    worker processes receive it."""
     vocab = load_vocabulary(vocab_path)
     texts = some_texts(20)
-    ragged = vocab.encode_tf(tf.constant(texts), add_eos=True)
-    assert ragged.dtype == tf.int32
-    assert ragged.to_list() == [vocab.encode(t) + [EOS_ID] for t in texts]
-    # The same inside a tf.data map.
-    dataset = tf.data.Dataset.from_tensor_slices(texts).batch(7).map(
-        lambda s: vocab.encode_tf(s).to_tensor())
-    rows = [row[row > 0].tolist() for batch in dataset.as_numpy_iterator() for row in batch]
-    assert rows == [vocab.encode(t) for t in texts]
+    values, row_splits = pickle.loads(pickle.dumps(vocab)).encode_batch(texts, add_eos=True)
+    assert values.dtype == np.int32 and row_splits.dtype == np.int64
+    assert [values[a:b].tolist() for a, b in zip(row_splits[:-1], row_splits[1:])] == [
+        vocab.encode(t) + [EOS_ID] for t in texts]
 
 
 def test_training_is_deterministic(tmp_path, vocab_path):

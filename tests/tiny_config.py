@@ -5,4 +5,5 @@ TINY = [
     "transformer.d_kv=16", "transformer.num_layers=1", "transformer.max_length=32",
     "vocabulary.size=256", "run.batch_size=8", "run.sequence_length=32",
     "run.eval_split='test'", "learning_rate_schedule.warmup_steps=5",
+    "run.data_workers=0",  # whatever the machine's cores (the tests that need workers ask)
 ]

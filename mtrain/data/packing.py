@@ -18,51 +18,16 @@ sequences fit. Examples longer than `length` are trimmed first.
 
 Packing is greedy over windows of `window` consecutive examples: each example goes into
 the current row if it fits, else starts a new row; the last row of a window is emitted even
-if not full. The packing of a window is one `tf.numpy_function` call of plain numpy: a graph
-of small TensorFlow ops doing the same ran ~10x slower inside tf.data. It is deterministic
-and a pure function of its input, so an iterator over a packed dataset can be checkpointed
-with `tf.data.Options.experimental_external_state_policy = IGNORE` (see pipeline.py).
+if not full. A window is packed by one call of plain numpy (`pack_arrays`), a pure function
+of the window: the pipeline (pipeline.py) maps it over windows as a Grain transform, so
+the rows of window w of a stream can be made again from w alone (exact resume).
 """
 
 import numpy as np
-import tensorflow as tf
-
-from mtrain.models.base import batch_keys
-
-# Functions given to tf.data are plain TensorFlow code: skipping AutoGraph's source
-# rewriting saves about a second per function traced.
-no_autograph = tf.autograph.experimental.do_not_convert
-
-
-@no_autograph
-def pack_batch(batch: dict[str, tf.RaggedTensor], keys: tuple[str, ...],
-               length: int) -> dict[str, tf.Tensor]:
-    """Trims and packs a batch of examples given as one ragged [n, (tokens)] tensor per key.
-
-    Returns, per key, the three [rows, length] int32 tensors described in the module
-    docstring.
-    """
-    arrays = []
-    for k in keys:
-        tokens = _as_ragged(batch[k])
-        arrays += [tf.cast(tokens.values, tf.int32), tf.cast(tokens.row_splits, tf.int64)]
-    packed = tf.numpy_function(lambda *arrays: pack_arrays(arrays, length), arrays,
-                               [tf.int32] * (3 * len(keys)), stateful=False)
-    names = batch_keys(keys)
-    for value in packed:
-        value.set_shape([None, length])
-    return dict(zip(names, packed))
-
-
-def _as_ragged(tokens: tf.Tensor | tf.RaggedTensor) -> tf.RaggedTensor:
-    """ragged_batch gives a dense tensor when every example has the same static shape."""
-    if isinstance(tokens, tf.RaggedTensor):
-        return tokens
-    return tf.RaggedTensor.from_tensor(tokens)
 
 
 def pack_arrays(arrays: list[np.ndarray], length: int) -> list[np.ndarray]:
-    """numpy side of `pack_batch`.
+    """Trims and packs a window of examples given as flat token arrays.
 
     `arrays` is (values, row_splits) for each key: example i of that key is
     values[row_splits[i]:row_splits[i + 1]]. Returns (tokens, segment_ids, positions) for

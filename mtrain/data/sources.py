@@ -1,15 +1,10 @@
 """Text corpora: named splits of examples whose features are strings, read by index.
 
 A source gives, for a split name ("train", "validation", "test"), the number of examples and
-random access to them (`gather`: a batch of indices -> one tf.string tensor per feature).
-Everything else is built on those two:
-
-- `dataset(split, shard)`: the examples (or every `count`-th from `index` on) in order, for
-  evaluation;
-- `shuffled_dataset(split, seed, shard)`: the same examples endlessly, epoch e a permutation
-  drawn from (seed, e) alone, for training. No shuffle buffer, so the state of an iterator is
-  an epoch and a position: checkpoints stay tiny and every epoch is a uniform shuffle;
-- `texts(split)`: the strings in plain Python, for training a vocabulary.
+random access to them: `records(split)` is a sequence (``len``, ``[i]``) of examples, each a
+dict of Python strings, one per feature. The input pipeline (pipeline.py) reads it through
+Grain, which shuffles, shards and repeats by index; `examples(split)` and `texts(split)`
+read it in order in plain Python (for evaluation references and training a vocabulary).
 
 Features are named by the source: the Bible LM has "text", the Bible translation corpus
 "inputs" and "targets", TFDS sources the dataset's own names (lm1b "text", wmt14 "en" and
@@ -18,7 +13,8 @@ Features are named by the source: the Bible LM has "text", the Bible translation
 The shipped corpus is the King James / Louis Segond Bible in `data/` (see data/README.md).
 Its held-out splits are whole books, so no verse of a held-out book is ever trained on.
 TFDS datasets (lm1b, wmt14) are `TfdsSource`s, prepared by the real TFDS builders
-(tfds_prepare.py) and read by index from their array_record files.
+(tfds_prepare.py) and read by index from their array_record files (`tfds.data_source`),
+which needs no TensorFlow.
 """
 
 from __future__ import annotations
@@ -26,35 +22,30 @@ from __future__ import annotations
 import abc
 import hashlib
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
-
-import numpy as np
-from etils import epy
-
-with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not for plans
-    import tensorflow as tf
+from typing import Iterator
 
 from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
 from mtrain.errors import DataError
+
+Example = dict[str, str]
+
 
 class TextSource(abc.ABC):
     """A corpus with named splits of string examples, read by index."""
 
     features: tuple[str, ...]  # names of the string features of every example
     splits: tuple[str, ...] = SPLITS
-    block: int = 256  # examples fetched per `gather` call inside tf.data
 
     @abc.abstractmethod
+    def records(self, split: str) -> Sequence[Example]:
+        """The examples of a valid split, by index: a sequence of dicts {feature: string}
+        that can be pickled (Grain's worker processes read it too). Deterministic."""
+
     def num_examples(self, split: str) -> int:
         """The number of examples of a valid split."""
-
-    @abc.abstractmethod
-    def gather(self, split: str, indices: tf.Tensor) -> dict[str, tf.Tensor]:
-        """Examples `indices` (1-D int64) of a valid split: one 1-D tf.string per feature.
-
-        Called inside tf.data functions; must be deterministic.
-        """
+        return len(self.records(self.check_split(split)))
 
     def cache_dir(self, data_dir: str) -> str:
         """Where files derived from this source (vocabularies) are cached."""
@@ -80,64 +71,18 @@ class TextSource(abc.ABC):
         every process and on every machine (saved with checkpoints, compared on resume)."""
         return self.description()
 
-    def _indices(self, split: str, shard: tuple[int, int] | None) -> tf.Tensor:
-        """The example indices of a split, or of shard `index` of `count`: every `count`-th
-        example from `index` on. `index` may be a scalar tensor (one shard per batch row)."""
-        size = self.num_examples(self.check_split(split))
-        if shard is None:
-            return tf.range(size, dtype=tf.int64)
-        index, count = shard
-        if isinstance(index, int) and not 0 <= index < count:
-            raise ValueError(f"shard index {index} is not in [0, {count})")
-        return tf.range(tf.cast(index, tf.int64), size, count, dtype=tf.int64)
-
-    def _examples(self, split: str, indices: tf.Tensor | tf.data.Dataset) -> tf.data.Dataset:
-        """The examples at `indices`, in that order, fetched `block` at a time."""
-        if not isinstance(indices, tf.data.Dataset):
-            indices = tf.data.Dataset.from_tensor_slices(indices)
-        gather = tf.autograph.experimental.do_not_convert(
-            lambda block: self.gather(split, block))
-        return indices.batch(self.block).map(gather).unbatch()
-
-    def dataset(self, split: str, shard: tuple[int, int] | None = None) -> tf.data.Dataset:
-        """The examples of `split` (or of one shard) in order, as dicts of tf.string scalars."""
-        return self._examples(split, self._indices(split, shard))
-
-    def shuffled_dataset(self, split: str, seed: int | tf.Tensor,
-                         shard: tuple[int, int] | None = None) -> tf.data.Dataset:
-        """The examples of `split` (or of one shard) endlessly; epoch e is a permutation of
-        them drawn from (seed, e) alone."""
-        indices = self._indices(split, shard)
-        size = tf.size(indices, out_type=tf.int64)
-        # An empty shard would make the endless stream below spin forever: fail instead.
-        with tf.control_dependencies([tf.debugging.assert_positive(
-                size, message=f"{type(self).__name__}: empty shard of split {split!r}")]):
-            indices = tf.identity(indices)
-        seed = tf.cast(seed, tf.int64)
-
-        @tf.autograph.experimental.do_not_convert
-        def epoch(e: tf.Tensor) -> tf.data.Dataset:
-            order = tf.random.experimental.stateless_shuffle(
-                indices, seed=tf.stack([seed, e]), alg="philox")
-            return tf.data.Dataset.from_tensor_slices(order)
-
-        return self._examples(split, tf.data.Dataset.range(2**62).flat_map(epoch))
-
     def texts(self, split: str, limit: int | None = None) -> Iterator[str]:
         """Every string of every feature of the first `limit` examples of `split`, example by
         example (so a vocabulary trained on the first N strings sees every feature)."""
         for example in self.examples(split, limit):
             yield from example.values()
 
-    def examples(self, split: str, limit: int | None = None) -> Iterator[dict[str, str]]:
+    def examples(self, split: str, limit: int | None = None) -> Iterator[Example]:
         """The first `limit` examples of `split` in order, as dicts of Python strings."""
-        size = self.num_examples(self.check_split(split))
-        size = size if limit is None else min(size, limit)
-        for start in range(0, size, 4096):
-            block = self.gather(split, tf.range(start, min(start + 4096, size), dtype=tf.int64))
-            columns = {name: block[name].numpy() for name in self.features}
-            for i in range(len(columns[self.features[0]])):
-                yield {name: values[i].decode("utf-8") for name, values in columns.items()}
+        records = self.records(self.check_split(split))
+        size = len(records) if limit is None else min(len(records), limit)
+        for i in range(size):
+            yield records[i]
 
 
 class InMemorySource(TextSource):
@@ -147,30 +92,27 @@ class InMemorySource(TextSource):
     def columns(self, split: str) -> dict[str, Sequence[str]]:
         """For a valid split, one sequence of strings per feature, all of the same length."""
 
-    def num_examples(self, split: str) -> int:
-        return len(self.columns(self.check_split(split))[self.features[0]])
-
-    def gather(self, split: str, indices: tf.Tensor) -> dict[str, tf.Tensor]:
-        return {name: tf.gather(values, indices) for name, values in self._tensors(split).items()}
-
-    def _tensors(self, split: str) -> dict[str, tf.Tensor]:
-        """The split's columns as tf.string tensors, made once per source and split.
-
-        They are eager tensors even when asked for while tf.data traces a function, so that
-        functions capture them instead of holding a copy (which makes iterators slow to
-        start).
-        """
-        cache = self.__dict__.setdefault("_tensor_cache", {})
-        if split not in cache:
-            with tf.init_scope():
-                cache[split] = {name: tf.constant(values, tf.string, shape=[len(values)])
-                                for name, values in self.columns(split).items()}
-        return cache[split]
+    def records(self, split: str) -> Sequence[Example]:
+        return Columns(self.columns(self.check_split(split)))
 
     def texts(self, split: str, limit: int | None = None) -> Iterator[str]:
         columns = self.columns(self.check_split(split))
         for strings in zip(*(columns[name][:limit] for name in self.features)):
             yield from strings
+
+
+class Columns(Sequence):
+    """Columns of strings {feature: [string, ...]} read as rows {feature: string}."""
+
+    def __init__(self, columns: dict[str, Sequence[str]]):
+        self._columns = {name: list(values) for name, values in columns.items()}
+        self._length = len(next(iter(self._columns.values())))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Example:
+        return {name: values[index] for name, values in self._columns.items()}
 
 
 def _check_language(language: str) -> str:
@@ -254,7 +196,7 @@ class TfdsSource(TextSource):
         self._builder = tfds_prepare.prepare(name, str(self._dir), raw)
         self.features = tuple(self._builder.info.features.keys())
         self.splits = tuple(str(split) for split in self._builder.info.splits.keys())
-        self._readers = {}
+        self._records = {}
 
     def cache_dir(self, data_dir: str) -> str:
         return str(self._dir / "mtrain")  # beside the prepared dataset, as it depends on it
@@ -273,25 +215,31 @@ class TfdsSource(TextSource):
     def num_examples(self, split: str) -> int:
         return self._builder.info.splits[self.check_split(split)].num_examples
 
-    def _reader(self, split: str):
-        if split not in self._readers:
-            self._readers[split] = self._builder.as_data_source(split=self.check_split(split))
-        return self._readers[split]
-
-    def gather(self, split: str, indices: tf.Tensor) -> dict[str, tf.Tensor]:
-        reader, features = self._reader(split), self.features
-
-        def fetch(index_array: np.ndarray) -> list[np.ndarray]:
-            examples = reader.__getitems__(index_array.tolist())
-            return [np.array([_as_bytes(example[name]) for example in examples], dtype=object)
-                    for name in features]
-
-        columns = tf.nest.flatten(  # one feature comes back as a tensor, not a list
-            tf.numpy_function(fetch, [indices], [tf.string] * len(features), stateful=False))
-        for column in columns:
-            column.set_shape([None])
-        return dict(zip(features, columns))
+    def records(self, split: str) -> Sequence[Example]:
+        if split not in self._records:
+            reader = self._builder.as_data_source(split=self.check_split(split))
+            self._records[split] = TfdsRecords(reader, self.features)
+        return self._records[split]
 
 
-def _as_bytes(value) -> bytes:
-    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+class TfdsRecords(Sequence):
+    """A TFDS data source (array_record, read by index) with its string features decoded."""
+
+    def __init__(self, reader, features: tuple[str, ...]):
+        self._reader, self._features = reader, features
+
+    def __len__(self) -> int:
+        return len(self._reader)
+
+    def __getitem__(self, index: int) -> Example:
+        return self._decode(self._reader[index])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Example]:
+        return [self._decode(example) for example in self._reader.__getitems__(list(indices))]
+
+    def _decode(self, example: dict) -> Example:
+        return {name: _as_str(example[name]) for name in self._features}
+
+
+def _as_str(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

@@ -5,7 +5,8 @@
     ids = vocab.encode("In the beginning")      # no EOS appended
     text = vocab.decode(ids + [vocab.eos_id])   # stops at the first EOS
 
-Inside tf.data, `encode_tf` tokenises a batch of strings with one SentencePiece call.
+`encode_batch` tokenises a window of strings with one SentencePiece call (the input
+pipeline's).
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 import sentencepiece as spm
-from etils import epath, epy
-
-with epy.lazy_imports():  # TensorFlow (~2 s) only when a pipeline is built: not for plans
-    import tensorflow as tf
+from etils import epath
 
 from mtrain.errors import UserError, first_line
 from mtrain.io.textfiles import write_atomically
@@ -110,29 +108,22 @@ class Vocabulary:
                 kept.append(i)
         return self._sp.decode(kept)
 
-    def encode_tf(self, strings: tf.Tensor, add_eos: bool = False) -> tf.RaggedTensor:
-        """Tokenises a 1-D tf.string tensor into an int32 RaggedTensor [n, (tokens)].
-
-        Works in eager mode and inside tf.data: one `tf.numpy_function` call, hence one
-        SentencePiece call, for the whole batch. The function is pure (a fixed model), so
-        results are deterministic.
-        """
-        values, row_splits = tf.numpy_function(
-            lambda s: self._encode_batch(s, add_eos), [strings], [tf.int32, tf.int64],
-            stateful=False)
-        values.set_shape([None])
-        row_splits.set_shape([None])
-        return tf.RaggedTensor.from_row_splits(values, row_splits, validate=False)
-
-    def _encode_batch(self, strings: np.ndarray, add_eos: bool) -> tuple[np.ndarray, np.ndarray]:
-        """numpy side of `encode_tf`: bytes array -> (flat ids, row splits)."""
-        texts = [s.decode("utf-8") for s in strings.reshape(-1)]
-        ids = self._sp.encode(texts, out_type=int, add_eos=add_eos, num_threads=1)
+    def encode_batch(self, texts: list[str], add_eos: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Tokenises `texts` with one SentencePiece call: (flat int32 ids, int64 row splits),
+        the ids of text i being ids[row_splits[i]:row_splits[i + 1]]."""
+        ids = self._sp.encode(list(texts), out_type=int, add_eos=add_eos, num_threads=1)
         lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
         row_splits = np.zeros(len(ids) + 1, np.int64)
         np.cumsum(lengths, out=row_splits[1:])
         values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
         return values, row_splits
+
+    def __getstate__(self):  # pickled for the input pipeline's worker processes
+        return {"model_proto": self._proto, "path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_proto"], state["path"])
 
 
 def load_vocabulary(path: str | os.PathLike) -> Vocabulary:

@@ -24,7 +24,7 @@ from mtrain.models.base import shape_fields
 from mtrain.training.loop import Stepper
 from mtrain.training.trainer import Trainer
 
-with epy.lazy_imports():  # it imports TensorFlow, which a plan does not need
+with epy.lazy_imports():  # Grain, which a plan does not need
     from mtrain.data import pipeline
 
 
@@ -69,6 +69,10 @@ class RunConfig:
     average every H steps). Evaluation and checkpoints use the replicas' average, so
     checkpoints of either kind restore into the other.
 
+    Input: `data_workers` Grain worker processes tokenise and pack the batches (0: a
+    thread of this process; None: a quarter of the host's cores, at most 8); the batches
+    are the same for any number.
+
     `model` and `optimizer` are gin references: ``model(config)`` of the ``transformer.*``
     settings builds the model (None: `@DecoderLM` for LM tasks, `@EncoderDecoder` for
     translation), ``optimizer(schedule)`` the optax optimizer (None: `@adafactor`), wrapped
@@ -102,6 +106,7 @@ class RunConfig:
     data_parallel: str = "allreduce"
     sgp_overlap: int = 0
     sgp_average_every: int = 0
+    data_workers: int | None = None
     model: Callable | None = None
     optimizer: Callable | None = None
 
@@ -161,6 +166,8 @@ class Experiment:
             self.batch_size, self.config.seed, train=train,
             shard=(start // (stop - start), self.batch_size // (stop - start)),
             process=(jax.process_index(), jax.process_count()),
+            workers=(pipeline.default_workers() if self.config.data_workers is None
+                     else self.config.data_workers),
         )
 
     def checkpoint_meta(self) -> dict:

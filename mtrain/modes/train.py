@@ -59,14 +59,15 @@ def train(exp: Experiment, restart: bool = False) -> dict:
         # A run that stops on an error still completes the checkpoints it started.
         with _closing(checkpoints.close), _closing(checkpoints.wait):
             batches = exp.train_batches()
-            state, start = _restore_or_init(exp, checkpoints, batches, initial)
-            if jax.process_index() == 0:
-                write_atomically(model_dir.config, exp.config_text)
-                if not epath.Path(model_dir.vocabulary).exists():
-                    exp.vocab.save(model_dir.vocabulary)
-            writer = MetricsWriter(exp.model_dir)
-            with _closing(writer.close):
-                results = _train(exp, state, start, batches, checkpoints, writer)
+            with _closing(batches.close):  # the input pipeline's workers
+                state, start = _restore_or_init(exp, checkpoints, batches, initial)
+                if jax.process_index() == 0:
+                    write_atomically(model_dir.config, exp.config_text)
+                    if not epath.Path(model_dir.vocabulary).exists():
+                        exp.vocab.save(model_dir.vocabulary)
+                writer = MetricsWriter(exp.model_dir)
+                with _closing(writer.close):
+                    results = _train(exp, state, start, batches, checkpoints, writer)
     log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
     return results
 
