@@ -12,7 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from mtrain.data import packing
-from mtrain.data.lanes import lane_seed, read
+from mtrain.data.lanes import lane_seed
+from mtrain.data.sources import read
 from mtrain.models.base import batch_keys
 
 no_autograph = tf.autograph.experimental.do_not_convert

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from mtrain.data import bible, lanes, packing
+from mtrain.data import bible, lanes, packing, pipeline
 from mtrain.data.pipeline import batches, lm_batches
 from mtrain.models.base import batch_keys
 from mtrain.data.sources import BibleLM, BibleTranslation
@@ -123,26 +123,49 @@ def pack(examples, keys, length, window):
 
 def test_packing_one_key_keeps_examples_whole_and_in_order():
     rng = np.random.default_rng(0)
-    examples = [{"targets": x} for x in random_examples(rng, 100, 30)]
+    # Each example starts with its own number (200 + i), to tell its place in a row.
+    examples = [{"targets": np.append(200 + i, x).astype(np.int32)}
+                for i, x in enumerate(random_examples(rng, 100, 30))]
     rows = pack(examples, ("targets",), 16, window=9)
     for row in rows:
         assert set(row) == {"targets", "targets_segment_ids", "targets_positions"}
         assert all(v.shape == (16,) and v.dtype == np.int32 for v in row.values())
     unpacked = [seq for row in rows for seq in unpack(row, "targets")]
-    assert unpacked == [x["targets"][:16].tolist() for x in examples]  # trimmed to 16
+    expected = [x["targets"][:16].tolist() for x in examples]  # trimmed to 16
+    assert sorted(unpacked) == sorted(expected)  # each example once, whole
+    for row in rows:  # a row's examples in their order in the window
+        found = [seq[0] for seq in unpack(row, "targets")]
+        assert found == sorted(found)
     assert any(len(x["targets"]) > 16 for x in examples)
     assert max(row["targets_segment_ids"].max() for row in rows) > 1  # rows hold several
+    # First fit: no example could have joined an earlier row of its window.
+    for window in range(0, 100, 9):
+        room = []  # per row of the window: (free positions, numbers of its examples)
+        for row in rows:
+            numbers = [seq[0] - 200 for seq in unpack(row, "targets")]
+            if window <= numbers[0] < window + 9:
+                room.append((16 - (row["targets_segment_ids"] > 0).sum(), numbers))
+        for r, (_, numbers) in enumerate(room):
+            for number in numbers:
+                n = min(len(examples[number]["targets"]), 16)
+                assert all(free < n or min(earlier) > number for free, earlier in room[:r])
 
 
 def test_packing_worked_example():
-    examples = [{"targets": np.array(x, np.int32)} for x in ([7, 8, 1], [5, 1], [9, 9, 9, 1])]
+    """packing.py's docstring: the third example goes back into the first row (first fit;
+    next fit would have started a third row), and windows never share a row."""
+    examples = [{"targets": np.array(x, np.int32)}
+                for x in ([7, 8, 1], [9, 9, 9, 9, 9, 1], [5, 1], [4, 1])]
     rows = pack(examples, ("targets",), 8, window=3)
     assert [r["targets"].tolist() for r in rows] == [[7, 8, 1, 5, 1, 0, 0, 0],
-                                                     [9, 9, 9, 1, 0, 0, 0, 0]]
+                                                     [9, 9, 9, 9, 9, 1, 0, 0],
+                                                     [4, 1, 0, 0, 0, 0, 0, 0]]
     assert [r["targets_segment_ids"].tolist() for r in rows] == [[1, 1, 1, 2, 2, 0, 0, 0],
-                                                                 [1, 1, 1, 1, 0, 0, 0, 0]]
+                                                                 [1, 1, 1, 1, 1, 1, 0, 0],
+                                                                 [1, 1, 0, 0, 0, 0, 0, 0]]
     assert [r["targets_positions"].tolist() for r in rows] == [[0, 1, 2, 0, 1, 0, 0, 0],
-                                                               [0, 1, 2, 3, 0, 0, 0, 0]]
+                                                               [0, 1, 2, 3, 4, 5, 0, 0],
+                                                               [0, 1, 0, 0, 0, 0, 0, 0]]
 
 
 def test_packing_two_keys_keeps_segments_aligned():
@@ -155,7 +178,8 @@ def test_packing_two_keys_keeps_segments_aligned():
         inputs, targets = unpack(row, "inputs"), unpack(row, "targets")
         assert len(inputs) == len(targets)  # example i is segment i in both keys
         pairs += zip(inputs, targets)
-    assert pairs == [(x["inputs"][:12].tolist(), x["targets"][:12].tolist()) for x in examples]
+    assert sorted(pairs) == sorted((x["inputs"][:12].tolist(), x["targets"][:12].tolist())
+                                   for x in examples)
 
 
 # --- batches -----------------------------------------------------------------------------
@@ -237,18 +261,38 @@ def test_workers_make_the_same_batches_and_resume_exactly(vocab, tmp_path):
 
 def test_a_tf_data_position_of_an_older_mtrain_is_refused_in_one_line(vocab, tmp_path):
     """Checkpoints of the tf.data pipeline (fc8be58 and older) saved a tf.data state and a
-    position: its order of examples cannot be continued, and nothing is changed on disk."""
-    saved = tmp_path / "input_pipeline.process-0-of-1.json"
-    saved.write_text(json.dumps(dict(train_batches(vocab).config, position=3, start=0,
-                                     shard=[0, 1])))
-    (tmp_path / "input_pipeline.process-0-of-1.state").write_bytes(b"tf.data")
-    before = sorted(p.name for p in tmp_path.iterdir())
+    position, but no lanes: their order of examples cannot be continued. Resuming from one
+    is an incompatible run (one line, what to do), and nothing is renamed."""
+    import jax.numpy as jnp
+
+    from mtrain.io.checkpoints import Checkpoints
+
+    batches = train_batches(vocab)
+    next(batches)
+    state, meta = {"w": jnp.arange(4.0)}, {"model": {"d_model": 4}}
+    checkpoints = Checkpoints(tmp_path / "checkpoints", async_save=False)
+    checkpoints.save(1, state, batches, meta)
+    data = tmp_path / "checkpoints" / "1" / "data"
+    saved = data / "input_pipeline.process-0-of-1.json"
+    old = {k: v for k, v in json.loads(saved.read_text()).items() if k != "lanes"}
+    saved.write_text(json.dumps(dict(old, start=0)))  # as fc8be58 wrote it, with
+    (data / "input_pipeline.process-0-of-1.state").write_bytes(b"tf.data")  # its state
+    for listed in data.glob("*.sha256"):
+        listed.unlink()  # (checksums of the files it wrote: not what this test is about)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     with pytest.raises(IncompatibleRun) as error:
-        train_batches(vocab).restore(tmp_path)
+        checkpoints.restore_intact({"w": jnp.zeros(4)}, train_batches(vocab), meta)
     assert "\n" not in str(error.value)
     assert "tf.data pipeline of mtrain fc8be58 or older" in str(error.value)
     assert "run.init_from" in str(error.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    checkpoints.close()
+
+
+def test_default_workers_follow_the_cores(monkeypatch):
+    for cores, workers in [(None, 0), (2, 0), (8, 2), (16, 4), (64, 8)]:
+        monkeypatch.setattr(pipeline.os, "cpu_count", lambda: cores)
+        assert pipeline.default_workers() == workers
 
 
 def test_a_different_number_of_processes_resumes_exactly(vocab, tmp_path):
@@ -283,12 +327,9 @@ def test_eval_pass_sees_every_token_once(vocab):
     assert all(b["targets"].shape == (batch_size, length) for b in batches)
     rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     used = rows["targets_segment_ids"] > 0
-    # Every verse, trimmed, in order, once: the tokens of all segments one after the other,
-    # each segment's positions counting from 0.
+    # Every verse, trimmed, once (each segment's positions counting from 0: `unpack`).
     expected = [(vocab.encode(t) + [EOS_ID])[:length] for t in EN.texts("validation")]
-    np.testing.assert_array_equal(rows["targets"][used], np.concatenate(expected))
-    np.testing.assert_array_equal(rows["targets_positions"][used],
-                                  np.concatenate([np.arange(len(x)) for x in expected]))
+    assert sorted(unpack_rows(rows)) == sorted(expected)
     assert (rows["targets"][~used] == 0).all()
     rows_used = used.any(axis=1)
     assert rows_used[:rows_used.sum()].all()  # only the last batch has all-zero rows

@@ -3,6 +3,7 @@ translation pairs, host sharding, resume, word-level perplexity, and a CLI run o
 
 import json
 import os
+import shutil
 import types
 
 import numpy as np
@@ -124,6 +125,26 @@ def test_tfds_batches_shard_by_host_and_resume_exactly(lm1b, en_vocab, tmp_path)
     for a, b in zip(wanted, [next(resumed) for _ in range(3)]):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_a_corrupt_prepared_file_is_one_line_with_and_without_workers(lm1b, en_vocab, raw,
+                                                                    data_dir, tmp_path):
+    """A prepared array_record file that does not read back (a disk error, a bad copy) is a
+    DataError naming the dataset and what to do, from a worker process as from this one."""
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    [train] = (copy / "tfds_local").rglob("lm1b-train.array_record*")
+    data = bytearray(train.read_bytes())
+    data[len(data) // 10:-len(data) // 10] = bytes(len(data) - 2 * (len(data) // 10))
+    train.write_bytes(bytes(data))
+    source = tasks.get_task("lm1b").source(str(copy), raw)
+    for workers in (0, 2):
+        pipeline = batches(source, en_vocab, "train", {"targets": "text"}, LENGTH, BATCH,
+                           train=True, window=WINDOW, workers=workers)
+        with pytest.raises(DataError, match=r"cannot read the prepared dataset .*lm1b/1\.1\.0 "
+                                            r"\(.*\): delete it, and the next run prepares it"):
+            next(pipeline)
+        pipeline.close()
 
 
 def test_word_count_is_words_plus_end_of_sentence(lm1b, en_vocab):

@@ -17,7 +17,7 @@ import grain
 import numpy as np
 
 from mtrain.data import packing
-from mtrain.data.sources import Example
+from mtrain.data.sources import Example, read
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.models.base import batch_keys
 
@@ -44,13 +44,6 @@ class PackWindow:
         for feature in self.features.values():
             arrays += self.vocab.encode_batch([x[feature] for x in examples], add_eos=True)
         return dict(zip(batch_keys(self.features), packing.pack_arrays(arrays, self.length)))
-
-
-def read(records: Sequence[Example], indices: list[int]) -> list[Example]:
-    """Examples `indices` of `records`, in one read where the source can (array_record)."""
-    if hasattr(records, "__getitems__"):
-        return records.__getitems__(indices)
-    return [records[i] for i in indices]
 
 
 def lane_windows(size: int, lane: int, lanes: int, seed: int, window: int,

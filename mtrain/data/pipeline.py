@@ -69,7 +69,7 @@ LAST_TF_DATA_COMMIT = "fc8be58"  # the last mtrain whose pipeline was tf.data
 def default_workers() -> int:
     """`run.data_workers` when not set: a quarter of the host's cores, at most 8, so that
     a small machine (the 2-core CI) packs in process and a GPU host's cores feed the step."""
-    return max(0, min(8, (os.cpucount() or 1) // 4))
+    return max(0, min(8, (os.cpu_count() or 1) // 4))
 
 
 def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
-from mtrain.errors import DataError
+from mtrain.errors import DataError, first_line
 
 Example = dict[str, str]
 
@@ -81,8 +81,15 @@ class TextSource(abc.ABC):
         """The first `limit` examples of `split` in order, as dicts of Python strings."""
         records = self.records(self.check_split(split))
         size = len(records) if limit is None else min(len(records), limit)
-        for i in range(size):
-            yield records[i]
+        for start in range(0, size, 4096):  # a block at a time where the source can
+            yield from read(records, list(range(start, min(start + 4096, size))))
+
+
+def read(records: Sequence[Example], indices: list[int]) -> list[Example]:
+    """Examples `indices` of `records`, in one read where the source can (array_record)."""
+    if hasattr(records, "__getitems__"):
+        return records.__getitems__(indices)
+    return [records[i] for i in indices]
 
 
 class InMemorySource(TextSource):
@@ -218,24 +225,31 @@ class TfdsSource(TextSource):
     def records(self, split: str) -> Sequence[Example]:
         if split not in self._records:
             reader = self._builder.as_data_source(split=self.check_split(split))
-            self._records[split] = TfdsRecords(reader, self.features)
+            self._records[split] = TfdsRecords(reader, self.features, self._builder.data_dir)
         return self._records[split]
 
 
 class TfdsRecords(Sequence):
-    """A TFDS data source (array_record, read by index) with its string features decoded."""
+    """A TFDS data source (array_record, read by index) with its string features decoded.
+    A file that cannot be read (truncated, corrupt) is a DataError naming the dataset."""
 
-    def __init__(self, reader, features: tuple[str, ...]):
-        self._reader, self._features = reader, features
+    def __init__(self, reader, features: tuple[str, ...], where: str):
+        self._reader, self._features, self._where = reader, features, where
 
     def __len__(self) -> int:
         return len(self._reader)
 
     def __getitem__(self, index: int) -> Example:
-        return self._decode(self._reader[index])
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Example]:
-        return [self._decode(example) for example in self._reader.__getitems__(list(indices))]
+        try:
+            examples = self._reader.__getitems__(list(indices))
+        except Exception as e:  # array_record and TFDS raise RuntimeError, ValueError, ...
+            raise DataError(f"cannot read the prepared dataset {self._where} "
+                            f"({first_line(e)}): delete it, and the next run prepares it "
+                            f"again") from None
+        return [self._decode(example) for example in examples]
 
     def _decode(self, example: dict) -> Example:
         return {name: _as_str(example[name]) for name in self._features}
