@@ -19,11 +19,11 @@ process feeding shard i of n of the batch builds only its lanes, rows [i*B/n, (i
 and takes one row from each in turn (`LaneRows`): it reads and tokenises only its share and
 yields exactly its rows of the batch that a single process would have made.
 
-Workers: with `workers` = W > 0, Grain's `mp_prefetch` runs the lanes in W processes, each
-its slice of them (lanes k, k+W, ...), and takes one row from each process in turn, which
-is again one row from each lane in turn; W is the largest divisor of the process's rows
-that is at most the workers asked for. W = 0 makes the rows in a background thread of this
-process. The batches are the same either way.
+Workers: with `workers` = W > 0 (at most one per lane), Grain's `mp_prefetch` runs the
+lanes in W processes, each its slice of them (lanes k, k+W, ...) making one row of each of
+its lanes per step, and takes one step from each process in turn; the rows go to their
+lanes' places in the batch. W = 0 makes the rows in a background thread of this process.
+The batches are the same either way.
 
 Resuming: a lane's position is (window w, row k): row k of window w comes next. Every row
 carries the position it was taken at, so this process knows each lane's position after the
@@ -42,7 +42,6 @@ rows of each global batch.
 from __future__ import annotations
 
 import json
-import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -61,7 +60,6 @@ from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError, IncompatibleRun
 from mtrain.io.textfiles import write_atomically
 
-log = logging.getLogger("mtrain")
 LM_FEATURES = {"targets": "text"}  # packed key <- source feature
 LAST_TF_DATA_COMMIT = "fc8be58"  # the last mtrain whose pipeline was tf.data
 
@@ -117,12 +115,6 @@ def _check_enough_examples(source: TextSource, split: str, batch_size: int) -> N
                          f"{batch_size}: some batch rows would have nothing to train on")
 
 
-def _workers_for(rows: int, workers: int) -> int:
-    """The most workers, at most `workers`, that divide the process's `rows` lanes evenly
-    (so that one row from each worker in turn is one row from each lane in turn)."""
-    return max((w for w in range(1, min(workers, rows) + 1) if rows % w == 0), default=0)
-
-
 class BatchIterator:
     """This process's rows of each global batch, whose position can be saved and restored.
 
@@ -142,11 +134,7 @@ class BatchIterator:
         batch_size = config["batch_size"]
         self.rows = batch_size // self.shard[1]
         self.first_row = self.shard[0] * self.rows
-        asked = workers
-        self.workers = _workers_for(self.rows, workers) if self.train else workers
-        if self.workers != asked:
-            log.info("input pipeline: %d workers, the most up to %d that divide this "
-                     "process's %d rows", self.workers, asked, self.rows)
+        self.workers = min(workers, self.rows) if self.train else workers  # (one per lane)
         self._iterator = None
         lanes = range(self.first_row, self.first_row + self.rows)
         self._start(0, {lane: (0, 0) for lane in lanes})
