@@ -92,7 +92,7 @@ class _LaneRowsIterator(grain.DatasetIterator):
             while True:
                 if lane not in self._windows or self._windows[lane][0] != w:
                     self._windows[lane] = (w, windows[w])
-                if k < count(self._windows[lane][1]):
+                if k < num_rows(self._windows[lane][1]):
                     break
                 w, k = w + 1, 0  # window w is used up
             self._positions[lane] = (w, k + 1)
@@ -109,6 +109,6 @@ class _LaneRowsIterator(grain.DatasetIterator):
         self._positions = {lane: tuple(p) for (lane, _), p in zip(self._lanes, state["positions"])}
 
 
-def count(rows: Rows) -> int:
+def num_rows(rows: Rows) -> int:
     """The number of rows."""
     return len(next(iter(rows.values())))

@@ -54,7 +54,7 @@ import numpy as np
 from absl import flags
 from etils import epath
 
-from mtrain.data.lanes import LaneRows, PackWindow, Rows, count, lane_windows
+from mtrain.data.lanes import LaneRows, PackWindow, Rows, lane_windows, num_rows
 from mtrain.data.sources import TextSource
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError, IncompatibleRun
@@ -200,17 +200,16 @@ class BatchIterator:
                    .to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
         windows = iter(self._prefetched(windows, buffer=2))
         self._open = windows
-        size, pending = c["batch_size"], []
+        size, pending = c["batch_size"], None  # rows made but not yet batched
         for packed in windows:
-            pending.append(packed)
-            while sum(count(p) for p in pending) >= size:
-                joined = {key: np.concatenate([p[key] for p in pending]) for key in pending[0]}
-                pending = [{key: value[size:] for key, value in joined.items()}]
-                yield self._rows({key: value[:size] for key, value in joined.items()})
-        if pending and count(pending[0]):
-            joined = {key: np.concatenate([p[key] for p in pending]) for key in pending[0]}
+            pending = packed if pending is None else {
+                key: np.concatenate([pending[key], value]) for key, value in packed.items()}
+            while num_rows(pending) >= size:
+                yield self._rows({key: value[:size] for key, value in pending.items()})
+                pending = {key: value[size:] for key, value in pending.items()}
+        if pending is not None and num_rows(pending):
             yield self._rows({key: np.pad(value, [(0, size - len(value)), (0, 0)])
-                              for key, value in joined.items()})
+                              for key, value in pending.items()})
 
     def _rows(self, batch: Rows) -> Rows:
         return {key: value[self.first_row:self.first_row + self.rows]
@@ -227,8 +226,7 @@ class BatchIterator:
     def close(self) -> None:
         """Stops the worker processes or thread (also done when the iterator is collected)."""
         if getattr(self, "_open", None) is not None:
-            if hasattr(self._open, "close"):
-                self._open.close()
+            self._open.close()
             self._open = None
 
     # --- saving and restoring the position ------------------------------------------------
