@@ -57,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with it (an LM: continue each line); score: the log-likelihood of each line of --input_file "
                         "(translation: 'source<TAB>target'), as JSON lines; plan: compile the train step for the configured mesh on "
                         "simulated CPU devices and report memory, FLOPs, collectives and a "
-                        "step-time estimate for --target, without data or accelerators")
+                        "step-time estimate for --target, without data or accelerators; "
+                        "import: make --model_dir from the Hugging Face model folder "
+                        "--input_dir; export: write its checkpoint as one, to --output_dir")
     p.add_argument("--target", default="tpu-v3", metavar="NAME",
                    help="--mode=plan: the accelerator to estimate for: tpu-v2, tpu-v3, tpu-v4, "
                         "tpu-v5e, tpu-v5p, h100 or h200 (default tpu-v3)")
@@ -78,7 +80,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output_dir", default=None, metavar="DIR",
                    help="--mode=eval and --mode=score: where their metrics, TensorBoard events "
                         "and decodes go (default: the model dir, where it can be written; a "
-                        "model dir that cannot be written, shared or published, keeps none)")
+                        "model dir that cannot be written, shared or published, keeps none); "
+                        "--mode=export: the Hugging Face folder to write (new)")
+    p.add_argument("--input_dir", default=None, metavar="DIR",
+                   help="--mode=import: a Hugging Face model folder (config.json, "
+                        "model.safetensors or shards with their index, the tokenizer) of a "
+                        "LlamaForCausalLM, MixtralForCausalLM or T5ForConditionalGeneration")
+    p.add_argument("--checkpoint_step", type=int, default=None, metavar="N",
+                   help="--mode=export: the checkpoint to export (default: the newest)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="--mode=export: the weights' dtype (default float32)")
     p.add_argument("--cpu_devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (sets XLA's host device count before jax "
                         "starts), so that e.g. a batch:4;model:2 mesh runs on a laptop")
@@ -183,7 +194,24 @@ def main(argv=None) -> int:
         return 2
     try:
         args = parse_args(argv)
-        if not (args.gin_file or args.gin_param):
+        if (args.input_dir is None) != (args.mode != "import"):
+            raise UserError("--mode=import needs --input_dir (a Hugging Face model folder)"
+                            if args.mode == "import" else "--input_dir goes with --mode=import")
+        if args.mode == "import" and not args.model_dir:
+            raise UserError("--mode=import needs --model_dir (a new directory to write)")
+        if args.mode == "export":
+            if not (args.model_dir and args.output_dir):
+                raise UserError("--mode=export needs --model_dir and --output_dir (the "
+                                "Hugging Face folder to write)")
+            if not (args.gin_file or args.gin_param):  # the model dir's own config
+                args.gin_file = [os.path.join(args.model_dir, "config.gin")]
+                if not os.path.isfile(args.gin_file[0]):
+                    raise UserError(f"{args.model_dir} has no config.gin: give the run's "
+                                    f"--gin_file")
+        elif args.mode != "import" and (args.checkpoint_step is not None
+                                        or args.dtype != "float32"):
+            raise UserError("--checkpoint_step and --dtype go with --mode=export")
+        if not (args.gin_file or args.gin_param or args.mode == "import"):
             raise UserError("nothing to run: give a --gin_file (the quickstart's is "
                             "--gin_file=quickstart.gin; see --help)")
     except UserError as e:
@@ -230,7 +258,12 @@ def _run(args: argparse.Namespace) -> int:
     from mtrain.io.metrics import setup_logging
 
     try:
-        run_lib.parse_config(args.gin_file, args.gin_param)
+        imported = None
+        if args.mode == "import":
+            imported = (args.input_dir, *run_lib.parse_import_config(
+                args.gin_file, args.gin_param, args.input_dir))
+        else:
+            run_lib.parse_config(args.gin_file, args.gin_param)
         if args.mode == "plan":
             plan_devices = _plan_devices(args)  # before anything starts jax (logging does)
         setup_logging(args.verbose)
@@ -246,9 +279,13 @@ def _run(args: argparse.Namespace) -> int:
         if args.mode in ("infer", "score"):
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
         if args.output_dir is not None:
-            if args.mode not in ("eval", "score"):
-                raise UserError("--output_dir goes with --mode=eval or --mode=score")
+            if args.mode not in ("eval", "score", "export"):
+                raise UserError("--output_dir goes with --mode=eval, score or export")
             kwargs["output_dir"] = args.output_dir
+        if imported:
+            kwargs["imported"] = imported
+        if args.mode == "export":
+            kwargs["export_options"] = {"step": args.checkpoint_step, "dtype": args.dtype}
         if args.restart:
             kwargs["restart"] = True
         if args.mode == "plan":

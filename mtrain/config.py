@@ -70,6 +70,31 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
         root.level = level
 
 
+def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:
+    """Parses the gin config of ``--mode=import``: the user's files and bindings, then the
+    model settings of a Hugging Face config.json (`settings`: `huggingface.families.Settings`,
+    with ``vocabulary.*`` bindings for its tokenizer in `defaults`). A user binding of an
+    architecture setting that differs from config.json's is an error naming both values;
+    the other settings (`settings.defaults`) apply where the user bound none."""
+    parse(gin_files, gin_params)
+    bindings = []
+    for name, value in settings.architecture.items():
+        mine = bound(name, None)
+        if mine is not None and _normal(mine) != _normal(value):
+            field = settings.source.get(name, "its architecture")
+            raise ConfigError(f"{name}={mine!r} in the gin config contradicts config.json's "
+                              f"{field}={value!r}; leave it out (the import sets it)")
+        bindings.append(f"{name} = {value!r}")
+    for name, value in settings.defaults.items():
+        if bound(name, None) is None:
+            bindings.append(f"{name} = {value!r}")
+    parse(gin_files, [*gin_params, *bindings])
+
+
+def _normal(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
 def run_config(**overrides) -> RunConfig:
     """The run's settings: gin's ``run.*`` bindings, then `overrides` (the command line's)."""
     return dataclasses.replace(run(), **overrides)

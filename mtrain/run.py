@@ -39,6 +39,9 @@ from mtrain.io.metrics import log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import check_reachable
 from mtrain.modes.evaluate import evaluate_checkpoint
+from mtrain.huggingface import families
+from mtrain.huggingface.vocabulary import folder_vocabulary
+from mtrain.modes import convert
 from mtrain.modes.experiment import Experiment, RunConfig
 from mtrain.modes.infer import check_output_file, infer
 from mtrain.modes.plan import describe_model, plan
@@ -50,18 +53,46 @@ from mtrain.training.sgp import SGPTrainer
 from mtrain.training.trainer import Trainer
 
 parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tests, benchmarks
+NO_DATA = ("plan", "import", "export")  # the modes that build the model without its data
+
+
+def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str):
+    """Parses the gin config of ``--mode=import`` from the Hugging Face folder `input_dir`
+    (`config.parse_import`); returns (its `families.Settings`, its vocabulary)."""
+    config.parse(gin_files, gin_params)
+    if config.bound("vocabulary.path", None) is not None:
+        raise ConfigError("vocabulary.path is set, but an import's vocabulary is the model's "
+                          "own tokenizer; leave it out")
+    check_reachable(input_dir, "--input_dir")
+    if not os.path.isdir(input_dir):
+        raise ConfigError(f"--input_dir {input_dir} is not a directory: name a Hugging Face "
+                          f"model folder (config.json, *.safetensors, its tokenizer)")
+    settings = families.settings(families.read_config(input_dir))
+    vocab = folder_vocabulary(input_dir, settings)
+    vocabulary = {"vocabulary.size": vocab.vocab_size,
+                  "vocabulary.model_size": settings.vocab_size}
+    settings = dataclasses.replace(
+        settings, architecture={**settings.architecture, **vocabulary},
+        source={**settings.source, "vocabulary.size": "tokenizer's pieces",
+                "vocabulary.model_size": "vocab_size"})
+    config.parse_import(gin_files, gin_params, settings)
+    return settings, vocab
 
 
 def run(input_file: str | None = None, output_file: str | None = None,
         plan_options: dict | None = None, restart: bool = False,
-        output_dir: str | None = None, **overrides):
+        output_dir: str | None = None, imported=None, export_options: dict | None = None,
+        **overrides):
     """Trains (``run.mode='train'``; `restart`: from step 0 whatever the model dir holds,
     moved aside first), evaluates the latest checkpoint (``'eval'``), translates
     `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout), scores the
     lines of `input_file` into `output_file` (``'score'``) or plans (``'plan'``, with
     `plan_options` for `modes.plan.plan`), as the gin config and `overrides` of its ``run.*``
     settings (e.g. model_dir from the command line) say. Eval and score write what they
-    measure to `output_dir`, else into the model dir if it can be written."""
+    measure to `output_dir`, else into the model dir if it can be written. ``'import'``
+    writes the model dir from a Hugging Face folder (`imported`: (input dir, its settings,
+    its vocabulary), after `parse_import_config`); ``'export'`` writes a checkpoint of it
+    to the folder `output_dir` (`export_options`: step, dtype)."""
     settings = config.run_config(**overrides)
     mode, model_dir = settings.mode, settings.model_dir
     # What can fail at once, before data and compilation: a bucket that cannot be reached,
@@ -74,7 +105,13 @@ def run(input_file: str | None = None, output_file: str | None = None,
                               f"directory (a new one to train into)")
     if mode == "train" and model_dir:
         check_model_dir_free(model_dir)
-    if mode in ("eval", "infer", "score") and model_dir:
+    if mode in ("import", "export") and not model_dir:
+        raise ConfigError(f"--mode={mode} needs a --model_dir")
+    if mode == "import":
+        convert.check_new_dir(model_dir, "the model dir")
+    if mode == "export":
+        convert.check_new_dir(output_dir, "--output_dir")
+    if mode in ("eval", "infer", "score", "export") and model_dir:
         require_checkpoints(ModelDir(model_dir).checkpoints, "train first (--mode=train)")
     if mode in ("infer", "score"):
         check_output_file(output_file, input_file)
@@ -92,6 +129,12 @@ def run(input_file: str | None = None, output_file: str | None = None,
         return plan(exp, **(plan_options or {}))
     if mode == "score":
         return score(exp, input_file, output_file, output_dir)
+    if mode == "import":
+        input_dir, hf_settings, vocab = imported
+        return convert.import_model(exp, input_dir, hf_settings, vocab)
+    if mode == "export":
+        return convert.export_model(exp, output_dir, model_size=config.vocabulary_config().model_size,
+                                    **export_options)
     return infer(exp, input_file, output_file)
 
 
@@ -103,15 +146,16 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     task = _validate(settings)
     settings = dataclasses.replace(settings, eval_split=settings.eval_split or task.eval_split)
     layout, mesh = _layout(settings)
-    planning = settings.mode == "plan"
+    planning = settings.mode in NO_DATA
     vocab_config = config.vocabulary_config()
-    recorded = None if restart or planning else _recorded_vocabulary(settings.model_dir)
+    recorded = (None if restart or settings.mode in ("plan", "import")
+                else _recorded_vocabulary(settings.model_dir))
     planned = vocab_config.planned_size(recorded)
     trainer, stepper, schedule = _model(settings, task, layout, mesh, planned)
     source = vocab = translator = generator = None
     if not planning:
         source, vocab = _data(settings, task, vocab_config, recorded, restart)
-        if _padded(vocab.vocab_size) != _padded(planned):  # sentencepiece fell short
+        if _padded(vocab_config.rows(vocab.vocab_size)) != _padded(planned):  # sentencepiece fell short
             raise ConfigError(f"the vocabulary has {vocab.vocab_size} pieces, where "
                               f"{planned} were asked for (vocabulary.size)")
         try:
@@ -162,7 +206,7 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
         if not epath.Path(s.init_from).is_dir():
             raise ConfigError(f"run.init_from={s.init_from!r} is not a directory; name the "
                               f"model dir of the run to start from")
-    if s.mode != "plan":
+    if s.mode not in NO_DATA:
         check_data_dir(_data_dir(s))  # makes it: after the checks that write nothing
     return task
 
@@ -179,7 +223,10 @@ def _layout(s: RunConfig) -> tuple[Layout, jax.sharding.Mesh]:
                         ", ".join(f"'{t}:{m}'" for t, m in dropped), s.mesh_shape,
                         " or ".join(repr(m) for m in missing))
     try:
-        mesh = layout.make_mesh(jax.devices()[:layout.size] if s.mode == "plan" else None)
+        # A plan (and, in one process, an import or export) lays the model out on the
+        # mesh's first devices, however many the machine has.
+        subset = s.mode == "plan" or (s.mode in NO_DATA and jax.process_count() == 1)
+        mesh = layout.make_mesh(jax.devices()[:layout.size] if subset else None)
     except LayoutError as e:
         raise ConfigError(f"{e} — change run.mesh_shape (or, on CPU, --cpu_devices)") from None
     data_ways = layout.ways("batch")

@@ -43,17 +43,21 @@ class VocabularyError(UserError, ValueError):
 
 
 class Vocabulary:
-    """A loaded SentencePiece model."""
+    """A loaded SentencePiece model. mtrain trains its own with T5's special ids (pad 0, EOS 1,
+    UNK 2, no BOS); a published model's (`mtrain.huggingface`) keeps its own: Llama's has
+    UNK 0, BOS 1, EOS 2 and no pad. Id 0 is what packing pads with either way, so it must be
+    the pad or the unknown piece; the EOS is the model's."""
 
     def __init__(self, model_proto: bytes, path: str | None = None):
         self.path = path
         self._proto = model_proto
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        if (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id()) != (PAD_ID, EOS_ID, -1):
+        if self._sp.eos_id() < 0 or not (self._sp.pad_id() == PAD_ID
+                                         or self._sp.unk_id() == PAD_ID):
             raise VocabularyError(
-                f"sentencepiece model {path or '(in memory)'} has pad/eos/bos ids "
-                f"{self._sp.pad_id()}/{self._sp.eos_id()}/{self._sp.bos_id()}; "
-                f"mtrain needs {PAD_ID}/{EOS_ID}/none"
+                f"sentencepiece model {path or '(in memory)'} has pad/eos/unk ids "
+                f"{self._sp.pad_id()}/{self._sp.eos_id()}/{self._sp.unk_id()}; "
+                f"mtrain needs an EOS, and id {PAD_ID} for padding or unknown pieces"
             )
 
     @property
@@ -66,11 +70,18 @@ class Vocabulary:
 
     @property
     def eos_id(self) -> int:
-        return EOS_ID
+        return self._sp.eos_id()
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
 
     @property
     def unk_id(self) -> int:
-        return UNK_ID
+        return self._sp.unk_id()
+
+    def piece(self, i: int) -> str:
+        return self._sp.id_to_piece(i)
 
     @property
     def model_proto(self) -> bytes:
@@ -99,14 +110,7 @@ class Vocabulary:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; padding ids are skipped."""
-        kept = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i != PAD_ID:
-                kept.append(i)
-        return self._sp.decode(kept)
+        return self._sp.decode(_before_eos(ids, self.eos_id))
 
     def encode_batch(self, texts: list[str], add_eos: bool = False
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -126,6 +130,95 @@ class Vocabulary:
         self.__init__(state["model_proto"], state["path"])
 
 
+def _before_eos(ids: Iterable[int], eos_id: int) -> list[int]:
+    """`ids` up to the first `eos_id`, without padding (0)."""
+    kept = []
+    for i in ids:
+        i = int(i)
+        if i == eos_id:
+            break
+        if i != PAD_ID:
+            kept.append(i)
+    return kept
+
+
+class TokenizerVocabulary(Vocabulary):
+    """A Hugging Face ``tokenizer.json`` (through the `tokenizers` package) as a vocabulary,
+    for published models that ship no sentencepiece file (Llama 3, Mistral's newer ones).
+    Its file (`to_file`) is JSON: ``{"format": FORMAT, "eos_id": N, "bos_id": N or null,
+    "tokenizer": <tokenizer.json>}``, since the EOS is the model's (config.json), not the
+    tokenizer's. Texts are encoded without the tokenizer's own special tokens: the model
+    adds what its family needs (EOS, `TransformerConfig.start_id`)."""
+
+    FORMAT = "mtrain tokenizers vocabulary 1"
+
+    def __init__(self, data: bytes, path: str | None = None):
+        import json
+
+        import tokenizers
+
+        self.path, self._proto = path, data
+        try:
+            spec = json.loads(data)
+            self._tok = tokenizers.Tokenizer.from_str(json.dumps(spec["tokenizer"]))
+            self._eos, self._bos = int(spec["eos_id"]), spec.get("bos_id")
+        except Exception as e:
+            raise VocabularyError(f"{path or '(in memory)'} is not a tokenizers vocabulary: "
+                                  f"{first_line(e)}") from None
+
+    @classmethod
+    def of(cls, tokenizer_json: bytes, eos_id: int, bos_id: int | None) -> "TokenizerVocabulary":
+        import json
+
+        return cls(json.dumps({"format": cls.FORMAT, "eos_id": eos_id, "bos_id": bos_id,
+                               "tokenizer": json.loads(tokenizer_json)}).encode())
+
+    def tokenizer_json(self) -> str:
+        import json
+
+        return json.dumps(json.loads(self._proto)["tokenizer"], ensure_ascii=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def unk_id(self) -> int:
+        return PAD_ID
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(_before_eos(ids, self.eos_id), skip_special_tokens=True)
+
+    def encode_batch(self, texts: list[str], add_eos: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        ids = [e.ids + [self._eos] * add_eos
+               for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+        row_splits = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(lengths, out=row_splits[1:])
+        values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
+        return values, row_splits
+
+
+def vocabulary_of(data: bytes, path: str | None = None) -> Vocabulary:
+    """The vocabulary in the bytes of a vocabulary file: a sentencepiece model, or a
+    `TokenizerVocabulary`'s JSON."""
+    if data.lstrip()[:1] == b"{":
+        return TokenizerVocabulary(data, path)
+    return Vocabulary(data, path)
+
+
 def load_vocabulary(path: str | os.PathLike) -> Vocabulary:
     """Loads a SentencePiece .model file; raises VocabularyError if it is missing or invalid."""
     path = str(path)
@@ -137,7 +230,7 @@ def load_vocabulary(path: str | os.PathLike) -> Vocabulary:
     if not proto:
         raise VocabularyError(f"{path} is empty: not a sentencepiece model")
     try:
-        return Vocabulary(proto, path)
+        return vocabulary_of(proto, path)
     except VocabularyError:
         raise
     except Exception:  # sentencepiece raises RuntimeError (or others) on a bad proto
@@ -217,17 +310,26 @@ DEFAULT_SIZE = 8192
 @dataclasses.dataclass(frozen=True)
 class VocabularyConfig:
     """``vocabulary.size`` (pieces to train; None: the default, 8192) and ``vocabulary.path``
-    (a sentencepiece .model file to use instead) in gin."""
+    (a sentencepiece .model file to use instead) in gin. ``vocabulary.model_size``: the
+    model's vocabulary dimension where it has more rows than the vocabulary has pieces (a
+    published model's config.json vocab_size, e.g. T5's 32,128 rows for 32,000 pieces and
+    100 sentinels); None: as many as the pieces. Either way the model pads it to a multiple
+    of 128."""
 
     size: int | None = None
     path: str | None = None
+    model_size: int | None = None
+
+    def rows(self, pieces: int) -> int:
+        """The model's vocabulary dimension (before padding) for a vocabulary of `pieces`."""
+        return max(pieces, self.model_size or 0)
 
     def planned_size(self, recorded: str | None) -> int:
-        """The vocabulary size a run will have, known without data: that of the vocabulary
-        `recorded` in its model dir if any (see `choose`), else of `path`, else `size`
-        (sentencepiece trains exactly that many pieces)."""
+        """The model's vocabulary size (`rows`) a run will have, known without data: that
+        of the vocabulary `recorded` in its model dir if any (see `choose`), else of `path`,
+        else `size` (sentencepiece trains exactly that many pieces)."""
         path = recorded or self.path
-        return load_vocabulary(path).vocab_size if path else self.size or DEFAULT_SIZE
+        return self.rows(load_vocabulary(path).vocab_size if path else self.size or DEFAULT_SIZE)
 
     def choose(self, recorded: str | None, cached: str,
                texts_fn: Callable[[], Iterable[str]], texts_name: str,

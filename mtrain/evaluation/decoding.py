@@ -128,11 +128,12 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 
 def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int, rng,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           eos_id: int = 1) -> jax.Array:
+           eos_id: int = 1, start_id: int = 0) -> jax.Array:
     """[batch, length] int32: each row's prompt (`prompts` [batch, length], its tokens then
     0s) followed by its continuation: at most `max_decode_len` tokens, ended by EOS, then
     0s. Greedy for `temperature` 0, else sampled from softmax(logits / temperature) after
-    `filter_logits`, with the key ``fold_in(rng, position)``."""
+    `filter_logits`, with the key ``fold_in(rng, position)``. The model reads `start_id`
+    first (`TransformerConfig.start_id`)."""
     batch, length = prompts.shape
     prompt_lengths = jnp.sum(prompts > 0, axis=1)
     stop = jnp.minimum(prompt_lengths + max_decode_len, length)
@@ -155,7 +156,7 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
         done = done | (~prompted & (token == eos_id)) | (index + 1 >= stop)
         return index + 1, token, seqs, done, cache
 
-    state = (jnp.array(0, jnp.int32), jnp.zeros((batch,), jnp.int32),
+    state = (jnp.array(0, jnp.int32), jnp.full((batch,), start_id, jnp.int32),
              jnp.zeros((batch, length), jnp.int32), stop <= prompt_lengths, cache)
     return lax.while_loop(cond, body, state)[2]
 

@@ -66,7 +66,8 @@ class Generator(BatchedDecoder):
                 return jnp.where(real, logits.astype(jnp.float32), -jnp.inf), variables["cache"]
 
             return sample(tokens_to_logits, cache, prompts, self.max_decode_length, rng,
-                          config.temperature, config.top_k, config.top_p, self.vocab.eos_id)
+                          config.temperature, config.top_k, config.top_p, self.vocab.eos_id,
+                          model.config.start_id)
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
         """[batch_size, length] prompt ids (no EOS; cut to leave one position, counted in

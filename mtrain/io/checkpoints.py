@@ -8,6 +8,12 @@ A checkpoint is one orbax step directory ``<model_dir>/checkpoints/<step>/`` wit
 - ``data``: the input iterator's position, one file per process.
 - ``meta``: JSON describing the run that saved it (see `check_compatible`).
 
+A checkpoint written by ``--mode=import`` (`save_imported`) holds the parameters of a
+published model and no more: its ``state`` item is ``{"params": ...}``, it has no input
+position, and its meta says ``imported``. Readers restore its parameters; training starts
+from them at step 0 with a fresh optimizer state and input (`is_imported`), as from
+``run.init_from``.
+
 A checkpoint that cannot be read (missing, truncated or corrupt files) is *damaged*: a
 resuming run moves it to ``<step>.damaged`` and tries the one before. One that reads but
 does not fit the run is an *incompatible run* (`IncompatibleRun`): an error naming each
@@ -162,6 +168,21 @@ class Checkpoints:
                 force=True,
             )
 
+    def save_imported(self, step: int, params, meta: dict) -> None:
+        """Saves `params` alone as checkpoint `step` (see the module doc), and waits."""
+        meta = {**meta, "checksums": checksums.of_arrays({"params": params})}
+        with self._failing_save(step):
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": params}), meta=ocp.args.JsonSave(meta)),
+                force=True)
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+
+    def is_imported(self, step: int) -> bool:
+        """Whether checkpoint `step` holds imported parameters alone (`save_imported`)."""
+        saved = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return bool(saved["meta"].get("imported"))
+
     @contextlib.contextmanager
     def _failing_save(self, step: int):
         try:
@@ -179,7 +200,8 @@ class Checkpoints:
     def restore(self, step: int, abstract_state, iterator, meta: dict,
                 advice: str | None = None):
         """Restores `step` into the shardings of `abstract_state` and, if given, moves
-        `iterator` to the saved input position (resuming a run).
+        `iterator` to the saved input position (resuming a run). Of an imported checkpoint
+        only the parameters are restored; the rest of the state is `abstract_state`'s.
 
         Raises `IncompatibleRun` if the checkpoint was saved by a run that `meta` (this
         run's, as `save` takes it) cannot continue (`advice`: what its error tells a reader
@@ -194,9 +216,11 @@ class Checkpoints:
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax, tensorstore and the file system raise many kinds
             raise DamagedCheckpoint(where, _reason(e)) from None
+        imported = bool(saved.get("imported"))  # parameters alone: no run, state or data
         check_compatible(saved, meta, where, resume=iterator is not None, advice=advice)
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
-        if iterator is not None:
+        target = {"params": abstract_state.params} if imported else abstract_state
+        items = {"state": ocp.args.StandardRestore(target)}
+        if iterator is not None and not imported:
             items["data"] = DataIteratorRestore(iterator)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -219,6 +243,8 @@ class Checkpoints:
                                     + (f" (nor do {len(bad) - 1} other arrays)" if bad[1:] else ""))
         if bad := checksums.not_finite(state):
             raise DamagedCheckpoint(where, f"{_array(bad[0])} holds values that are not finite")
+        if imported:  # (the optimizer state stays abstract: `is_imported` says to make one)
+            return abstract_state.replace(params=state["params"])
         return state
 
     def restore_intact(self, abstract_state, iterator, meta: dict, set_aside: bool = True,

@@ -44,15 +44,15 @@ class Block(nn.Module):
                 c.flash_max_segments, c.num_kv_heads,
                 c.rotary_max_wavelength if rotary else None, name=name)
 
-        y = layers.RMSNorm(dtype=c.dtype, name="attention_norm")(x)
+        y = layers.RMSNorm(c.norm_epsilon, c.dtype, name="attention_norm")(x)
         y = attend("self_attention", c.position_encoding == "rotary")(
             y, y, mask, deterministic, decode_index, positions, bias)
         x = x + drop(y, deterministic=deterministic)
         if self.cross_attention:
-            y = layers.RMSNorm(dtype=c.dtype, name="encoder_decoder_attention_norm")(x)
+            y = layers.RMSNorm(c.norm_epsilon, c.dtype, name="encoder_decoder_attention_norm")(x)
             y = attend("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
             x = x + drop(y, deterministic=deterministic)
-        y = layers.RMSNorm(dtype=c.dtype, name="mlp_norm")(x)
+        y = layers.RMSNorm(c.norm_epsilon, c.dtype, name="mlp_norm")(x)
         if self.moe:
             real = None if mask is None or mask.query is None else mask.query > 0
             y = MoeFeedForward(c.moe, c.moe.expert_d_ff, c.dropout_rate, c.dtype,

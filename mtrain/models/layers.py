@@ -234,11 +234,13 @@ class Embed(nn.Module):
         return constrain(logits * self.d_model**-0.5, ("batch", "length", "vocab"))
 
 
-def shift_right(targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Autoregressive decoder inputs: targets shifted right, 0 at the start of every segment."""
+def shift_right(targets: jax.Array, segment_ids: jax.Array, start_id: int = 0) -> jax.Array:
+    """Autoregressive decoder inputs: targets shifted right, `start_id` at the start of every
+    segment (padding stays 0)."""
     shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
     prev_segment = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
-    return jnp.where(segment_ids == prev_segment, shifted, 0)
+    starts = jnp.where(segment_ids > 0, start_id, 0).astype(targets.dtype)
+    return jnp.where(segment_ids == prev_segment, shifted, starts)
 
 
 class DecodeIndex(nn.Module):

@@ -81,6 +81,12 @@ class TransformerConfig:
     # experts (the last of each N layers; with scan_layers the scan repeats a group of N).
     moe_every: int = shape_field(0)
     moe: MoEConfig | None = shape_field(None)  # None while moe_every is 0
+    # The RMSNorms' epsilon (T5's and Mesh-TF's 1e-6; Llama 2 and 3 use 1e-5).
+    norm_epsilon: float = 1e-6
+    # The token a decoder-only LM reads before each example (its targets shifted right):
+    # 0 as Mesh-TF and T5 (the padding id), or the vocabulary's BOS (1 for Llama, whose
+    # sequences begin with it). The encoder-decoder's decoder always starts from 0, as T5's.
+    start_id: int = 0
 
     @property
     def dtype(self):
@@ -223,7 +229,7 @@ class DecoderLM(_PackingAware, nn.Module):
             positions = decode_index + jnp.broadcast_to(jnp.arange(targets.shape[1]),
                                                         targets.shape)
         else:
-            inputs = layers.shift_right(targets, segment_ids)
+            inputs = layers.shift_right(targets, segment_ids, c.start_id)
             mask = attention.AttentionMask.of_self(segment_ids, causal=True)
         embed = layers.Embed(c.vocab_size, c.d_model, c.dtype, name="token_embedding")
         x = embed(inputs)
@@ -240,13 +246,13 @@ class DecoderLM(_PackingAware, nn.Module):
             bias = _relative_bias(c, _relative_bias_table(c, False, "relative_bias"),
                                   inputs.shape[1], decode_index)
         x = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
-        x = layers.RMSNorm(dtype=c.dtype, name="final_norm")(x)
+        x = layers.RMSNorm(c.norm_epsilon, c.dtype, name="final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         return _logits(c, embed, _softmax_table(self, c), x, return_hidden)
 
     def decode_step(self, ids):
         """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token; 0 first),
-        as `EncoderDecoder.decode_step`: the cache is made by `init` of this method with
+        as `EncoderDecoder.decode_step` (the first `ids` are `config.start_id`): the cache is made by `init` of this method with
         `ids` [n, max_length]."""
         return self(ids, None, None, deterministic=True, decode=True)[:, -1]
 
@@ -334,8 +340,8 @@ class EncoderDecoder(_PackingAware, nn.Module):
             self.encoder = [block_class(c)(c, moe=is_moe(c, i)) for i in range(encoder_layers)]
             self.decoder = [block_class(c)(c, cross_attention=True, moe=is_moe(c, i))
                             for i in range(c.num_layers)]
-        self.encoder_norm = layers.RMSNorm(dtype=c.dtype)
-        self.decoder_norm = layers.RMSNorm(dtype=c.dtype)
+        self.encoder_norm = layers.RMSNorm(c.norm_epsilon, c.dtype)
+        self.decoder_norm = layers.RMSNorm(c.norm_epsilon, c.dtype)
         self.dropout = nn.Dropout(c.dropout_rate)
         self.softmax = _softmax_table(self, c)
         self.decode_index = layers.DecodeIndex()

@@ -170,15 +170,20 @@ class Experiment:
                      else self.config.data_workers),
         )
 
+    def model_meta(self, vocab: Vocabulary) -> dict:
+        """What every checkpoint of this model records of it: its shape settings and
+        vocabulary (`vocab`), which any run that restores it must share."""
+        vocabulary = f"{vocab.vocab_size} pieces, sha256 {vocab.digest}"
+        return {**shape_fields(self.trainer.model.config), "vocabulary": vocabulary}
+
     def checkpoint_meta(self) -> dict:
         """What a checkpoint records of the run that saved it, and a resumed run must share
         (`checkpoints.check_compatible`): the model's shape and vocabulary; the data, batch
         size, sequence length and seed, which decide the data and its order; and the train
         state's structure, with the optimizer settings that decide it. Everything else may
         change between the runs of a model dir (README, "Runs that survive")."""
-        vocabulary = f"{self.vocab.vocab_size} pieces, sha256 {self.vocab.digest}"
         return {
-            "model": {**shape_fields(self.trainer.model.config), "vocabulary": vocabulary},
+            "model": self.model_meta(self.vocab),
             "task": self.task.name,
             "run": {"run.batch_size": self.batch_size,
                     "run.sequence_length": self.sequence_length,

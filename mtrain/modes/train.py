@@ -125,6 +125,10 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
     if checkpoints.all_steps():
         state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
                                                  iterator, exp.checkpoint_meta())
+        if checkpoints.is_imported(step):  # a published model's parameters (--mode=import)
+            log.info("starting from the imported parameters of step %d in %s (a fresh "
+                     "optimizer state)", step, checkpoints.directory)
+            return exp.trainer.init_state().replace(params=state.params), step
         log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
         return state, step
     set_aside = checkpoints.set_aside()

@@ -1,0 +1,218 @@
+"""``--mode=import`` and ``--mode=export``: Hugging Face model folders in and out.
+
+Import (`import_model`) makes a model dir of a published model: its ``config.gin`` (the
+run's operative config, whose model settings came from config.json: `config.parse_import`),
+its ``vocabulary.model`` (the folder's tokenizer) and a step-0 checkpoint of its parameters
+alone (`Checkpoints.save_imported`). Each parameter is made by `jax.make_array_from_callback`
+in the run's layout: every device's slice read from the safetensors files and converted
+there (`huggingface.families`), so that a host reads and holds only what its devices hold,
+a slice at a time. Everything is written to ``<model_dir>.importing`` and renamed to the
+model dir at the end: a failed import leaves no model dir behind.
+
+Export (`export_model`) writes a checkpoint of a model dir (the newest, or
+``--checkpoint_step``) as a folder Hugging Face loads: ``config.json``,
+``generation_config.json``, the weights in safetensors shards of at most 5 GB (with
+``model.safetensors.index.json`` when there are several) and the tokenizer's files. Each
+parameter is gathered, converted and written in turn (`tensors.write_folder`): no host holds
+more than one at a time. It too writes into ``<output_dir>.exporting`` and renames.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from mtrain.errors import ConfigError
+from mtrain.huggingface import families, tensors
+from mtrain.huggingface.vocabulary import write_tokenizer
+from mtrain.io.checkpoints import Checkpoints, restore_for_reading, state_signature
+from mtrain.io.model_dir import ModelDir
+from mtrain.io.textfiles import write_atomically
+from mtrain.modes.experiment import Experiment
+from mtrain.data.vocabulary import load_vocabulary
+from mtrain.parallel import distributed
+
+log = logging.getLogger("mtrain")
+
+# Tensors a folder may hold that the model does not read: the copies of T5's shared
+# table in each stack, and the rotary frequencies older Llama checkpoints saved.
+_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _paths(tree) -> dict[str, object]:
+    return {"/".join(str(k.key) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _unflatten(flat: dict[str, object]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return tree
+
+
+def check_new_dir(path: str, what: str) -> None:
+    """Raises a ConfigError unless `path` is a new or empty directory."""
+    if os.path.isfile(path):
+        raise ConfigError(f"{what} {path} is a file; name a new directory")
+    if os.path.isdir(path) and os.listdir(path):
+        raise ConfigError(f"{what} {path} is not empty; name a new directory")
+
+
+def _fresh_dir(path: str, what: str, suffix: str) -> str:
+    """The temporary dir ``<path><suffix>`` to write `path` in (emptied of a failed
+    attempt's files), after checking that `path` holds nothing yet."""
+    check_new_dir(path, what)
+    work = path.rstrip("/") + suffix
+    if jax.process_index() == 0:
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+    distributed.sync(f"mtrain_{suffix.strip('.')}_dir")
+    return work
+
+
+def _finish(work: str, path: str, label: str) -> None:
+    if jax.process_index() == 0:
+        if os.path.isdir(path):
+            os.rmdir(path)  # (checked empty)
+        os.rename(work, path)
+    distributed.sync(f"mtrain_{label}_done")
+
+
+def import_model(exp: Experiment, input_dir: str, settings: families.Settings, vocab) -> dict:
+    """Writes the model dir of `exp` from the Hugging Face folder `input_dir` (`settings`
+    of its config.json, `vocab` its tokenizer); returns what it did."""
+    start = time.time()
+    model_dir = exp.model_dir
+    folder = tensors.Folder(input_dir)
+    c = exp.model_config
+    sources = families.parameters(settings.family, c, settings.vocab_size, settings.untied)
+    params = exp.trainer.abstract_state.params
+    shardings = _paths(exp.trainer.state_shardings.params)
+    wanted = _paths(params)
+    if sorted(wanted) != sorted(sources):
+        odd = sorted(set(wanted) ^ set(sources))
+        raise ConfigError(f"the model's parameters do not match {settings.family}'s tensors "
+                          f"({odd[0]}): a setting of the gin config changes the model")
+    _check_tensors(folder, sources, settings.family)
+    work = _fresh_dir(model_dir, "the model dir", ".importing")
+    try:
+        arrays = {}
+        for name, leaf in wanted.items():
+            source = sources[name]
+            arrays[name] = jax.make_array_from_callback(
+                leaf.shape, shardings[name],
+                lambda index, s=source, shape=leaf.shape: s.read(
+                    folder, families.ranges(index, shape)).astype(np.float32))
+        imported = {"from": os.path.abspath(input_dir), "architecture": settings.family}
+        meta = {"model": exp.model_meta(vocab), "imported": imported}
+        checkpoints = Checkpoints(ModelDir(work).checkpoints, async_save=False)
+        try:
+            checkpoints.save_imported(0, _unflatten(arrays), meta)
+        finally:
+            checkpoints.close()
+        del arrays
+        if jax.process_index() == 0:
+            vocab.save(ModelDir(work).vocabulary)
+            write_atomically(ModelDir(work).config, exp.config_text)
+        _finish(work, model_dir, "import")
+    except BaseException:
+        if jax.process_index() == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    count = sum(int(np.prod(leaf.shape)) for leaf in wanted.values())
+    log.info("imported %s (%d parameters, %s) from %s into %s in %.1f s", settings.family,
+             count, f"{len(folder.names())} tensors", input_dir, model_dir, time.time() - start)
+    return {"parameters": count, "seconds": time.time() - start}
+
+
+def _check_tensors(folder: tensors.Folder, sources: dict, family: str) -> None:
+    """Every tensor the model reads is in `folder` with its shape, and `folder` holds no
+    other (a config.json that does not describe these weights)."""
+    needed = {}
+    for source in sources.values():
+        needed.update(dict(source.tensors()))
+    for name, shape in needed.items():
+        if name not in folder:
+            raise ConfigError(f"{folder.path} has no tensor {name}, which config.json's "
+                              f"{family} needs")
+        if tuple(folder.shape(name)) != tuple(shape):
+            raise ConfigError(f"tensor {name} in {folder.path} has shape "
+                              f"{list(folder.shape(name))}; config.json makes it {list(shape)}")
+    for name in folder.names():
+        if name not in needed and name not in _IGNORED and not name.endswith(_IGNORED_SUFFIXES) \
+                and name != "lm_head.weight":  # (a tied model may keep a copy of its table)
+            raise ConfigError(f"{folder.path} holds tensor {name}, which config.json's "
+                              f"{family} does not have (a setting config.json does not show)")
+
+
+DTYPES = {"float32": np.float32, "bfloat16": tensors.DTYPES["BF16"], "float16": np.float16}
+
+
+def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
+                 model_size: int | None = None,
+                 max_shard_bytes: int = tensors.MAX_SHARD_BYTES) -> dict:
+    """Writes checkpoint `step` (None: the newest) of `exp`'s model dir as a Hugging Face
+    folder `output_dir` of `dtype` weights (`model_size`: ``vocabulary.model_size``, the
+    rows of its vocabulary dimension if more than the pieces); returns what it wrote."""
+    start = time.time()
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model_dir = ModelDir(exp.model_dir)
+    if not os.path.exists(model_dir.vocabulary):
+        raise ConfigError(f"{exp.model_dir} has no {os.path.basename(model_dir.vocabulary)}: "
+                          f"not a model dir that trained or imported a model")
+    vocab = load_vocabulary(model_dir.vocabulary)
+    rows = max(vocab.vocab_size, model_size or 0)
+    config = families.hf_config(exp.model_config, rows, vocab.eos_id, vocab.bos_id)
+    family = config["architectures"][0]
+    sources = families.parameters(family, exp.model_config, rows)
+    meta = {"model": exp.model_meta(vocab), "task": exp.task.name,
+            "state": state_signature(exp.trainer.abstract_state),
+            "optimizer": exp.optimizer_settings}
+    state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
+                                      meta, step)
+    params = _paths(state.params)
+    work = _fresh_dir(output_dir, "--output_dir", ".exporting")
+    try:
+        entries = [t for source in sources.values() for t in source.tensors()]
+
+        def produce():
+            for name, source in sources.items():
+                value = np.asarray(multihost_utils.process_allgather(params[name], tiled=True))
+                yield from source.to_hf(value)
+
+        written = []
+        if jax.process_index() == 0:
+            written = tensors.write_folder(work, entries, DTYPES[dtype], produce,
+                                           max_shard_bytes)
+            config["dtype"] = dtype
+            for name, content in (("config.json", config),
+                                  ("generation_config.json", families.generation_config(config))):
+                with open(os.path.join(work, name), "w") as f:
+                    json.dump(content, f, indent=2)
+            written += ["config.json", "generation_config.json",
+                        *write_tokenizer(vocab, config, work)]
+        else:
+            for _ in produce():  # (the gathers are collective)
+                pass
+        _finish(work, output_dir, "export")
+    except BaseException:
+        if jax.process_index() == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    log.info("exported step %d of %s as %s (%s, %d tensors) to %s in %.1f s", step,
+             exp.model_dir, family, dtype, len(entries), output_dir, time.time() - start)
+    return {"step": step, "files": sorted(written), "seconds": time.time() - start}
