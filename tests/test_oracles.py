@@ -1,9 +1,9 @@
-"""The new blocks against Hugging Face's own numbers (../shared/oracles): the tiny Llama
-(RMSNorm, SwiGLU, RoPE, 2 of 4 key/value heads) and T5.1.1 (gated GELU, relative position
-bias) with their published-layout weights mapped onto mtrain's parameters, here in the test
-(importing checkpoints is issue 39's). The logits must match what `transformers` computed,
-teacher forced and on the long inputs (rotary angles far from 0; distances past T5's last
-bucket), and greedy decoding must give its tokens.
+"""The blocks and the import against Hugging Face's own numbers (../shared/oracles): the tiny
+Llama (RMSNorm, SwiGLU, RoPE, 2 of 4 key/value heads), T5.1.1 (gated GELU, relative
+position bias) and Mixtral (4 SwiGLU experts, top-2) imported by ``--mode=import``
+(`mtrain.huggingface`). The logits must match what `transformers` computed, teacher forced
+and on the long inputs (rotary angles far from 0; distances past T5's last bucket), and
+greedy decoding must give its tokens.
 
 Tolerance: the README of the oracles: within about 1e-4 absolute in float32 (logits of
 O(1); the reference itself moves by ~2e-6 between torch's attention implementations).
@@ -11,76 +11,53 @@ O(1); the reference itself moves by ~2e-6 between torch's attention implementati
 
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
+from mtrain import run as run_lib
+from mtrain.__main__ import main
+from mtrain.data.vocabulary import load_vocabulary
+from mtrain.io.checkpoints import restore_for_reading
+from mtrain.io.model_dir import ModelDir
+from mtrain.models.transformer import DecoderLM, EncoderDecoder
 
 ORACLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
                        "shared", "oracles")
-safetensors = pytest.importorskip("safetensors.numpy")
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
 ATOL = 1e-4
 
 
-def load(family):
-    folder = os.path.join(ORACLES, family)
-    return (safetensors.load_file(os.path.join(folder, "model.safetensors")),
-            dict(np.load(os.path.join(folder, "oracle.npz"))))
+def oracle(family) -> dict:
+    return dict(np.load(os.path.join(ORACLES, family, "oracle.npz")))
 
 
-def filled(model, example_args, weights: dict):
-    """mtrain's parameters of `model`, each taken from `weights` (path -> array), checked to
-    cover every parameter with its shape."""
-    shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), *example_args)))
-    flat = {"/".join(str(k.key) for k in path): leaf for path, leaf in
-            jax.tree_util.tree_leaves_with_path(shapes["params"])}
-    assert sorted(flat) == sorted(weights)
-    for name, leaf in flat.items():
-        assert weights[name].shape == leaf.shape, name
-    tree = {}
-    for name, value in weights.items():
-        node = tree
-        *parents, last = name.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = jnp.asarray(value, jnp.float32)
-    return {"params": tree}
+def import_folder(folder, model_dir, *flags) -> None:
+    assert main(["--mode=import", f"--input_dir={folder}", f"--model_dir={model_dir}",
+                 *flags]) == 0
 
 
-def attention(w, prefix, heads, kv_heads, d_kv, scale):
-    """Hugging Face's [out, in] projections as mtrain's [d_model, heads, d_kv] ones (the
-    queries times `scale`: mtrain's logits are not scaled, Llama's are by d_kv^-0.5)."""
-    d = w[f"{prefix}q"].shape[1]
-    return {"q": w[f"{prefix}q"].T.reshape(d, heads, d_kv) * scale,
-            "k": w[f"{prefix}k"].T.reshape(d, kv_heads, d_kv),
-            "v": w[f"{prefix}v"].T.reshape(d, kv_heads, d_kv),
-            "o": w[f"{prefix}o"].T.reshape(heads, d_kv, d)}
+def load(model_dir, *gin_params):
+    """(experiment, parameters, vocabulary) of an imported model dir, laid out by its
+    config.gin and `gin_params` (no data: the export mode's build)."""
+    run_lib.parse_config([os.path.join(model_dir, "config.gin")], list(gin_params))
+    exp = run_lib.build(mode="export", model_dir=str(model_dir))
+    vocab = load_vocabulary(ModelDir(str(model_dir)).vocabulary)
+    state, _ = restore_for_reading(ModelDir(str(model_dir)).checkpoints,
+                                   exp.trainer.sharded_abstract_state(),
+                                   {"model": exp.model_meta(vocab)})
+    return exp, state.params, vocab
 
 
-def llama():
-    w, oracle = load("llama_gqa")
-    config = TransformerConfig(vocab_size=512, d_model=64, d_ff=160, num_heads=4, num_kv_heads=2,
-                               d_kv=16, num_layers=2, max_length=256, position_encoding="rotary",
-                               mlp_activations=("silu", "linear"))
-    ours = {"token_embedding/embedding": w["model.embed_tokens.weight"],
-            "softmax": w["lm_head.weight"].T, "final_norm/scale": w["model.norm.weight"]}
-    for i in range(2):
-        hf = f"model.layers.{i}."
-        proj = {n: w[f"{hf}self_attn.{n}_proj.weight"] for n in "qkvo"}
-        for name, value in attention(proj, "", 4, 2, 16, 16**-0.5).items():
-            ours[f"layer_{i}/self_attention/{name}"] = value
-        ours |= {f"layer_{i}/attention_norm/scale": w[f"{hf}input_layernorm.weight"],
-                 f"layer_{i}/mlp_norm/scale": w[f"{hf}post_attention_layernorm.weight"],
-                 f"layer_{i}/mlp/wi_0": w[f"{hf}mlp.gate_proj.weight"].T,
-                 f"layer_{i}/mlp/wi_1": w[f"{hf}mlp.up_proj.weight"].T,
-                 f"layer_{i}/mlp/wo": w[f"{hf}mlp.down_proj.weight"].T}
-    model = DecoderLM(config)
-    ids = jnp.zeros((1, 8), jnp.int32)
-    return model, filled(model, (ids, ids, ids), ours), oracle
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """family -> its model dir, imported once for the module."""
+    root, dirs = tmp_path_factory.mktemp("imported"), {}
+    for family in ("llama_gqa", "t5_1_1", "mixtral"):
+        import_folder(os.path.join(ORACLES, family), root / family)
+        dirs[family] = root / family
+    return dirs
 
 
 def lm_logits(model, params, ids):
@@ -90,20 +67,24 @@ def lm_logits(model, params, ids):
     return logits
 
 
-def test_llama_logits_are_hugging_faces():
-    model, params, oracle = llama()
-    np.testing.assert_allclose(lm_logits(model, params, oracle["input_ids"]), oracle["logits"],
-                               atol=ATOL, rtol=0)
-    np.testing.assert_allclose(lm_logits(model, params, oracle["long_input_ids"]),
-                               oracle["long_logits"], atol=ATOL, rtol=0)
+@pytest.mark.parametrize("family", ["llama_gqa", "mixtral"])
+def test_decoder_only_logits_are_hugging_faces(imported, family):
+    exp, params, _ = load(imported[family])
+    model, expected = exp.trainer.model, oracle(family)
+    np.testing.assert_allclose(lm_logits(model, {"params": params}, expected["input_ids"]),
+                               expected["logits"], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(lm_logits(model, {"params": params}, expected["long_input_ids"]),
+                               expected["long_logits"], atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
-def test_llama_greedy_tokens_are_hugging_faces():
+@pytest.mark.parametrize("family", ["llama_gqa", "mixtral"])
+def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
     """By the incremental decoding path (`decode_step`: the prompt fed a token at a time
     into the cache of 2 key/value heads and rotated keys, then its own argmax)."""
-    model, params, oracle = llama()
-    prompt, total = list(oracle["prompt_ids"]), len(oracle["greedy_ids"])
+    exp, params, _ = load(imported[family])
+    model, params, expected = exp.trainer.model, {"params": params}, oracle(family)
+    prompt, total = list(expected["prompt_ids"]), len(expected["greedy_ids"])
     cache = model.init(jax.random.key(0), jnp.zeros((1, total), jnp.int32),
                        method=DecoderLM.decode_step)["cache"]
     ids = prompt[:1]
@@ -112,41 +93,12 @@ def test_llama_greedy_tokens_are_hugging_faces():
                                         method=DecoderLM.decode_step, mutable=["cache"])
         cache = variables["cache"]
         ids.append(prompt[i + 1] if i + 1 < len(prompt) else int(jnp.argmax(logits[0])))
-    assert ids == list(oracle["greedy_ids"])
+    assert ids == list(expected["greedy_ids"])
 
 
-def t5():
-    w, oracle = load("t5_1_1")
-    config = TransformerConfig(vocab_size=512, d_model=64, d_ff=160, num_heads=4, d_kv=16,
-                               num_layers=2, max_length=256, position_encoding="relative_bias",
-                               mlp_activations=("gelu", "linear"))
-    ours = {"embed/embedding": w["shared.weight"], "softmax": w["lm_head.weight"].T,
-            "encoder_norm/scale": w["encoder.final_layer_norm.weight"],
-            "decoder_norm/scale": w["decoder.final_layer_norm.weight"],
-            "encoder_relative_bias/relative_bias":
-                w["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].T,
-            "decoder_relative_bias/relative_bias":
-                w["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].T}
-    for stack in ("encoder", "decoder"):
-        for i in range(2):
-            hf, me = f"{stack}.block.{i}.layer.", f"{stack}_{i}/"
-            parts = [("0.SelfAttention.", "self_attention", "attention_norm")]
-            if stack == "decoder":
-                parts.append(("1.EncDecAttention.", "encoder_decoder_attention",
-                              "encoder_decoder_attention_norm"))
-            for at, name, norm in parts:
-                proj = {n: w[f"{hf}{at}{n}.weight"] for n in "qkvo"}
-                for p, value in attention(proj, "", 4, 4, 16, 1.0).items():
-                    ours[f"{me}{name}/{p}"] = value
-                ours[f"{me}{norm}/scale"] = w[f"{hf}{at.split('.')[0]}.layer_norm.weight"]
-            ff = f"{hf}{len(parts)}."
-            ours |= {f"{me}mlp_norm/scale": w[f"{ff}layer_norm.weight"],
-                     f"{me}mlp/wi_0": w[f"{ff}DenseReluDense.wi_0.weight"].T,
-                     f"{me}mlp/wi_1": w[f"{ff}DenseReluDense.wi_1.weight"].T,
-                     f"{me}mlp/wo": w[f"{ff}DenseReluDense.wo.weight"].T}
-    model = EncoderDecoder(config)
-    ids = jnp.ones((1, 8), jnp.int32)
-    return model, filled(model, (ids,) * 6, ours), oracle
+def t5(imported):
+    exp, params, _ = load(imported["t5_1_1"])
+    return exp.trainer.model, {"params": params}, oracle("t5_1_1")
 
 
 def t5_logits(model, params, encoder_ids, decoder_input_ids):
@@ -158,8 +110,8 @@ def t5_logits(model, params, encoder_ids, decoder_input_ids):
     return model.apply(params, *rows(inputs), *rows(targets))
 
 
-def test_t5_1_1_logits_are_hugging_faces():
-    model, params, oracle = t5()
+def test_t5_1_1_logits_are_hugging_faces(imported):
+    model, params, oracle = t5(imported)
     np.testing.assert_allclose(
         t5_logits(model, params, oracle["encoder_ids"], oracle["decoder_input_ids"]),
         oracle["logits"], atol=ATOL, rtol=0)
@@ -169,10 +121,10 @@ def test_t5_1_1_logits_are_hugging_faces():
 
 
 @pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
-def test_t5_1_1_greedy_tokens_are_hugging_faces():
+def test_t5_1_1_greedy_tokens_are_hugging_faces(imported):
     """By the incremental decoding path (`decode_step`, its cache and the relative bias of
     each decoded position)."""
-    model, params, oracle = t5()
+    model, params, oracle = t5(imported)
     inputs = jnp.asarray(oracle["encoder_ids"][:1])
     segments = jnp.ones_like(inputs)
     positions = jnp.arange(inputs.shape[1])[None]

@@ -1,0 +1,341 @@
+"""Hugging Face checkpoints in and out (``--mode=import`` / ``--mode=export``) against
+../shared/oracles: imports in several layouts, bfloat16 and sharded copies, the tokenizer,
+infer and score through the command line, export bit for bit, fine-tuning an import, and
+every refusal in one line with the model dir untouched.
+
+Tolerances: logits as test_oracles (1e-4 absolute in float32); scores 1e-3 (the issue's:
+sums of ~20 log-probabilities accumulated in float32); bfloat16 copies are compared by
+their parameters, which must equal the float32 ones rounded to bfloat16 exactly (the
+import's conversions are exact: transposes, reshapes, and the queries' factor 16^-0.5 =
+1/4, a power of two).
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_oracles import ORACLES, import_folder, lm_logits, load, oracle, t5_logits
+
+from mtrain.__main__ import main
+from mtrain.huggingface import families
+
+safetensors = pytest.importorskip("safetensors.numpy")
+pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
+FAMILIES = ("llama_gqa", "t5_1_1", "mixtral")
+
+
+def params_of(model_dir, *gin_params) -> dict:
+    _, params, _ = load(model_dir, *gin_params)
+    return {"/".join(str(k.key) for k in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def logits_of(family, model_dir, *gin_params):
+    """The oracle inputs' logits of an imported model, computed in its layout (the batch
+    of 2 repeated to 4 rows, which every layout's batch dimension divides)."""
+    exp, params, _ = load(model_dir, *gin_params)
+    model, o = exp.trainer.model, oracle(family)
+    with exp.trainer.layout.activate(exp.trainer.mesh):
+        if family == "t5_1_1":
+            fn = jax.jit(lambda p, x, y: t5_logits(model, {"params": p}, x, y))
+            out = fn(params, np.tile(o["encoder_ids"], (2, 1)),
+                     np.tile(o["decoder_input_ids"], (2, 1)))
+        else:
+            fn = jax.jit(lambda p, x: lm_logits(model, {"params": p}, x))
+            out = fn(params, np.tile(o["input_ids"], (2, 1)))
+    return np.asarray(out)[:2]
+
+
+def copy_folder(family, target, weights: dict | None = None, files: int = 1, dtype=None):
+    """A copy of an oracle folder (config, tokenizer) with `weights` (default: its own),
+    as `files` safetensors shards with an index, of `dtype` (default: as they are)."""
+    source = os.path.join(ORACLES, family)
+    os.makedirs(target)
+    for name in os.listdir(source):
+        if not name.endswith((".safetensors", ".npz")):
+            shutil.copy(os.path.join(source, name), target)
+    weights = weights or safetensors.load_file(os.path.join(source, "model.safetensors"))
+    names = sorted(weights)
+    chunks = [names[i::files] for i in range(files)]
+    if files == 1:
+        out = [(chunks[0], "model.safetensors")]
+    else:
+        out = [(c, f"model-{i + 1:05d}-of-{files:05d}.safetensors") for i, c in enumerate(chunks)]
+        with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {n: file for c, file in out for n in c}}, f)
+    for chunk, file in out:
+        part = {n: weights[n] for n in chunk}
+        if dtype is not None:  # safetensors' flax writer takes bfloat16
+            from safetensors.flax import save_file
+            save_file({n: jnp.asarray(v, dtype) for n, v in part.items()},
+                      os.path.join(target, file))
+        else:
+            safetensors.save_file(part, os.path.join(target, file))
+
+
+@pytest.fixture(scope="module")
+def imports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    for family in FAMILIES:
+        import_folder(os.path.join(ORACLES, family), root / family)
+    return root
+
+
+# Each family's own dimensions split too: key/value heads (Llama, Mixtral), experts (Mixtral).
+EXTRA_RULES = {"llama_gqa": ";kv_heads:model", "t5_1_1": "", "mixtral": ";kv_heads:model;experts:model"}
+
+
+def layout(name, family) -> list[str]:
+    rules = "batch:batch;d_ff:model;heads:model;vocab:model"
+    return {
+        "model:8": ["run.mesh_shape='model:8'", "run.layout_rules='d_ff:model;vocab:model'"],
+        "batch:4;model:2": ["run.mesh_shape='batch:4;model:2'",
+                            f"run.layout_rules='{rules}{EXTRA_RULES[family]}'"],
+        "fsdp": ["run.mesh_shape='batch:4;model:2'", f"run.layout_rules='{rules}'",
+                 "run.parameter_layout_rules='d_model:batch'"],
+    }[name]
+
+
+LAYOUTS = ("model:8", "batch:4;model:2", "fsdp")
+
+
+@pytest.mark.slow  # the single-device logits are test_oracles' (fast tier)
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layout_of_an_import_changes_no_logit(tmp_path, family, name):
+    """Imported in the layout (each device's slice read and converted on its own), the
+    logits computed in it are Hugging Face's."""
+    import_folder(os.path.join(ORACLES, family), tmp_path / "m",
+                  *[f"--gin_param={p}" for p in layout(name, family)])
+    np.testing.assert_allclose(logits_of(family, tmp_path / "m"), oracle(family)["logits"],
+                               atol=1e-4, rtol=0)
+
+
+def test_bfloat16_and_sharded_copies_import_as_the_original(imports, tmp_path):
+    for family in FAMILIES:
+        original = params_of(imports / family)
+        copy_folder(family, tmp_path / f"{family}_shards", files=3)
+        import_folder(tmp_path / f"{family}_shards", tmp_path / f"{family}_from_shards")
+        shards = params_of(tmp_path / f"{family}_from_shards")
+        assert all(np.array_equal(original[k], shards[k]) for k in original), family
+        copy_folder(family, tmp_path / f"{family}_bf16", dtype=jnp.bfloat16)
+        import_folder(tmp_path / f"{family}_bf16", tmp_path / f"{family}_from_bf16")
+        halves = params_of(tmp_path / f"{family}_from_bf16")
+        for name, value in original.items():
+            rounded = value.astype(jnp.bfloat16).astype(np.float32)
+            np.testing.assert_array_equal(halves[name], rounded, err_msg=f"{family} {name}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_writes_the_original_tensors_and_imports_back(imports, tmp_path, family):
+    out = tmp_path / "hf"
+    assert main(["--mode=export", f"--model_dir={imports / family}", f"--output_dir={out}"]) == 0
+    theirs = safetensors.load_file(os.path.join(ORACLES, family, "model.safetensors"))
+    ours = safetensors.load_file(out / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    read = families.read_config
+    assert (families.settings(read(out)).architecture
+            == families.settings(read(os.path.join(ORACLES, family))).architecture)
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    import_folder(out, tmp_path / "again")
+    first, again = params_of(imports / family), params_of(tmp_path / "again")
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    # bfloat16 export: the same tensors rounded; sharded when over the shard size
+    assert main(["--mode=export", f"--model_dir={imports / family}", f"--output_dir={out}_bf16",
+                 "--dtype=bfloat16"]) == 0
+    from safetensors.flax import load_file
+
+    halves = load_file(f"{out}_bf16/model.safetensors")
+    for name in theirs:
+        assert halves[name].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(halves[name], np.float32),
+                                      theirs[name].astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_exported_shards_have_an_index(imports, tmp_path):
+    """Past the shard size, safetensors shards with the index file (the import reads them
+    back identically)."""
+    from mtrain import run as run_lib
+    from mtrain.modes import convert
+
+    run_lib.parse_config([str(imports / "llama_gqa" / "config.gin")], [])
+    exp = run_lib.build(mode="export", model_dir=str(imports / "llama_gqa"))
+    written = convert.export_model(exp, str(tmp_path / "hf"), None, "float32",
+                                   max_shard_bytes=200_000)["files"]
+    assert "model.safetensors.index.json" in written and "model.safetensors" not in written
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    import_folder(tmp_path / "hf", tmp_path / "again")
+    first, again = params_of(imports / "llama_gqa"), params_of(tmp_path / "again")
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def _texts(tmp_path, family, pairs=False):
+    texts = [str(t) for t in oracle(family)["texts"]]
+    path = tmp_path / f"{family}.txt"
+    path.write_text("".join(f"{t}\t{t}\n" if pairs else f"{t}\n" for t in texts))
+    return path
+
+
+def _ragged(o, name, i):
+    offsets = o[f"{name}_offsets"]
+    return o[f"{name}_flat"][offsets[i]:offsets[i + 1]]
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "t5_1_1"])
+def test_tokenizer_infer_and_score_through_the_command_line(imports, tmp_path, data_dir, family):
+    """The folder's tokenizer gives the oracle's ids; --mode=infer continues (translates)
+    each text with the oracle's greedy ids, and --mode=score gives the sums of its
+    log-probabilities."""
+    _, _, vocab = load(imports / family)
+    o = oracle(family)
+    for i, text in enumerate(o["texts"]):
+        assert vocab.encode(str(text)) == list(_ragged(o, "text_ids", i))
+    config = f"--gin_file={imports / family / 'config.gin'}"
+    common = [config, f"--model_dir={imports / family}",
+              *[f"--gin_param={p}" for p in layout("batch:4;model:2", family)]]
+    out = tmp_path / "out.txt"
+    assert main([*common, "--mode=infer", f"--input_file={_texts(tmp_path, family)}",
+                 f"--output_file={out}", "--gin_param=decoding.max_decode_length=12",
+                 "--gin_param=decoding.beam_size=1"]) == 0
+    expected = [vocab.decode(list(_ragged(o, "text_greedy", i))) for i in range(len(o["texts"]))]
+    # (random weights: the continuations hold control characters, a newline even)
+    assert out.read_text() == "".join(f"{line}\n" for line in expected)
+    scores = tmp_path / "scores.jsonl"
+    assert main([*common, "--mode=score", f"--input_file={_texts(tmp_path, family, family == 't5_1_1')}",
+                 f"--output_file={scores}", f"--output_dir={tmp_path / 'measured'}"]) == 0
+    got = [json.loads(line)["log_likelihood"] for line in scores.read_text().splitlines()]
+    want = [float(_ragged(o, "text_logprobs", i).sum()) for i in range(len(o["texts"]))]
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+
+
+def test_a_tokenizer_json_only_model_imports_with_the_same_ids(tmp_path):
+    """A folder with tokenizer.json and no sentencepiece file (made here from T5's with the
+    tokenizers package): the vocabulary is the tokenizers one, with the same ids."""
+    import sys
+
+    import sentencepiece.sentencepiece_model_pb2 as model_pb2
+
+    sys.modules.setdefault("sentencepiece_model_pb2", model_pb2)  # what from_spm imports
+    from tokenizers.implementations import SentencePieceUnigramTokenizer
+
+    copy_folder("t5_1_1", tmp_path / "hf")
+    tokenizer = SentencePieceUnigramTokenizer.from_spm(str(tmp_path / "hf" / "spiece.model"))
+    os.remove(tmp_path / "hf" / "spiece.model")
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    import_folder(tmp_path / "hf", tmp_path / "m")
+    _, _, vocab = load(tmp_path / "m")
+    assert type(vocab).__name__ == "TokenizerVocabulary" and vocab.eos_id == 1
+    o = oracle("t5_1_1")
+    for i, text in enumerate(o["texts"]):
+        assert vocab.encode(str(text)) == list(_ragged(o, "text_ids", i))
+        assert vocab.decode(vocab.encode(str(text)) + [1, 5]) == str(text)
+    assert main(["--mode=export", f"--model_dir={tmp_path / 'm'}",
+                 f"--output_dir={tmp_path / 'out'}"]) == 0
+    assert "tokenizer.json" in os.listdir(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_fine_tuning_an_import_lowers_the_loss_resumes_and_exports(tmp_path, data_dir):
+    """Imported with the user's training settings, trained on the shipped corpus from the
+    imported parameters (a fresh optimizer); stopped at step 4 and run again to 8 it ends
+    bit for bit where an uninterrupted run does; then exports."""
+    settings = ["--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=64",
+                "--gin_param=run.data_workers=0", "--gin_param=run.log_every=1",
+                "--gin_param=run.checkpoint_every=4", "--gin_param=run.eval_every=0"]
+    for name in ("straight", "resumed"):
+        import_folder(os.path.join(ORACLES, "llama_gqa"), tmp_path / name, *settings)
+    config = lambda name: [f"--gin_file={tmp_path / name / 'config.gin'}",  # noqa: E731
+                           f"--model_dir={tmp_path / name}"]
+    assert main([*config("straight"), "--gin_param=run.train_steps=8"]) == 0
+    assert main([*config("resumed"), "--gin_param=run.train_steps=4"]) == 0
+    assert main([*config("resumed"), "--gin_param=run.train_steps=8"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()]
+    losses = [r["train/loss"] for r in records if "train/loss" in r]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    straight, resumed = params_of(tmp_path / "straight"), params_of(tmp_path / "resumed")
+    assert all(np.array_equal(straight[k], resumed[k]) for k in straight)
+    assert main(["--mode=export", f"--model_dir={tmp_path / 'resumed'}",
+                 f"--output_dir={tmp_path / 'hf'}"]) == 0
+    tensors = safetensors.load_file(tmp_path / "hf" / "model.safetensors")
+    np.testing.assert_array_equal(tensors["model.norm.weight"], straight["final_norm/scale"])
+
+
+def _broken(tmp_path, family, edit=None, weights=None):
+    copy_folder(family, tmp_path / "hf", weights=weights)
+    if edit:
+        path = tmp_path / "hf" / "config.json"
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    return tmp_path / "hf"
+
+
+def _refused(capsys, argv, *fragments):
+    """Exit 2 and at most 3 lines on stderr (the run's start-up lines, where it got that
+    far), the last the error naming each of `fragments`."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) <= 3 and lines[-1].startswith("mtrain: error:"), lines
+    assert not any("Traceback" in line for line in lines)
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+
+
+def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports):
+    weights = safetensors.load_file(os.path.join(ORACLES, "llama_gqa", "model.safetensors"))
+    cases = [
+        ("mixtral", lambda c: c | {"sliding_window": 4096}, None, "sliding_window"),
+        ("llama_gqa", lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         None, "rope_scaling.rope_type"),
+        ("llama_gqa", lambda c: c | {"attention_bias": True}, None, "attention_bias"),
+        ("llama_gqa", lambda c: c | {"architectures": ["GPT2LMHeadModel"]}, None, "architectures"),
+        ("llama_gqa", lambda c: c | {"num_hidden_layers": 3}, None,
+         "model.layers.2.self_attn.q_proj.weight"),
+        ("llama_gqa", None, weights | {"model.layers.0.mlp.up_proj.weight": np.zeros((7, 64), np.float32)},
+         "shape [7, 64]"),
+        ("llama_gqa", None, weights | {"model.layers.0.mlp.up_proj.weight":
+                                       weights["model.layers.0.mlp.up_proj.weight"].astype(np.int32)},
+         "I32"),
+        ("llama_gqa", None, weights | {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)},
+         "q_proj.bias"),
+    ]
+    for i, (family, edit, tensors, fragment) in enumerate(cases):
+        folder = _broken(tmp_path / str(i), family, edit, tensors)
+        _refused(capsys, ["--mode=import", f"--input_dir={folder}",
+                          f"--model_dir={tmp_path / str(i) / 'm'}"], fragment)
+        assert not os.path.exists(tmp_path / str(i) / "m")
+        assert not os.path.exists(tmp_path / str(i) / "m.importing")
+    # a truncated file; a missing one; a contradicting gin setting
+    folder = _broken(tmp_path / "cut", "llama_gqa")
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(folder / "model.safetensors") - 100)
+    _refused(capsys, ["--mode=import", f"--input_dir={folder}", f"--model_dir={tmp_path / 'm'}"],
+             "is truncated")
+    os.remove(folder / "model.safetensors")
+    _refused(capsys, ["--mode=import", f"--input_dir={folder}", f"--model_dir={tmp_path / 'm'}"],
+             "no model.safetensors")
+    _refused(capsys, ["--mode=import", f"--input_dir={os.path.join(ORACLES, 'llama_gqa')}",
+                      f"--model_dir={tmp_path / 'm'}", "--gin_param=transformer.d_model=128"],
+             "transformer.d_model=128", "hidden_size=64")
+    assert not os.path.exists(tmp_path / "m")
+    # the same import again: the model dir is there, and stays as it was
+    before = sorted(p.name for p in (imports / "llama_gqa").iterdir())
+    _refused(capsys, ["--mode=import", f"--input_dir={os.path.join(ORACLES, 'llama_gqa')}",
+                      f"--model_dir={imports / 'llama_gqa'}"], "not empty")
+    assert sorted(p.name for p in (imports / "llama_gqa").iterdir()) == before
+    # exports of settings no Hugging Face family has
+    for setting, fragment in (("transformer.position_encoding='learned'", "no Hugging Face family"),
+                              ("moe.top_k=1", "Mixtral")):
+        family = "mixtral" if setting.startswith("moe") else "llama_gqa"
+        _refused(capsys, ["--mode=export", f"--model_dir={imports / family}",
+                          f"--output_dir={tmp_path / 'out'}",
+                          f"--gin_file={imports / family / 'config.gin'}",
+                          f"--gin_param={setting}"], fragment)
+        assert not os.path.exists(tmp_path / "out")
