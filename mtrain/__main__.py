@@ -203,15 +203,10 @@ def main(argv=None) -> int:
             if not (args.model_dir and args.output_dir):
                 raise UserError("--mode=export needs --model_dir and --output_dir (the "
                                 "Hugging Face folder to write)")
-            if not (args.gin_file or args.gin_param):  # the model dir's own config
-                args.gin_file = [os.path.join(args.model_dir, "config.gin")]
-                if not os.path.isfile(args.gin_file[0]):
-                    raise UserError(f"{args.model_dir} has no config.gin: give the run's "
-                                    f"--gin_file")
         elif args.mode != "import" and (args.checkpoint_step is not None
                                         or args.dtype != "float32"):
             raise UserError("--checkpoint_step and --dtype go with --mode=export")
-        if not (args.gin_file or args.gin_param or args.mode == "import"):
+        if not (args.gin_file or args.gin_param or args.mode in ("import", "export")):
             raise UserError("nothing to run: give a --gin_file (the quickstart's is "
                             "--gin_file=quickstart.gin; see --help)")
     except UserError as e:
@@ -258,6 +253,13 @@ def _run(args: argparse.Namespace) -> int:
     from mtrain.io.metrics import setup_logging
 
     try:
+        if args.mode == "export" and not (args.gin_file or args.gin_param):
+            from mtrain.io.model_dir import ModelDir  # (the model dir's own config)
+
+            args.gin_file = [ModelDir(args.model_dir).config]
+            if not os.path.isfile(args.gin_file[0]):
+                raise UserError(f"{args.model_dir} has no {os.path.basename(args.gin_file[0])}: "
+                                f"give the run's --gin_file")
         imported = None
         if args.mode == "import":
             imported = (args.input_dir, *run_lib.parse_import_config(

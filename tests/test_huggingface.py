@@ -247,9 +247,11 @@ def test_fine_tuning_an_import_lowers_the_loss_resumes_and_exports(tmp_path, dat
     """Imported with the user's training settings, trained on the shipped corpus from the
     imported parameters (a fresh optimizer); stopped at step 4 and run again to 8 it ends
     bit for bit where an uninterrupted run does; then exports."""
-    settings = ["--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=64",
+    settings = [*[f"--gin_param={p}" for p in layout("batch:4;model:2", "llama_gqa")],
+                "--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=64",
                 "--gin_param=run.data_workers=0", "--gin_param=run.log_every=1",
-                "--gin_param=run.checkpoint_every=4", "--gin_param=run.eval_every=0"]
+                "--gin_param=run.checkpoint_every=4", "--gin_param=run.eval_every=0",
+                "--gin_param=learning_rate_schedule.warmup_steps=100"]  # a rate of 0.1
     for name in ("straight", "resumed"):
         import_folder(os.path.join(ORACLES, "llama_gqa"), tmp_path / name, *settings)
     config = lambda name: [f"--gin_file={tmp_path / name / 'config.gin'}",  # noqa: E731
@@ -259,7 +261,8 @@ def test_fine_tuning_an_import_lowers_the_loss_resumes_and_exports(tmp_path, dat
     assert main([*config("resumed"), "--gin_param=run.train_steps=8"]) == 0
     records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()]
     losses = [r["train/loss"] for r in records if "train/loss" in r]
-    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    # (measured: 6.75 -> 6.42; the batches alone move it by about 0.05)
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.15, losses
     straight, resumed = params_of(tmp_path / "straight"), params_of(tmp_path / "resumed")
     assert all(np.array_equal(straight[k], resumed[k]) for k in straight)
     assert main(["--mode=export", f"--model_dir={tmp_path / 'resumed'}",

@@ -46,7 +46,7 @@ def load(model_dir, *gin_params):
     vocab = load_vocabulary(ModelDir(str(model_dir)).vocabulary)
     state, _ = restore_for_reading(ModelDir(str(model_dir)).checkpoints,
                                    exp.trainer.sharded_abstract_state(),
-                                   {"model": exp.model_meta(vocab)})
+                                   exp.reader_meta(vocab))
     return exp, state.params, vocab
 
 

@@ -28,6 +28,7 @@ LAYERS = [
     ("models", ("mtrain.models",)),  # Flax modules with named dimensions
     ("io", ("mtrain.io",)),  # files, the model dir, its lock, checkpoints, metrics
     ("data", ("mtrain.data",)),  # tasks, corpora, TFDS, vocabularies, the input pipeline
+    ("huggingface", ("mtrain.huggingface",)),  # Hugging Face folders: families, weights, tokenizers
     ("training", ("mtrain.training",)),  # the sharded state and steps, optimizer, loop, hooks
     ("evaluation", ("mtrain.evaluation",)),  # held-out metrics, BLEU, decoding, translation
     ("planning", ("mtrain.planning",)),  # --mode=plan's analysis of a compiled step

@@ -173,7 +173,7 @@ def write_folder(path: str, entries: Iterable[tuple[str, tuple[int, ...]]], dtyp
                 if got != name or tuple(array.shape) != shape:
                     raise ValueError(f"expected {name} {list(shape)}, got {got} "
                                      f"{list(array.shape)}")
-                f.write(np.ascontiguousarray(array, dtype).data)
+                f.write(np.ascontiguousarray(array, dtype).reshape(-1).view(np.uint8).data)
     if len(shards) > 1:
         total = sum(dtype.itemsize * math.prod(shape) for _, shape in entries)
         weight_map = {name: file for file, shard in zip(names, shards) for name, _ in shard}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -40,6 +39,7 @@ from etils import epath
 from mtrain.io import checksums
 from mtrain.parallel import distributed
 from mtrain.errors import IncompatibleRun, UserError
+from mtrain.io.compatibility import ADVICE, check_compatible
 from mtrain.io.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
@@ -230,7 +230,7 @@ class Checkpoints:
             if "tree structures do not match" in str(e):  # a checkpoint without "state" meta
                 raise IncompatibleRun(
                     f"checkpoint {where} holds a train state of another structure (a model or "
-                    f"optimizer setting differs); {_ADVICE}") from None
+                    f"optimizer setting differs); {ADVICE}") from None
             raise DamagedCheckpoint(where, _reason(e)) from None
         state = restored["state"]
         if "checksums" not in saved:
@@ -355,58 +355,3 @@ def _reason(error: BaseException) -> str:
     code = re.search(r"os_error_code='?(\d+)", text)
     reason = os.strerror(int(code.group(1))) if code else None
     return f"{reason}: {short}" if reason and reason not in short else short
-
-
-# --- what a checkpoint's run must share with the run that restores it -------------------
-
-_ADVICE = ("resume with the saved settings, or start a new run in another --model_dir "
-           "(with run.init_from to start from these parameters)")
-_NAMES = {"vocab_size": "the model's vocabulary size", "vocabulary": "the vocabulary",
-          "data": "the data"}
-
-
-def _name(key: str) -> str:
-    return _NAMES.get(key, key if "." in key else f"transformer.{key}")
-
-
-def _differences(saved: dict, current: dict) -> list[str]:
-    """'name=saved there, current here' for each key of `saved` whose value differs (keys
-    a checkpoint lacks, written by an older mtrain, are not compared)."""
-    current = json.loads(json.dumps(current))  # tuples -> lists, as the saved JSON has them
-    return [f"{_name(k)}={saved[k]!r} there, {current.get(k)!r} here"
-            for k in sorted(saved) if saved[k] != current.get(k)]
-
-
-def check_compatible(saved: dict, current: dict, where, resume: bool,
-                     advice: str | None = None) -> None:
-    """Raises `IncompatibleRun` naming every setting that differs between the run that
-    saved a checkpoint (its ``meta``, `saved`) and this one (`current`).
-
-    ``meta`` holds ``model`` (shape settings and vocabulary: must match for any restore),
-    ``task``, ``run`` (what decides the data and its order: batch size, sequence length,
-    seed, data; must match to resume training), ``state`` (`state_signature` of the train
-    state) and ``optimizer`` (its settings, to name the one that changed the state).
-    Everything else (steps, schedules, mesh and layout, learning rate, ...) may change.
-    `advice` replaces what the error tells a resuming run to do.
-    """
-    diffs = []
-    if "task" in saved and saved["task"] != current.get("task"):
-        diffs.append(f"run.task={saved['task']!r} there, {current.get('task')!r} here")
-    diffs += _differences(saved.get("model", {}), current.get("model", {}))
-    model_differs = bool(diffs)
-    if resume:
-        diffs += _differences(saved.get("run", {}), current.get("run", {}))
-    if not model_differs and "state" in saved and saved["state"] != current.get("state"):
-        named = _differences(saved.get("optimizer", {}), current.get("optimizer", {}))
-        if not named:
-            here = current.get("state", {})
-            path = next(p for p in [*saved["state"], *here]
-                        if saved["state"].get(p) != here.get(p))
-            named = [f"train state {path}: {saved['state'].get(path) or 'absent'} there, "
-                     f"{here.get(path) or 'absent'} here"]
-        diffs += named
-    if diffs:
-        advice = advice or ("resume with the saved settings, or train a new model in another "
-                            "--model_dir" if model_differs else _ADVICE)
-        raise IncompatibleRun(f"checkpoint {where} is of a run with other settings: "
-                              f"{'; '.join(diffs)}; {advice}")

@@ -73,20 +73,15 @@ class TransformerConfig:
     rotary_max_wavelength: float = 10_000.0
     relative_num_buckets: int = shape_field(32)
     relative_max_distance: int = 128
-    # Key/value heads: 0 (default) as many as num_heads; 1 multi-query; between,
-    # grouped-query attention (it divides num_heads). Fewer than num_heads lie on a
-    # dimension of their own, ``kv_heads``, for the layout rules.
+    # Key/value heads: 0 (default) as many as num_heads; 1 multi-query; between, grouped-query
+    # attention (it divides num_heads). Fewer lie on their own dimension, ``kv_heads``.
     num_kv_heads: int = shape_field(0)
     # Mixture of experts: 0 (none) or N, every N-th layer's feed-forward layer is `moe`'s
     # experts (the last of each N layers; with scan_layers the scan repeats a group of N).
     moe_every: int = shape_field(0)
     moe: MoEConfig | None = shape_field(None)  # None while moe_every is 0
-    # The RMSNorms' epsilon (T5's and Mesh-TF's 1e-6; Llama 2 and 3 use 1e-5).
-    norm_epsilon: float = 1e-6
-    # The token a decoder-only LM reads before each example (its targets shifted right):
-    # 0 as Mesh-TF and T5 (the padding id), or the vocabulary's BOS (1 for Llama, whose
-    # sequences begin with it). The encoder-decoder's decoder always starts from 0, as T5's.
-    start_id: int = 0
+    norm_epsilon: float = 1e-6  # the RMSNorms' (T5's 1e-6; Llama 2 and 3 use 1e-5)
+    start_id: int = 0  # what a decoder-only LM reads first: 0 (Mesh-TF, T5) or Llama's BOS
 
     @property
     def dtype(self):
@@ -251,9 +246,9 @@ class DecoderLM(_PackingAware, nn.Module):
         return _logits(c, embed, _softmax_table(self, c), x, return_hidden)
 
     def decode_step(self, ids):
-        """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token; 0 first),
-        as `EncoderDecoder.decode_step` (the first `ids` are `config.start_id`): the cache is made by `init` of this method with
-        `ids` [n, max_length]."""
+        """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token;
+        `config.start_id` first), as `EncoderDecoder.decode_step`: the cache is made by
+        `init` of this method with `ids` [n, max_length]."""
         return self(ids, None, None, deterministic=True, decode=True)[:, -1]
 
 

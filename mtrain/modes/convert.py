@@ -5,7 +5,7 @@ run's operative config, whose model settings came from config.json: `config.pars
 its ``vocabulary.model`` (the folder's tokenizer) and a step-0 checkpoint of its parameters
 alone (`Checkpoints.save_imported`). Each parameter is made by `jax.make_array_from_callback`
 in the run's layout: every device's slice read from the safetensors files and converted
-there (`huggingface.families`), so that a host reads and holds only what its devices hold,
+there (`huggingface.weights`), so that a host reads and holds only what its devices hold,
 a slice at a time. Everything is written to ``<model_dir>.importing`` and renamed to the
 model dir at the end: a failed import leaves no model dir behind.
 
@@ -30,9 +30,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mtrain.errors import ConfigError
-from mtrain.huggingface import families, tensors
+from mtrain.huggingface import families, tensors, weights
 from mtrain.huggingface.vocabulary import write_tokenizer
-from mtrain.io.checkpoints import Checkpoints, restore_for_reading, state_signature
+from mtrain.io.checkpoints import Checkpoints, restore_for_reading
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
 from mtrain.modes.experiment import Experiment
@@ -98,7 +98,7 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
     model_dir = exp.model_dir
     folder = tensors.Folder(input_dir)
     c = exp.model_config
-    sources = families.parameters(settings.family, c, settings.vocab_size, settings.untied)
+    sources = weights.parameters(settings.family, c, settings.vocab_size, settings.untied)
     params = exp.trainer.abstract_state.params
     shardings = _paths(exp.trainer.state_shardings.params)
     wanted = _paths(params)
@@ -115,7 +115,7 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
             arrays[name] = jax.make_array_from_callback(
                 leaf.shape, shardings[name],
                 lambda index, s=source, shape=leaf.shape: s.read(
-                    folder, families.ranges(index, shape)).astype(np.float32))
+                    folder, weights.ranges(index, shape)).astype(np.float32))
         imported = {"from": os.path.abspath(input_dir), "architecture": settings.family}
         meta = {"model": exp.model_meta(vocab), "imported": imported}
         checkpoints = Checkpoints(ModelDir(work).checkpoints, async_save=False)
@@ -178,12 +178,9 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
     rows = max(vocab.vocab_size, model_size or 0)
     config = families.hf_config(exp.model_config, rows, vocab.eos_id, vocab.bos_id)
     family = config["architectures"][0]
-    sources = families.parameters(family, exp.model_config, rows)
-    meta = {"model": exp.model_meta(vocab), "task": exp.task.name,
-            "state": state_signature(exp.trainer.abstract_state),
-            "optimizer": exp.optimizer_settings}
+    sources = weights.parameters(family, exp.model_config, rows)
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
-                                      meta, step)
+                                      exp.reader_meta(vocab), step)
     params = _paths(state.params)
     work = _fresh_dir(output_dir, "--output_dir", ".exporting")
     try:

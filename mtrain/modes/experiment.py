@@ -176,9 +176,16 @@ class Experiment:
         vocabulary = f"{vocab.vocab_size} pieces, sha256 {vocab.digest}"
         return {**shape_fields(self.trainer.model.config), "vocabulary": vocabulary}
 
+    def reader_meta(self, vocab: Vocabulary) -> dict:
+        """What a reader of this model's checkpoints (without its data) must share with
+        the run that saved them: `checkpoint_meta` less the data's."""
+        return {"model": self.model_meta(vocab), "task": self.task.name,
+                "optimizer": self.optimizer_settings,
+                "state": state_signature(self.trainer.abstract_state)}
+
     def checkpoint_meta(self) -> dict:
         """What a checkpoint records of the run that saved it, and a resumed run must share
-        (`checkpoints.check_compatible`): the model's shape and vocabulary; the data, batch
+        (`compatibility.check_compatible`): the model's shape and vocabulary; the data, batch
         size, sequence length and seed, which decide the data and its order; and the train
         state's structure, with the optimizer settings that decide it. Everything else may
         change between the runs of a model dir (README, "Runs that survive")."""
