@@ -98,10 +98,12 @@ def layout(name, family) -> list[str]:
                             f"run.layout_rules='{rules}{EXTRA_RULES[family]}'"],
         "fsdp": ["run.mesh_shape='batch:4;model:2'", f"run.layout_rules='{rules}'",
                  "run.parameter_layout_rules='d_model:batch'"],
+        "scanned": ["run.mesh_shape='batch:4;model:2'", f"run.layout_rules='{rules}'",
+                    "transformer.scan_layers=True"],
     }[name]
 
 
-LAYOUTS = ("model:8", "batch:4;model:2", "fsdp")
+LAYOUTS = ("model:8", "batch:4;model:2", "fsdp", "scanned")
 
 
 @pytest.mark.slow  # the single-device logits are test_oracles' (fast tier)
@@ -189,11 +191,12 @@ def _ragged(o, name, i):
     return o[f"{name}_flat"][offsets[i]:offsets[i + 1]]
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "t5_1_1"])
-def test_tokenizer_infer_and_score_through_the_command_line(imports, tmp_path, data_dir, family):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_infer_score_eval_and_plan_through_the_command_line(imports, tmp_path,
+                                                                       data_dir, family):
     """The folder's tokenizer gives the oracle's ids; --mode=infer continues (translates)
     each text with the oracle's greedy ids, and --mode=score gives the sums of its
-    log-probabilities."""
+    log-probabilities; eval and plan run on the imported dir as on a trained one."""
     _, _, vocab = load(imports / family)
     o = oracle(family)
     for i, text in enumerate(o["texts"]):
@@ -214,6 +217,12 @@ def test_tokenizer_infer_and_score_through_the_command_line(imports, tmp_path, d
     got = [json.loads(line)["log_likelihood"] for line in scores.read_text().splitlines()]
     want = [float(_ragged(o, "text_logprobs", i).sum()) for i in range(len(o["texts"]))]
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+    if family == "llama_gqa":  # (the others' eval and plan are the same code)
+        assert main([*common, "--mode=eval", f"--output_dir={tmp_path / 'measured'}"]) == 0
+        records = [json.loads(x) for x in (tmp_path / "measured" / "metrics.jsonl").open()]
+        assert records[-1]["step"] == 0 and records[-1]["eval/perplexity"] > 1
+        assert main([config, f"--model_dir={imports / family}", "--mode=plan",
+                     "--target=h100", "--format=json"]) == 0
 
 
 def test_a_tokenizer_json_only_model_imports_with_the_same_ids(tmp_path):

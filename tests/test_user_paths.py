@@ -171,3 +171,42 @@ def test_runs_started_together_on_a_fresh_machine_prepare_the_data_once(tmp_path
     stderr = "".join(err for _, err in outputs)
     assert stderr.count("preparing lm1b:1.1.0") == 1, stderr
     assert stderr.count("sentencepiece vocabulary") == 1, stderr
+
+
+ORACLES = os.path.join(REPO, "..", "shared", "oracles")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
+def test_import_of_a_published_model_then_infer_rerun_and_a_changed_setting(tmp_path):
+    """``--mode=import`` of the tiny Llama with an empty HOME and data dir, then infer from
+    it through stdin (the data prepared on the way); the same import again is refused in one
+    line and leaves the model dir as it was; with a changed layout it imports into a new dir,
+    and a kill during an import leaves no model dir behind."""
+    home, folder = tmp_path / "home", os.path.join(ORACLES, "llama_gqa")
+    home.mkdir()
+    layout = ["run.mesh_shape='batch:4;model:2'",
+              "run.layout_rules='batch:batch;d_ff:model;heads:model;kv_heads:model;vocab:model'"]
+    first = mtrain(home, [], layout, tmp_path / "m", "--mode=import", f"--input_dir={folder}")
+    assert first.returncode == 0, first.stderr
+    args, env = command(home, [f"--gin_file={tmp_path / 'm' / 'config.gin'}"],
+                        ["decoding.max_decode_length=4"], tmp_path / "m", "--mode=infer")
+    infer = subprocess.run(args, cwd=REPO, env=env, input="And God said\n", capture_output=True,
+                           text=True, timeout=900)
+    assert infer.returncode == 0 and infer.stdout.strip(), infer.stderr
+    assert (home / ".cache" / "mtrain").is_dir()  # the task's data, prepared for its vocabulary's run
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "m").rglob("*")}
+    again = mtrain(home, [], layout, tmp_path / "m", "--mode=import", f"--input_dir={folder}")
+    assert again.returncode == 2 and "not empty" in again.stderr
+    assert len(again.stderr.strip().splitlines()) <= 3
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "m").rglob("*")} == before
+    changed = mtrain(home, [], ["run.mesh_shape='model:8'", "run.layout_rules='d_ff:model'"],
+                     tmp_path / "m8", "--mode=import", f"--input_dir={folder}")
+    assert changed.returncode == 0, changed.stderr
+    assert "run.mesh_shape = 'model:8'" in (tmp_path / "m8" / "config.gin").read_text()
+    importing = ["--mode=import", f"--input_dir={folder}"]
+    killed_when(tmp_path / "killed.importing" / "checkpoints", home, importing, [],
+                tmp_path / "killed")
+    assert not (tmp_path / "killed").exists()
+    rerun = mtrain(home, importing, [], tmp_path / "killed")
+    assert rerun.returncode == 0 and not (tmp_path / "killed.importing").exists(), rerun.stderr
