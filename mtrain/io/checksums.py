@@ -69,10 +69,25 @@ def _all_sums(leaves):
     return [_sums(x) for x in leaves]
 
 
+# The arrays summed by one call, at most: XLA keeps a few word-sized temporaries of every
+# array of a call alive together (measured: one call over a 3.4 GB tree of a 0.84B-parameter
+# model peaked 6.3 GB above it), so a large tree is summed in groups of this many bytes.
+# A small model's tree is one group, one compilation, as before.
+GROUP_BYTES = 256 * 2**20
+
+
 def of_arrays(tree) -> dict[str, str]:
     """{path: 16 hex digits} for every array leaf of `tree` (any sharding)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sums = jax.device_get(_all_sums([leaf for _, leaf in leaves]))
+    groups, size = [[]], 0
+    for path, leaf in leaves:
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if groups[-1] and size + nbytes > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(leaf)
+        size += nbytes
+    sums = [s for group in groups for s in jax.device_get(_all_sums(group))]
     return {jax.tree_util.keystr(path): f"{int(s[0]):08x}{int(s[1]):08x}"
             for (path, _), s in zip(leaves, sums)}
 
