@@ -351,3 +351,35 @@ def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports)
                           f"--gin_file={imports / family / 'config.gin'}",
                           f"--gin_param={setting}"], fragment)
         assert not os.path.exists(tmp_path / "out")
+
+
+def test_tied_llama_and_t5_v1_0_folders(tmp_path):
+    """Two variants the oracles do not have, made from them: a Llama whose softmax is its
+    embedding table (no lm_head.weight; imported untied, the softmax a copy of the table),
+    and a T5 v1.0 (ReLU, one input projection `wi`, tied and rescaled logits: mtrain's
+    shared softmax) that exports back to the same tensors and config."""
+    weights = safetensors.load_file(os.path.join(ORACLES, "llama_gqa", "model.safetensors"))
+    del weights["lm_head.weight"]
+    folder = _broken(tmp_path / "llama", "llama_gqa", lambda c: c | {"tie_word_embeddings": True},
+                     weights)
+    import_folder(folder, tmp_path / "llama_m")
+    params = params_of(tmp_path / "llama_m")
+    np.testing.assert_array_equal(params["softmax"], weights["model.embed_tokens.weight"].T)
+    t5 = safetensors.load_file(os.path.join(ORACLES, "t5_1_1", "model.safetensors"))
+    del t5["lm_head.weight"]
+    for name in [n for n in t5 if "wi_1" in n]:
+        del t5[name]
+    t5 = {n.replace("wi_0", "wi"): v for n, v in t5.items()}
+    folder = _broken(tmp_path / "t5", "t5_1_1", lambda c: c | {
+        "feed_forward_proj": "relu", "tie_word_embeddings": True, "is_gated_act": False,
+        "dense_act_fn": "relu", "scale_decoder_outputs": True}, t5)
+    import_folder(folder, tmp_path / "t5_m")
+    assert "transformer.shared_embedding_and_softmax = True" in (
+        tmp_path / "t5_m" / "config.gin").read_text()
+    assert main(["--mode=export", f"--model_dir={tmp_path / 't5_m'}",
+                 f"--output_dir={tmp_path / 't5_out'}"]) == 0
+    ours = safetensors.load_file(tmp_path / "t5_out" / "model.safetensors")
+    assert sorted(ours) == sorted(t5)
+    assert all(np.array_equal(ours[n], t5[n]) for n in t5)
+    assert (families.settings(families.read_config(tmp_path / "t5_out")).architecture
+            == families.settings(families.read_config(folder)).architecture)
