@@ -308,6 +308,8 @@ def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports)
          None, "rope_scaling.rope_type"),
         ("llama_gqa", lambda c: c | {"attention_bias": True}, None, "attention_bias"),
         ("llama_gqa", lambda c: c | {"architectures": ["GPT2LMHeadModel"]}, None, "architectures"),
+        ("llama_gqa", lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, None,
+         "config.json has no hidden_size"),
         ("llama_gqa", lambda c: c | {"num_hidden_layers": 3}, None,
          "model.layers.2.self_attn.q_proj.weight"),
         ("llama_gqa", None, weights | {"model.layers.0.mlp.up_proj.weight": np.zeros((7, 64), np.float32)},

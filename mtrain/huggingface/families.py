@@ -91,7 +91,12 @@ def settings(config: dict) -> Settings:
     """The mtrain settings of a Hugging Face `config` (raises ConversionError naming the
     field mtrain cannot honour)."""
     fam = family(config)
-    return _t5(config) if fam == T5 else _decoder(config, fam)
+    try:
+        return _t5(config) if fam == T5 else _decoder(config, fam)
+    except KeyError as e:
+        raise ConversionError(f"config.json has no {e.args[0]}, which a {fam} needs") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ConversionError(f"config.json has a field of the wrong type: {e}") from None
 
 
 def _decoder(config: dict, fam: str) -> Settings:
