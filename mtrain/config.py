@@ -71,12 +71,12 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
 
 
 def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:
-    """Parses the gin config of ``--mode=import``: the user's files and bindings, then the
-    model settings of a Hugging Face config.json (`settings`: `huggingface.families.Settings`,
-    with ``vocabulary.*`` bindings for its tokenizer in `defaults`). A user binding of an
-    architecture setting that differs from config.json's is an error naming both values;
-    the other settings (`settings.defaults`) apply where the user bound none."""
-    parse(gin_files, gin_params)
+    """Parses the gin config of ``--mode=import``, after `parse` of the user's files and
+    bindings: those again, then the model settings of a Hugging Face config.json
+    (`settings`: `huggingface.families.Settings`, its tokenizer's ``vocabulary.*`` among
+    them). A user binding of an architecture setting that differs from config.json's is an
+    error naming both values; the other settings (`settings.defaults`) apply where the user
+    bound none."""
     bindings = []
     for name, value in settings.architecture.items():
         mine = bound(name, None)

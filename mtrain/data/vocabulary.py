@@ -116,18 +116,23 @@ class Vocabulary:
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Tokenises `texts` with one SentencePiece call: (flat int32 ids, int64 row splits),
         the ids of text i being ids[row_splits[i]:row_splits[i + 1]]."""
-        ids = self._sp.encode(list(texts), out_type=int, add_eos=add_eos, num_threads=1)
-        lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-        row_splits = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(lengths, out=row_splits[1:])
-        values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
-        return values, row_splits
+        return _flat(self._sp.encode(list(texts), out_type=int, add_eos=add_eos,
+                                     num_threads=1))
 
     def __getstate__(self):  # pickled for the input pipeline's worker processes
         return {"model_proto": self._proto, "path": self.path}
 
     def __setstate__(self, state):
         self.__init__(state["model_proto"], state["path"])
+
+
+def _flat(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ids as (flat int32 ids, int64 row splits)."""
+    lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+    row_splits = np.zeros(len(ids) + 1, np.int64)
+    np.cumsum(lengths, out=row_splits[1:])
+    values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
+    return values, row_splits
 
 
 def _before_eos(ids: Iterable[int], eos_id: int) -> list[int]:
@@ -145,7 +150,7 @@ def _before_eos(ids: Iterable[int], eos_id: int) -> list[int]:
 class TokenizerVocabulary(Vocabulary):
     """A Hugging Face ``tokenizer.json`` (through the `tokenizers` package) as a vocabulary,
     for published models that ship no sentencepiece file (Llama 3, Mistral's newer ones).
-    Its file (`to_file`) is JSON: ``{"format": FORMAT, "eos_id": N, "bos_id": N or null,
+    Its file (`save`) is JSON: ``{"format": FORMAT, "eos_id": N, "bos_id": N or null,
     "tokenizer": <tokenizer.json>}``, since the EOS is the model's (config.json), not the
     tokenizer's. Texts are encoded without the tokenizer's own special tokens: the model
     adds what its family needs (EOS, `TransformerConfig.start_id`)."""
@@ -202,13 +207,8 @@ class TokenizerVocabulary(Vocabulary):
 
     def encode_batch(self, texts: list[str], add_eos: bool = False
                      ) -> tuple[np.ndarray, np.ndarray]:
-        ids = [e.ids + [self._eos] * add_eos
-               for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-        lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-        row_splits = np.zeros(len(ids) + 1, np.int64)
-        np.cumsum(lengths, out=row_splits[1:])
-        values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
-        return values, row_splits
+        return _flat([e.ids + [self._eos] * add_eos
+                      for e in self._tok.encode_batch(list(texts), add_special_tokens=False)])
 
 
 def vocabulary_of(data: bytes, path: str | None = None) -> Vocabulary:
