@@ -345,9 +345,10 @@ def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports)
                       f"--model_dir={imports / 'llama_gqa'}"], "not empty")
     assert sorted(p.name for p in (imports / "llama_gqa").iterdir()) == before
     # exports of settings no Hugging Face family has
-    for setting, fragment in (("transformer.position_encoding='learned'", "no Hugging Face family"),
-                              ("moe.top_k=1", "Mixtral")):
-        family = "mixtral" if setting.startswith("moe") else "llama_gqa"
+    for family, setting, fragment in (
+            ("llama_gqa", "transformer.position_encoding='learned'", "no Hugging Face family"),
+            ("mixtral", "moe.top_k=1", "Mixtral"),
+            ("t5_1_1", "transformer.mlp_activations=('gelu_exact', 'linear')", "feed_forward_proj")):
         _refused(capsys, ["--mode=export", f"--model_dir={imports / family}",
                           f"--output_dir={tmp_path / 'out'}",
                           f"--gin_file={imports / family / 'config.gin'}",

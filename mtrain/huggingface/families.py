@@ -230,8 +230,9 @@ def hf_config(model_config, vocab_rows: int, eos_id: int, bos_id: int | None) ->
         if c.moe_every:
             refuse("T5 has no experts (transformer.moe_every)")
         acts = {v: k for k, v in _T5_ACTIVATIONS.items()}
+        # (Hugging Face's 'gated-gelu' is the tanh GELU; a gated exact GELU has no spelling.)
         if c.mlp_activations[-1:] == ("linear",) and len(c.mlp_activations) == 2 \
-                and c.mlp_activations[0] in acts:
+                and c.mlp_activations[0] in ("relu", "gelu", "silu"):
             proj = "gated-gelu" if c.mlp_activations[0] == "gelu" else \
                 f"gated-{acts[c.mlp_activations[0]]}"
         elif len(c.mlp_activations) == 1 and c.mlp_activations[0] in ("relu", "gelu_exact", "silu"):
