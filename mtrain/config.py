@@ -8,6 +8,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     vocabulary.*              VocabularyConfig (size or path: `vocabulary_config`)
     transformer.*             TransformerConfig (the model's hyper-parameters; not vocab_size)
     moe.*                     MoEConfig (its experts, where transformer.moe_every > 0)
+    rope_scaling.*            RopeScaling (rotary frequencies stretched: Llama 3.1's, linear)
     loss.*                    LossConfig
     decoding.*                DecodingConfig
     adafactor.*               optimizer.adafactor (the default run.optimizer)
@@ -32,6 +33,7 @@ from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import DecodingConfig
 from mtrain.models.moe import MoEConfig
+from mtrain.models.positions import RopeScaling
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.modes.experiment import RunConfig
 from mtrain.training import optimizer
@@ -42,8 +44,10 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 run = gin.external_configurable(RunConfig, "run")
 vocabulary = gin.external_configurable(VocabularyConfig, "vocabulary")
 transformer = gin.external_configurable(TransformerConfig, "transformer",
-                                        denylist=["vocab_size", "moe"])
+                                        denylist=["vocab_size", "moe", "rope_scaling",
+                                                  "real_vocab_size"])
 moe = gin.external_configurable(MoEConfig, "moe")
+rope_scaling = gin.external_configurable(RopeScaling, "rope_scaling")
 loss = gin.external_configurable(LossConfig, "loss")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
 adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
@@ -100,11 +104,13 @@ def run_config(**overrides) -> RunConfig:
     return dataclasses.replace(run(), **overrides)
 
 
-def model_config(vocab_size: int) -> TransformerConfig:
-    """The ``transformer.*`` settings (and ``moe.*`` where its layers have experts) for a
-    vocabulary of `vocab_size`. Raises ValueError for settings that do not make a model,
-    or ``moe.*`` settings without experts to apply to."""
-    model = transformer(vocab_size=vocab_size)
+def model_config(vocab_size: int, real_vocab_size: int = 0) -> TransformerConfig:
+    """The ``transformer.*`` settings (and ``moe.*`` where its layers have experts,
+    ``rope_scaling.*``) for a vocabulary dimension of `vocab_size` rows, of which the first
+    `real_vocab_size` are real (0: all). Raises ValueError for settings that do not make a
+    model, or ``moe.*`` settings without experts to apply to."""
+    model = transformer(vocab_size=vocab_size, rope_scaling=rope_scaling(),
+                        real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0)
     if not model.moe_every:
         if gin.get_bindings("moe"):
             raise ValueError(f"moe.{sorted(gin.get_bindings('moe'))[0]} is set, but "

@@ -50,24 +50,26 @@ def triton_interpreted(monkeypatch):
     return calls
 
 
-def softmax_attention(q, k, v, dense):
+def softmax_attention(q, k, v, dense, scale=1.0):
     """`attention.reference` without its layout constraint (the emulated kernel runs inside
     the flash path's shard_map, on one shard); grouped key/value heads, as cuDNN takes them,
     each serving its query heads."""
     k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
-    logits = jnp.where(dense, jnp.einsum("blhk,bmhk->bhlm", q, k), attention.NEG_INF)
+    logits = jnp.where(dense, scale * jnp.einsum("blhk,bmhk->bhlm", q, k), attention.NEG_INF)
     return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(logits, axis=-1), v)
 
 
 def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale,
-                          mask_type, **unused):
+                          mask_type, sliding_window_length=None, **unused):
     """cuDNN's packed-segment layout as jax documents it, on the CPU: segment s of a row holds
     positions [offset, offset + length); it attends within itself (causally under
-    PADDING_CAUSAL). Positions outside every segment are never written by cuDNN: here they
-    come out NaN, forward and backward, so that a caller who used them would fail."""
+    PADDING_CAUSAL; with `sliding_window_length` W, to the W positions up to itself), the
+    logits times `scale`. Positions outside every segment are never written by cuDNN: here
+    they come out NaN, forward and backward, so that a caller who used them would fail."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    assert scale == 1.0 and not unused, unused
+    assert not unused, unused
+    window = sliding_window_length or 0
 
     def labels(lengths, offsets, n):  # [b, n]: 1 + the segment holding each position, or 0
         pos = jnp.arange(n)[None, None]
@@ -78,17 +80,17 @@ def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets
     causal = mask_type == cudnn.MaskType.PADDING_CAUSAL
 
     def parts(query, memory):  # (custom_vjp's functions must not close over traced values)
-        mask = attention.AttentionMask(query, memory, causal).dense()
+        mask = attention.AttentionMask(query, memory, causal, window=window).dense()
         return mask, (query > 0)[..., None, None], (memory > 0)[..., None, None]
 
     @jax.custom_vjp
     def attend(q, k, v, query, memory):
         mask, written_q, _ = parts(query, memory)
-        return jnp.where(written_q, softmax_attention(q, k, v, mask), jnp.nan)
+        return jnp.where(written_q, softmax_attention(q, k, v, mask, scale), jnp.nan)
 
     def forward(q, k, v, query, memory):
         mask, written_q, _ = parts(query, memory)
-        out, vjp = jax.vjp(lambda q, k, v: softmax_attention(q, k, v, mask), q, k, v)
+        out, vjp = jax.vjp(lambda q, k, v: softmax_attention(q, k, v, mask, scale), q, k, v)
         return jnp.where(written_q, out, jnp.nan), (vjp, query, memory)
 
     def backward(saved, g):

@@ -161,7 +161,8 @@ def test_lm_decoding_equals_the_teacher_forced_pass(scan):
 def test_configuration_and_counts():
     with pytest.raises(ValueError, match="moe.top_k=3 must be between 1 and moe.num_experts=2"):
         MoEConfig(num_experts=2, top_k=3)
-    with pytest.raises(ValueError, match="scans groups of moe_every=2 layers: it must divide"):
+    with pytest.raises(ValueError, match=r"scans groups of 2 layers \(moe_every=2, 0 "
+                       r"attention_windows\): that must divide"):
         TransformerConfig(**{**TINY, "num_layers": 3}, scan_layers=True)
     from mtrain import config
 

@@ -77,24 +77,31 @@ class AttentionMask:
     """Who sees whom: `query` [batch, length] and `memory` [batch, memory_length] segment ids
     (0 = padding), and `causal` (query i sees memory j <= i). `query` None: every query sees
     every real memory position (one decoding step's encoder-decoder attention).
-    `self_attention`: query and memory are the same positions (`of_self`)."""
+    `self_attention`: query and memory are the same positions (`of_self`). `window` (0:
+    none): a sliding window, query i sees only memory j with |i - j| < window (with
+    `causal`: itself and the window - 1 positions before it)."""
 
     query: jax.Array | None
     memory: jax.Array
     causal: bool = flax.struct.field(pytree_node=False, default=False)
     self_attention: bool = flax.struct.field(pytree_node=False, default=False)
+    window: int = flax.struct.field(pytree_node=False, default=0)
 
     @classmethod
     def of_self(cls, segment_ids: jax.Array, causal: bool) -> "AttentionMask":
         """Self-attention within the packed segments of `segment_ids`."""
         return cls(segment_ids, segment_ids, causal, self_attention=True)
 
+    def windowed(self, window: int) -> "AttentionMask":
+        """This mask with a sliding `window` (0: none)."""
+        return self.replace(window=window)
+
     def dense(self) -> jax.Array:
         """[batch, 1, length, memory_length]: the real positions of the query's own segment
-        (and with `causal` only those at or before it)."""
+        (and with `causal` only those at or before it, with `window` only those inside it)."""
         if self.query is None:
             return (self.memory > 0)[:, None, None, :]
-        return kernels.packed_mask(self.query, self.memory, self.causal)
+        return kernels.packed_mask(self.query, self.memory, self.causal, self.window)
 
     def kernel_query_ids(self) -> jax.Array:
         """The query segment ids given to a flash kernel: padding (0) takes the segment of
@@ -102,12 +109,14 @@ class AttentionMask:
         return jnp.where(self.query == 0, self.memory[:, :1], self.query)
 
 
-def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None):
-    """softmax(q k^T + bias, masked) v in float32 logits: q [b, l, h, d], k and v [b, m, g,
-    d] with g key/value heads dividing h (query head i uses key/value head i // (h / g));
-    `mask` an `AttentionMask` or a dense boolean [b, 1|h, l, m]; `bias` (float32, [1|b, h, l,
-    m]) added to the logits; `dropout(weights)` applied to the attention weights. No
-    1/sqrt(d) scale (the query initialiser has it)."""
+def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,
+              scale: float = 1.0):
+    """softmax(scale q k^T + bias, masked) v in float32 logits: q [b, l, h, d], k and v [b,
+    m, g, d] with g key/value heads dividing h (query head i uses key/value head i // (h /
+    g)); `mask` an `AttentionMask` or a dense boolean [b, 1|h, l, m]; `bias` (float32, [1|b,
+    h, l, m]) added to the logits; `dropout(weights)` applied to the attention weights.
+    `scale` 1 by default: Mesh-TF's unscaled logits (the query initialiser has 1/sqrt(d));
+    Llama's d^-0.5 where a published model was trained so."""
     dense = mask.dense() if isinstance(mask, AttentionMask) else mask
     (b, length, h, d), g = q.shape, k.shape[2]
     if g == h:
@@ -116,6 +125,8 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None)
         grouped = q.reshape(b, length, g, h // g, d)
         logits = jnp.einsum("blgrk,bmgk->bgrlm", grouped, k, preferred_element_type=jnp.float32)
         logits = logits.reshape(b, h, length, k.shape[1])
+    if scale != 1.0:
+        logits = logits * scale
     if bias is not None:
         logits = logits + bias
     logits = jnp.where(dense, logits, NEG_INF)
@@ -183,10 +194,11 @@ def uses_flash(implementation: str, kernel: str, backend: str, dtype, d_kv: int)
 
 
 def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
-          max_segments: int = CUDNN_MAX_SEGMENTS):
+          max_segments: int = CUDNN_MAX_SEGMENTS, scale: float = 1.0):
     """The attention of `reference` by a flash kernel (see the module doc), split over the
     active layout's ``batch`` and ``heads`` mesh dimensions. `max_segments`: the size of
-    cudnn_segments' table (packed examples per row at most)."""
+    cudnn_segments' table (packed examples per row at most); the mask's window is each
+    kernel's own local-window support."""
     if kernel == "auto":
         kernel = default_kernel()
         packing = base.current_packing()  # (known only where adapts_segment_table says)
@@ -197,7 +209,8 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
     if kernel == "cudnn_segments" and not mask.self_attention:
         kernel = "cudnn"  # (the packed layout is self-attention's)
-    fn = functools.partial(kernels.KERNELS[kernel], causal=mask.causal)
+    fn = functools.partial(kernels.KERNELS[kernel], causal=mask.causal, window=mask.window,
+                           scale=scale)
     if kernel == "cudnn_segments":
         fn = functools.partial(fn, max_segments=max_segments)
     # cudnn_segments leaves padding (segment 0) out of every segment.

@@ -1,6 +1,9 @@
 """The flash kernels `attention.flash` dispatches to, each on one shard: q [b, l, h, d], k
-and v [b, m, g, d] (g key/value heads dividing h), the query and memory segment ids, and
-`causal`. The module doc of `attention` says what each is for and where it runs."""
+and v [b, m, g, d] (g key/value heads dividing h), the query and memory segment ids,
+`causal`, `window` (0: none; else a query sees only the keys less than `window` positions
+away: itself and the window - 1 before it when causal, Hugging Face's ``sliding_window``)
+and `scale` (the logits' factor). The module doc of `attention` says what each is for and
+where it runs."""
 
 from __future__ import annotations
 
@@ -12,15 +15,25 @@ NEG_INF = -1e9
 CUDNN_MAX_SEGMENTS = 64
 
 
-def packed_mask(query_ids, memory_ids, causal: bool) -> jax.Array:
+def packed_mask(query_ids, memory_ids, causal: bool, window: int = 0) -> jax.Array:
     """[batch, 1, length, memory_length]: the real memory positions of each query's own
-    segment (and with `causal` only those at or before it)."""
+    segment (and with `causal` only those at or before it; with `window`, only those less
+    than `window` positions away)."""
     real = (memory_ids > 0)[:, None, :]
     mask = (query_ids[:, :, None] == memory_ids[:, None, :]) & real
-    if causal:
-        length, memory_length = query_ids.shape[1], memory_ids.shape[1]
-        mask &= jnp.arange(length)[:, None] >= jnp.arange(memory_length)[None, :]
-    return mask[:, None]
+    return (mask & band(query_ids.shape[1], memory_ids.shape[1], causal, window))[:, None]
+
+
+def band(length: int, memory_length: int, causal: bool, window: int = 0):
+    """[length, memory_length] (True where nothing is excluded): memory position j is
+    visible from query position i where j <= i (`causal`) and |i - j| < `window` (if any)."""
+    if not causal and not window:
+        return jnp.ones((length, memory_length), bool)
+    distance = jnp.arange(length)[:, None] - jnp.arange(memory_length)[None, :]
+    mask = distance >= 0 if causal else jnp.ones((length, memory_length), bool)
+    if window:
+        mask &= jnp.abs(distance) < window
+    return mask
 
 
 def needs_a_gpu(kernel: str) -> str:
@@ -47,13 +60,20 @@ def _pad(q, k, v, query_ids, memory_ids, multiple: int):
     return widen(q, pad_q), widen(k, pad_m), widen(v, pad_m), query_ids, memory_ids
 
 
-def splash(q, k, v, query_ids, memory_ids, causal):
+def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+    """Splash attention (its own local mask for a window; the queries scaled first: the
+    kernel's logits are unscaled)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
     length = q.shape[1]
+    if scale != 1.0:
+        q = q * jnp.asarray(scale, q.dtype)
     q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 128)  # its lanes
     heads, g, shape = q.shape[2], k.shape[2], (q.shape[1], k.shape[1])
-    one = splash_lib.CausalMask(shape) if causal else splash_lib.FullMask(shape)
+    if window:
+        one = splash_lib.LocalMask(shape, (window - 1, 0 if causal else window - 1), 0)
+    else:
+        one = splash_lib.CausalMask(shape) if causal else splash_lib.FullMask(shape)
     bq, bkv = _block(shape[0]), _block(shape[1])
     sizes = splash_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
                               block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
@@ -77,27 +97,30 @@ def splash(q, k, v, query_ids, memory_ids, causal):
     return jax.vmap(one_row)(q, k, v, query_ids, memory_ids)[:, :length]
 
 
-def triton(q, k, v, query_ids, memory_ids, causal):
-    """tokamax's Triton kernel given the packed mask (as `_cudnn`); with `causal` it also
-    skips the blocks above the diagonal."""
+def triton(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+    """tokamax's Triton kernel given the packed mask (as `_cudnn`, a window's band in it);
+    with `causal` it also skips the blocks above the diagonal."""
     if jax.default_backend() != "gpu":
         raise ValueError(f"transformer.{needs_a_gpu('triton')}")
     import tokamax
 
-    mask = packed_mask(query_ids, memory_ids, causal)
-    return tokamax.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
+    mask = packed_mask(query_ids, memory_ids, causal, window)
+    return tokamax.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
                                          implementation="triton")
 
 
-def cudnn(q, k, v, query_ids, memory_ids, causal):
+def cudnn(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+    """cuDNN's flash attention given the packed mask; `is_causal` and its own
+    `local_window_size` as well, so that it skips the blocks outside them."""
     if jax.default_backend() != "gpu":
         raise ValueError(f"transformer.{needs_a_gpu('cudnn')}")
     length = q.shape[1]
     # cuDNN takes a mask (as a bias) in training only over even lengths.
     q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)
-    mask = packed_mask(query_ids, memory_ids, causal)
-    # is_causal as well: cuDNN then skips the blocks above the diagonal.
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=1.0, is_causal=causal,
+    mask = packed_mask(query_ids, memory_ids, causal, window)
+    local = (window - 1, 0 if causal else window - 1) if window else None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                        local_window_size=local,
                                         implementation="cudnn")[:, :length]
 
 
@@ -123,7 +146,8 @@ def segment_layout(ids, max_segments: int):
     return lengths, offsets, starts.sum(axis=1).max()
 
 
-def cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_MAX_SEGMENTS):
+def cudnn_segments(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0,
+                   max_segments=CUDNN_MAX_SEGMENTS):
     """Self-attention by cuDNN's packed-segment layout: each segment attends within itself
     (causally or not), and no block outside the segments is computed. The table holds
     `max_segments` entries per row and cuDNN runs every entry, empty or not: on an H100
@@ -143,8 +167,8 @@ def cudnn_segments(q, k, v, query_ids, memory_ids, causal, max_segments=CUDNN_MA
     lengths, offsets, most = segment_layout(query_ids, max_segments)
     mode = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
     out = cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
-                                      q_offsets=offsets, kv_offsets=offsets, scale=1.0,
-                                      mask_type=mode)
+                                      q_offsets=offsets, kv_offsets=offsets, scale=scale,
+                                      mask_type=mode, sliding_window_length=window or None)
     return jnp.where(real & (most <= max_segments), out, jnp.where(real, jnp.nan, 0))
 
 

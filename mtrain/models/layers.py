@@ -11,14 +11,16 @@ why attention logits are not divided by sqrt(d_kv) (the query initialiser absorb
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtrain.parallel.layout import constrain, use_parameter
-from mtrain.models import attention
+from mtrain.models import attention, kernels
 from mtrain.models import positions as positions_lib
 
 Dtype = Any
@@ -39,17 +41,38 @@ def param(module: nn.Module, name: str, init, shape: tuple[int, ...], names: tup
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale (no bias, no mean subtraction)."""
+    """Root-mean-square layer norm with a learned scale (no bias, no mean subtraction) over
+    the last dimension, named `names` (``d_model``; a head's ``d_kv`` for q/k norms).
+    `offset`: the scale is offset + w (Gemma's 1 + w, w starting at 0), else w (from 1)."""
 
     epsilon: float = 1e-6
     dtype: Dtype = jnp.float32
+    offset: float = 0.0
+    names: tuple[str, ...] = ("d_model",)
 
     @nn.compact
     def __call__(self, x):
-        scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("d_model",))
+        init = nn.initializers.constant(1.0 - self.offset)
+        scale = param(self, "scale", init, (x.shape[-1],), self.names)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        if self.offset:
+            scale = self.offset + scale
         return (y * scale).astype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """The settings of `MultiHeadAttention` that published families add (see its doc):
+    the logits' `scale`, q/k/v biases, per-head q/k RMSNorms (with their epsilon and scale
+    offset) and a sliding `window` (0: none)."""
+
+    scale: float = 1.0
+    bias: bool = False
+    qk_norm: bool = False
+    norm_epsilon: float = 1e-6
+    norm_offset: float = 0.0
+    window: int = 0
 
 
 # The feed-forward activations by name (T5X's and Mesh-TF's spelling); 'gelu' is the tanh
@@ -123,10 +146,21 @@ class MultiHeadAttention(nn.Module):
     multi-query), each key/value head serving num_heads / num_kv_heads query heads; their
     parameters and activations then lie on ``kv_heads`` (with as many as the queries, on
     ``heads``: the full multi-head attention of the 2018 Transformer, laid out as before).
-    `rotary_max_wavelength` (self-attention): RoPE on queries and keys at `positions`
-    [batch, length] (the decoding step's, while decoding; the cache holds rotated keys).
-    `bias` [1|batch, heads, length, memory_length] (float32) is added to the logits: T5's
-    relative position bias, which no flash kernel takes ('auto' then runs einsum).
+    `rotary_frequencies` (self-attention; `positions.inverse_frequencies`): RoPE on queries
+    and keys at `positions` [batch, length] (the decoding step's, while decoding; the cache
+    holds rotated keys). `bias` [1|batch, heads, length, memory_length] (float32) is added
+    to the logits: T5's relative position bias, which no flash kernel takes ('auto' then
+    runs einsum).
+
+    What published families add, each a setting (`AttentionOptions`): the logits' `scale`
+    (1: Mesh-TF's, the query initialiser has d_kv^-0.5; Llama's d_kv^-0.5 and Gemma's
+    query_pre_attn_scalar^-0.5 kept as settings so that an optimizer step on an import is
+    the step its home framework takes), biases on the query, key and value projections
+    (Qwen2: ``q_bias`` [heads, d_kv], ``k_bias`` and ``v_bias`` [kv heads, d_kv]), an
+    RMSNorm of each query and key head before the rotation (Qwen3, Gemma 3: ``q_norm`` and
+    ``k_norm``, scale [d_kv]) and a sliding `window` (Mistral, Gemma 3's local layers: each
+    position sees itself and the window - 1 before it). A windowed layer's decoding cache
+    holds only the window, a ring of `window` positions.
     """
 
     num_heads: int
@@ -137,7 +171,8 @@ class MultiHeadAttention(nn.Module):
     flash_kernel: str = "auto"
     flash_max_segments: int = attention.CUDNN_MAX_SEGMENTS
     num_kv_heads: int = 0
-    rotary_max_wavelength: float | None = None
+    rotary_frequencies: tuple[float, ...] | None = None
+    options: AttentionOptions = None  # None: AttentionOptions()
 
     def _path(self, deterministic: bool, single_query: bool = False,
               bias: bool = False) -> str:
@@ -158,7 +193,7 @@ class MultiHeadAttention(nn.Module):
         h, k = self.num_heads, self.d_kv
         g = self.num_kv_heads or h
         kv_heads = "heads" if g == h else "kv_heads"
-        dt = self.dtype
+        dt, o = self.dtype, self.options or AttentionOptions()
         wq = param(self, "q", normal((d_model * k) ** -0.5), (d_model, h, k),
                    ("d_model", "heads", "d_kv"), dt)
         kv_weights = ("d_model", kv_heads, "d_kv")
@@ -166,49 +201,68 @@ class MultiHeadAttention(nn.Module):
         wv = param(self, "v", normal(d_model**-0.5), (d_model, g, k), kv_weights, dt)
         wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model),
                    ("heads", "d_kv", "d_model"), dt)
-        q = constrain(jnp.einsum("bld,dhk->blhk", x, wq), ("batch", "length", "heads", "d_kv"))
+        q = jnp.einsum("bld,dhk->blhk", x, wq)
+        key = jnp.einsum("bmd,dhk->bmhk", memory, wk)
+        value = jnp.einsum("bmd,dhk->bmhk", memory, wv)
+        if o.bias:
+            zeros = nn.initializers.zeros
+            q = q + param(self, "q_bias", zeros, (h, k), ("heads", "d_kv"), dt)
+            key = key + param(self, "k_bias", zeros, (g, k), (kv_heads, "d_kv"), dt)
+            value = value + param(self, "v_bias", zeros, (g, k), (kv_heads, "d_kv"), dt)
+        q = constrain(q, ("batch", "length", "heads", "d_kv"))
         kv_names = ("batch", "memory_length", kv_heads, "d_kv")
-        key = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wk), kv_names)
-        value = constrain(jnp.einsum("bmd,dhk->bmhk", memory, wv), kv_names)
-        if self.rotary_max_wavelength is not None:
-            q = positions_lib.rotate(q, positions, self.rotary_max_wavelength)
-            key = positions_lib.rotate(key, positions, self.rotary_max_wavelength)
+        key, value = constrain(key, kv_names), constrain(value, kv_names)
+        if o.qk_norm:
+            q = RMSNorm(o.norm_epsilon, dt, o.norm_offset, ("d_kv",), name="q_norm")(q)
+            key = RMSNorm(o.norm_epsilon, dt, o.norm_offset, ("d_kv",), name="k_norm")(key)
+        if self.rotary_frequencies is not None:
+            inverse = np.asarray(self.rotary_frequencies, np.float32)
+            q = positions_lib.rotate(q, positions, inverse)
+            key = positions_lib.rotate(key, positions, inverse)
         single_query = decode_index is not None or mask.query is None
         if decode_index is not None:
-            key, value, mask = self._cached(key, value, decode_index)
+            key, value, mask = self._cached(key, value, decode_index, o.window)
             if bias is not None:  # (made for max_length positions: cut to the cache's)
                 bias = bias[..., :key.shape[1]]
+        elif o.window:
+            mask = mask.windowed(o.window)
         path = self._path(deterministic, single_query, bias is not None)
         if path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
-                                  self.flash_max_segments)
+                                  self.flash_max_segments, o.scale)
         elif path == "dot_product":
-            dense = mask.dense()
+            dense = mask if not isinstance(mask, attention.AttentionMask) else mask.dense()
             out = jax.nn.dot_product_attention(
                 q, key, value, mask=jnp.broadcast_to(dense, (q.shape[0], h, *dense.shape[2:])),
-                bias=None if bias is None else bias.astype(q.dtype),
-                scale=1.0)  # the query initialiser absorbs 1/sqrt(d_kv)
+                bias=None if bias is None else bias.astype(q.dtype), scale=o.scale)
         else:
             drop = nn.Dropout(self.dropout_rate)
             out = attention.reference(q, key, value, mask,
-                                      lambda w: drop(w, deterministic=deterministic), bias)
+                                      lambda w: drop(w, deterministic=deterministic), bias,
+                                      o.scale)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = jnp.einsum("blhk,hkd->bld", out, wo)
         return constrain(y, ("batch", "length", "d_model"))
 
-    def _cached(self, key, value, index):
+    def _cached(self, key, value, index, window: int = 0):
         """Writes this position's key and value into the cache; returns all cached keys and
-        values and the mask of the positions written so far."""
+        values and the mask of the positions written so far. With a `window`, the cache is a
+        ring of min(window, length) positions: position p is written at p mod its size, so
+        that it holds exactly the window that the next query sees."""
         initialised = self.has_variable("cache", "cached_key")
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        length = key.shape[1]
+        size = min(window, length) if window and not initialised else None
+        shape = lambda x: (x.shape[0], size or x.shape[1], *x.shape[2:])  # noqa: E731
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape(key), key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape(value),
+                                     value.dtype)
         if not initialised:  # the init call that creates the cache with the full length
-            length = key.shape[1]
-            causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-            return key, value, causal[None, None]
-        cached_key.value = jax.lax.dynamic_update_slice_in_dim(cached_key.value, key, index, 1)
-        cached_value.value = jax.lax.dynamic_update_slice_in_dim(cached_value.value, value, index, 1)
-        mask = jnp.arange(cached_key.value.shape[1]) <= index
+            return key, value, kernels.band(length, length, True, window)[None, None]
+        slots = cached_key.value.shape[1]
+        at = index % slots if window else index
+        cached_key.value = jax.lax.dynamic_update_slice_in_dim(cached_key.value, key, at, 1)
+        cached_value.value = jax.lax.dynamic_update_slice_in_dim(cached_value.value, value, at, 1)
+        mask = jnp.arange(slots) <= index  # (a full ring: every slot is inside the window)
         return cached_key.value, cached_value.value, mask[None, None, None, :]
 
 
@@ -228,10 +282,13 @@ class Embed(nn.Module):
         x = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
         return constrain(x, ("batch", "length", "d_model"))
 
-    def attend(self, x):
-        """Logits of a shared softmax, scaled by d_model^-0.5 as in Mesh-TF."""
+    def attend(self, x, scaled: bool = True):
+        """Logits of a shared softmax, scaled by d_model^-0.5 as in Mesh-TF (`scaled`; a tied
+        Llama's, Qwen's and Gemma's are not)."""
         logits = jnp.einsum("bld,vd->blv", x, self.embedding.astype(self.dtype))
-        return constrain(logits * self.d_model**-0.5, ("batch", "length", "vocab"))
+        if scaled:
+            logits = logits * self.d_model**-0.5
+        return constrain(logits, ("batch", "length", "vocab"))
 
 
 def shift_right(targets: jax.Array, segment_ids: jax.Array, start_id: int = 0) -> jax.Array:

@@ -8,7 +8,9 @@ that a layout never changes a group). Per group, in float32 whatever the activat
     probs = softmax(logits)        each token's top_k experts, with gates: the top_k
                                    probabilities renormalised to sum to 1 (GShard, Mixtral);
                                    with top_k = 1 the probability itself (Switch), so that
-                                   the router learns from the loss
+                                   the router learns from the loss (`normalize_top_k` says
+                                   otherwise: Hugging Face's Mixtral always renormalises,
+                                   Qwen3-MoE as its norm_topk_prob says)
 
 Each expert takes at most `capacity` tokens of a group, ceil(top_k x group x
 capacity_factor / experts): first choices before second choices, then in token order. A
@@ -63,6 +65,14 @@ class MoEConfig:
     group_size: int = 1024  # tokens routed together (at most a row's length)
     load_balance_loss: float = 1e-2  # its weight in the training loss
     router_z_loss: float = 1e-3
+    # Whether the top_k gates are renormalised to sum to 1: None, where top_k > 1 (GShard;
+    # Switch's single gate stays the probability); True always (Hugging Face's Mixtral, a
+    # Qwen3-MoE with norm_topk_prob); False never.
+    normalize_top_k: bool | None = None
+
+    @property
+    def renormalizes(self) -> bool:
+        return self.top_k > 1 if self.normalize_top_k is None else bool(self.normalize_top_k)
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -90,17 +100,18 @@ class MoEConfig:
         return max(1, min(group, math.ceil(self.top_k * group * factor / self.num_experts)))
 
 
-def route(logits, real, top_k: int, capacity: int):
+def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None):
     """Top-k routing with a capacity per expert, on router `logits` [groups, group, experts]
     (float32) of tokens `real` [groups, group] (1.0, or 0.0 for padding).
 
     Returns ``(dispatch, combine, stats)``: `dispatch` [groups, group, experts, capacity] is
-    1 where a token takes an expert's slot, `combine` the same weighted by the token's gate,
-    and `stats` the layer's statistics (see the module doc; not yet weighted)."""
+    1 where a token takes an expert's slot, `combine` the same weighted by the token's gate
+    (renormalised over its top_k when `normalize`; None: where top_k > 1), and `stats` the
+    layer's statistics (see the module doc; not yet weighted)."""
     g, s, e = logits.shape
     probs = jax.nn.softmax(logits, axis=-1)
     gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
-    if top_k > 1:
+    if top_k > 1 if normalize is None else normalize:
         gates = gates / gates.sum(-1, keepdims=True)
     choice = jax.nn.one_hot(index, e, dtype=jnp.int32) * real[..., None, None].astype(jnp.int32)
     # Slots in priority order: every token's first choice, then every second choice, ...
@@ -155,7 +166,7 @@ class MoeFeedForward(nn.Module):
         logits = jnp.einsum("gsd,de->gse", xg.astype(jnp.float32), router)
         logits = constrain(logits, ("batch", "group", "experts_unsplit"))
         capacity = m.capacity(s, train=not deterministic)
-        dispatch, combine, stats = route(logits, real, m.top_k, capacity)
+        dispatch, combine, stats = route(logits, real, m.top_k, capacity, m.renormalizes)
         for name, value in {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
                             + m.router_z_loss * stats["router_z_loss"]}.items():
             self.sow(STATS, name, value, init_fn=lambda: 0.0, reduce_fn=lambda _, new: new)

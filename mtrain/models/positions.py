@@ -10,24 +10,84 @@ is masked anyway: the relative bias is a function of row indices alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtrain.parallel.layout import constrain, use_parameter
 
 
-def rotate(x: jax.Array, positions: jax.Array, max_wavelength: float) -> jax.Array:
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for contexts longer than a model was pre-trained
+    on (gin: ``rope_scaling.kind = 'llama3'``), as Hugging Face's ``rope_type``:
+
+    - ``'none'``: the frequencies max_wavelength^(-2i/d) as they are.
+    - ``'linear'``: every frequency divided by `factor` (position interpolation).
+    - ``'llama3'``: Llama 3.1's: frequencies whose wavelength exceeds
+      `original_max_length` / `low_freq_factor` divided by `factor`, those shorter than
+      `original_max_length` / `high_freq_factor` kept, and the ones between interpolated
+      smoothly between the two.
+    """
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_length: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling.kind must be one of {', '.join(ROPE_SCALINGS)}, "
+                             f"got {self.kind!r}")
+        if self.kind != "none" and self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be positive, got {self.factor}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor, "
+                             f"got {self.low_freq_factor} and {self.high_freq_factor}")
+
+
+def inverse_frequencies(d_kv: int, max_wavelength: float,
+                        scaling: RopeScaling | None = None) -> np.ndarray:
+    """The d_kv / 2 rotation frequencies (radians per position) of RoPE, float32, computed
+    as Hugging Face computes them (`_compute_default_rope_parameters` and the scaled forms)."""
+    half = d_kv // 2
+    inverse = 1.0 / (np.float32(max_wavelength) ** (
+        np.arange(0, d_kv, 2, dtype=np.float32) / np.float32(d_kv)))
+    inverse = inverse.astype(np.float32)
+    if scaling is None or scaling.kind == "none":
+        return inverse
+    factor = np.float32(scaling.factor)
+    if scaling.kind == "linear":
+        return (inverse / factor).astype(np.float32)
+    old = np.float32(scaling.original_max_length)
+    low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
+    wavelength = np.float32(2 * math.pi) / inverse
+    scaled = np.where(wavelength > old / low, inverse / factor, inverse)
+    smooth = (old / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < old / high) & ~(wavelength > old / low)
+    assert len(inverse) == half
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotate(x: jax.Array, positions: jax.Array, inverse: np.ndarray | float) -> jax.Array:
     """RoPE (Su et al. 2021) on `x` [batch, length, heads, d_kv] at `positions` [batch,
-    length]: each pair (x[i], x[i + d/2]) turned by the angle position / max_wavelength^(2i/d),
-    the half-split layout of Hugging Face's Llama (and of MaxText's and Levanter's defaults).
+    length]: each pair (x[i], x[i + d/2]) turned by the angle position x inverse[i]
+    (`inverse_frequencies`; a number is the max wavelength of unscaled frequencies), the
+    half-split layout of Hugging Face's Llama (and of MaxText's and Levanter's defaults).
     Computed in float32, returned in x's dtype."""
-    half = x.shape[-1] // 2
-    inverse = max_wavelength ** -(jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, :, None, None] * inverse  # [b, l, 1, half]
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    if not isinstance(inverse, np.ndarray):
+        inverse = inverse_frequencies(x.shape[-1], inverse)
+    angle = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inverse)
+    sin, cos = jnp.sin(angle), jnp.cos(angle)  # [b, l, 1, half]
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return out.astype(x.dtype)

@@ -19,134 +19,29 @@ segment ids and positions, in that order.
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from mtrain.parallel.layout import constrain
 from mtrain.models import attention, counts, layers
 from mtrain.models import positions as positions_lib
-from mtrain.models.blocks import (REMAT_POLICIES, block_class, is_moe, layer_stack, run_layers,
+from mtrain.models.blocks import (block_class, is_moe, layer_stack, layer_window, run_layers,
                                   scanned_blocks)
-from mtrain.models.attention import CUDNN_MAX_SEGMENTS
-from mtrain.models.base import shape_field
-from mtrain.models.moe import MoEConfig
+from mtrain.models.transformer_config import TransformerConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Model hyper-parameters (Mesh-TF names; gin: ``transformer.d_model = 512``). The
-    vocabulary size comes from the task's vocabulary. The `shape_field`s change parameter
-    shapes; the rest (dropout, dtype, remat, attention) may change between runs of a model."""
-
-    vocab_size: int = shape_field(8192)
-    d_model: int = shape_field(256)
-    d_ff: int = shape_field(1024)
-    num_heads: int = shape_field(4)
-    d_kv: int = shape_field(64)
-    num_layers: int = shape_field(2)
-    num_encoder_layers: int = shape_field(0)  # encoder-decoder only; 0: as many as num_layers
-    dropout_rate: float = 0.0
-    shared_embedding_and_softmax: bool = shape_field(False)
-    max_length: int = shape_field(512)
-    activation_dtype: str = "float32"  # 'bfloat16': activations and matmuls (params stay f32)
-    remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
-    scan_layers: bool = shape_field(False)  # each layer stack one scanned Block: compile time flat in depth
-    # 'einsum', 'dot_product' (jax.nn.dot_product_attention), 'flash' (packed flash
-    # attention; no attention dropout) or 'auto' (flash on GPU and TPU where its kernel
-    # takes the activations: cuDNN's, bfloat16; einsum on CPU and elsewhere).
-    attention: str = "auto"
-    # 'auto' (cudnn on GPU, splash elsewhere), 'cudnn' (cuDNN given the packed mask),
-    # 'cudnn_segments' (cuDNN's packed-segment layout, Hopper on), 'splash', 'triton'.
-    flash_kernel: str = "auto"
-    # cudnn_segments' table: packed examples per row at most.
-    flash_max_segments: int = CUDNN_MAX_SEGMENTS
-    # The feed-forward layer's activations: ('relu',) one input projection; several
-    # (('gelu', 'linear'): GeGLU as T5.1.1, ('silu', 'linear'): SwiGLU as Llama) one
-    # projection each, multiplied (`layers.ACTIVATIONS` has the names).
-    mlp_activations: tuple[str, ...] = shape_field(("relu",))
-    # 'learned' (a position table per stack), 'rotary' (RoPE on queries and keys) or
-    # 'relative_bias' (T5's bucketed relative position bias, a table per stack).
-    position_encoding: str = shape_field("learned")
-    rotary_max_wavelength: float = 10_000.0
-    relative_num_buckets: int = shape_field(32)
-    relative_max_distance: int = 128
-    # Key/value heads: 0 (default) as many as num_heads; 1 multi-query; between, grouped-query
-    # attention (it divides num_heads). Fewer lie on their own dimension, ``kv_heads``.
-    num_kv_heads: int = shape_field(0)
-    # Mixture of experts: 0 (none) or N, every N-th layer's feed-forward layer is `moe`'s
-    # experts (the last of each N layers; with scan_layers the scan repeats a group of N).
-    moe_every: int = shape_field(0)
-    moe: MoEConfig | None = shape_field(None)  # None while moe_every is 0
-    norm_epsilon: float = 1e-6  # the RMSNorms' (T5's 1e-6; Llama 2 and 3 use 1e-5)
-    start_id: int = 0  # what a decoder-only LM reads first: 0 (Mesh-TF, T5) or Llama's BOS
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.activation_dtype)
-
-    def __post_init__(self):
-        object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
-        if self.moe_every < 0:
-            raise ValueError(f"transformer.moe_every must be 0 (no experts) or positive, got "
-                             f"{self.moe_every}")
-        moe = None
-        if self.moe_every:
-            moe = self.moe or MoEConfig()
-            moe = dataclasses.replace(moe, expert_d_ff=moe.expert_d_ff or self.d_ff)
-            stacks = {self.num_layers, self.num_encoder_layers or self.num_layers}
-            if self.scan_layers and any(n % self.moe_every for n in stacks):
-                raise ValueError(f"transformer.scan_layers scans groups of moe_every="
-                                 f"{self.moe_every} layers: it must divide the number of "
-                                 f"layers of each stack ({', '.join(map(str, sorted(stacks)))})")
-        object.__setattr__(self, "moe", moe)
-        if not self.num_kv_heads:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"transformer.num_kv_heads={self.num_kv_heads} must divide "
-                             f"transformer.num_heads={self.num_heads}")
-        unknown = [a for a in self.mlp_activations if a not in layers.ACTIVATIONS]
-        if unknown or not self.mlp_activations:
-            raise ValueError(f"transformer.mlp_activations: {unknown or 'none given'}; the "
-                             f"names are {', '.join(layers.ACTIVATIONS)}")
-        if self.position_encoding not in POSITION_ENCODINGS:
-            raise ValueError(f"transformer.position_encoding must be one of "
-                             f"{', '.join(POSITION_ENCODINGS)}, got {self.position_encoding!r}")
-        if self.position_encoding == "rotary" and self.d_kv % 2:
-            raise ValueError(f"transformer.position_encoding='rotary' rotates pairs: d_kv "
-                             f"must be even, got {self.d_kv}")
-        if self.position_encoding == "relative_bias" and self.attention == "flash":
-            raise ValueError("transformer.position_encoding='relative_bias' adds a bias no "
-                             "flash kernel here takes: use attention 'auto', 'einsum' or "
-                             "'dot_product'")
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"transformer.remat_policy must be one of {sorted(REMAT_POLICIES)}, "
-                             f"got {self.remat_policy!r}")
-        if self.attention not in ("auto", "einsum", "dot_product", "flash"):
-            raise ValueError(f"transformer.attention must be 'auto', 'einsum', 'dot_product' or "
-                             f"'flash', got {self.attention!r}")
-        if self.flash_kernel not in attention.FLASH_KERNELS:
-            raise ValueError(f"transformer.flash_kernel must be one of "
-                             f"{', '.join(attention.FLASH_KERNELS)}, got {self.flash_kernel!r}")
-        if self.flash_max_segments < 1:
-            raise ValueError(f"transformer.flash_max_segments must be at least 1, got "
-                             f"{self.flash_max_segments}")
-        if self.attention == "flash" and self.dropout_rate > 0:
-            raise ValueError("transformer.attention='flash' has no attention dropout, and "
-                             f"transformer.dropout_rate is {self.dropout_rate}: set it to 0, or "
-                             "use attention 'auto' (flash where no dropout is applied)")
-        if self.activation_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"activation_dtype must be 'float32' or 'bfloat16', got "
-                             f"{self.activation_dtype!r}")
-        if self.attention == "flash" and (why := attention.flash_refusal(
-                self.flash_kernel, jax.default_backend(), self.dtype, self.d_kv)):
-            raise ValueError(f"transformer.attention='flash': {why} (attention 'auto' uses "
-                             "flash attention where it can run, einsum elsewhere)")
+def _norm(c: TransformerConfig, name: str | None = None):
+    return layers.RMSNorm(c.norm_epsilon, c.dtype, c.norm_scale_offset, name=name)
 
 
-POSITION_ENCODINGS = ("learned", "rotary", "relative_bias")
+def _embed(c: TransformerConfig, embed: layers.Embed, ids):
+    """The tokens' embeddings, times `embedding_multiplier` (Gemma's sqrt(d_model), in the
+    activations' dtype as Hugging Face multiplies it)."""
+    x = embed(ids)
+    if c.embedding_multiplier != 1.0:
+        x = x * jnp.asarray(c.embedding_multiplier, x.dtype)
+    return x
+
 
 def _softmax_table(module: nn.Module, c: TransformerConfig):
     """The softmax weights [d_model, vocab] in the compute dtype (cast on their shards, as
@@ -165,12 +60,14 @@ def _logits(c: TransformerConfig, embed: layers.Embed, softmax, x, return_hidden
     computes the logits a slice at a time: `losses.chunked_cross_entropy`)."""
     if return_hidden:
         if softmax is None:  # the shared table, with attend's scale
-            kernel = (embed.embedding.astype(c.dtype) * c.d_model**-0.5).T
+            kernel = embed.embedding.astype(c.dtype).T
+            if c.shared_softmax_scaled:
+                kernel = kernel * c.d_model**-0.5
         else:
             kernel = softmax
         return x, constrain(kernel, ("d_model", "vocab"))
     if softmax is None:
-        return embed.attend(x)
+        return embed.attend(x, c.shared_softmax_scaled)
     logits = jnp.einsum("bld,dv->blv", x, softmax)
     return constrain(logits, ("batch", "length", "vocab"))
 
@@ -227,7 +124,7 @@ class DecoderLM(_PackingAware, nn.Module):
             inputs = layers.shift_right(targets, segment_ids, c.start_id)
             mask = attention.AttentionMask.of_self(segment_ids, causal=True)
         embed = layers.Embed(c.vocab_size, c.d_model, c.dtype, name="token_embedding")
-        x = embed(inputs)
+        x = _embed(c, embed, inputs)
         if c.position_encoding == "learned":
             pos_table = layers.param(
                 self, "position_embedding", layers.normal(1.0), (c.max_length, c.d_model),
@@ -241,7 +138,7 @@ class DecoderLM(_PackingAware, nn.Module):
             bias = _relative_bias(c, _relative_bias_table(c, False, "relative_bias"),
                                   inputs.shape[1], decode_index)
         x = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
-        x = layers.RMSNorm(c.norm_epsilon, c.dtype, name="final_norm")(x)
+        x = _norm(c, "final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         return _logits(c, embed, _softmax_table(self, c), x, return_hidden)
 
@@ -332,11 +229,13 @@ class EncoderDecoder(_PackingAware, nn.Module):
             self.encoder = scanned_blocks(c, encoder_layers)
             self.decoder = scanned_blocks(c, c.num_layers, cross_attention=True)
         else:
-            self.encoder = [block_class(c)(c, moe=is_moe(c, i)) for i in range(encoder_layers)]
-            self.decoder = [block_class(c)(c, cross_attention=True, moe=is_moe(c, i))
+            self.encoder = [block_class(c)(c, moe=is_moe(c, i), window=layer_window(c, i))
+                            for i in range(encoder_layers)]
+            self.decoder = [block_class(c)(c, cross_attention=True, moe=is_moe(c, i),
+                                           window=layer_window(c, i))
                             for i in range(c.num_layers)]
-        self.encoder_norm = layers.RMSNorm(c.norm_epsilon, c.dtype)
-        self.decoder_norm = layers.RMSNorm(c.norm_epsilon, c.dtype)
+        self.encoder_norm = _norm(c)
+        self.decoder_norm = _norm(c)
         self.dropout = nn.Dropout(c.dropout_rate)
         self.softmax = _softmax_table(self, c)
         self.decode_index = layers.DecodeIndex()
@@ -345,7 +244,7 @@ class EncoderDecoder(_PackingAware, nn.Module):
             self.decoder_relative_bias = _relative_bias_table(c, bidirectional=False)
 
     def _embed(self, ids, table, positions, deterministic):
-        x = self.embed(ids)
+        x = _embed(self.config, self.embed, ids)
         if table is not None:
             x = x + jnp.take(table, positions, axis=0).astype(self.config.dtype)
         x = constrain(x, ("batch", "length", "d_model"))

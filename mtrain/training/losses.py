@@ -42,8 +42,13 @@ class LossConfig:
                    if length % c == 0 and (c == 1 or logits_per_device // c >= 2**21))
 
 
-def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smoothing: float = 0.0):
+def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smoothing: float = 0.0,
+                  classes: int = 0):
     """Per-token losses [batch, length] in float32, zero where `weights` is 0.
+
+    `classes` (0: all): the vocabulary rows that are real; the logits past them (mtrain's
+    padding of the vocabulary to a multiple of 128) take no part in the softmax, nor in
+    the smoothed labels, as in a model with exactly that many rows.
 
     Returns ``(loss, xent)``: `loss` is what is minimised (cross-entropy against the smoothed
     labels, minus its constant minimum so that a perfect model scores 0, plus
@@ -56,6 +61,10 @@ def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smooth
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
+    real = None
+    if 0 < classes < vocab:
+        real = jnp.arange(vocab) < classes
+        logits, vocab = jnp.where(real, logits, -jnp.inf), classes
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     xent = log_z - target_logit
@@ -64,7 +73,8 @@ def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smooth
         low = label_smoothing / (vocab - 1)
         # -sum(soft * log_probs) with soft = low everywhere and `confidence` on the target;
         # as the soft labels sum to 1 this is log_z - sum(soft * logits).
-        loss = log_z - (confidence - low) * target_logit - low * jnp.sum(logits, axis=-1)
+        total = jnp.sum(logits if real is None else jnp.where(real, logits, 0.0), axis=-1)
+        loss = log_z - (confidence - low) * target_logit - low * total
         # The entropy of the smoothed labels: the loss's minimum, subtracted as T5X does.
         loss = loss + (confidence * np.log(confidence) + (vocab - 1) * low * np.log(low + 1e-20))
     else:
@@ -76,7 +86,7 @@ def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smooth
 
 
 def chunked_cross_entropy(hidden, kernel, targets, weights, *, chunks: int,
-                          z_loss: float = 0.0, label_smoothing: float = 0.0):
+                          z_loss: float = 0.0, label_smoothing: float = 0.0, classes: int = 0):
     """Summed ``(loss, xent)`` of `cross_entropy` over the logits ``hidden @ kernel``, never
     forming the [batch, length, vocab] logits: `chunks` slices of the length, one at a time.
 
@@ -85,13 +95,13 @@ def chunked_cross_entropy(hidden, kernel, targets, weights, *, chunks: int,
     logits are used and dropped at once), so the largest float32 buffer is a slice's logits
     instead of the whole batch's: less memory, and on CPU less time, since the logits and
     their gradient are written to and read from memory once less. `xent` is a metric and
-    carries no gradient.
+    carries no gradient. `classes` as `cross_entropy`'s.
     """
     b, l = targets.shape
     if l % chunks:
         raise ValueError(f"loss chunks: length {l} does not split into {chunks} chunks")
     loss, xent = _chunked_sums(hidden, kernel, targets, weights.astype(jnp.float32),
-                               chunks, z_loss, label_smoothing)
+                               chunks, z_loss, label_smoothing, classes)
     return loss, jax.lax.stop_gradient(xent)
 
 
@@ -103,7 +113,8 @@ def _slices(x, chunks):
     return constrain(x, (None, "batch", "length", "d_model")[:x.ndim])
 
 
-def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing, grad):
+def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing, classes,
+                 grad):
     """Sums of the loss and xent over the slices; with `grad` also d(loss sum)/d(hidden)
     [b, l, d] and /d(kernel) [d, vocab] (accumulated in float32).
 
@@ -125,7 +136,7 @@ def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothi
 
         def sums(logits):
             loss, xent = cross_entropy(logits, t, w, z_loss=z_loss,
-                                       label_smoothing=label_smoothing)
+                                       label_smoothing=label_smoothing, classes=classes)
             return loss.sum(), xent.sum()
 
         if not grad:
@@ -150,19 +161,20 @@ def _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothi
     return (loss.sum(), xent.sum()), (constrain(dh, ("batch", "length", "d_model")), dkernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _chunked_sums(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _chunked_sums(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing, classes):
     return _scan_slices(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing,
-                        grad=False)
+                        classes, grad=False)
 
 
-def _chunked_sums_fwd(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing):
+def _chunked_sums_fwd(hidden, kernel, targets, weights, chunks, z_loss, label_smoothing,
+                      classes):
     sums, (dh, dkernel) = _scan_slices(hidden, kernel, targets, weights, chunks, z_loss,
-                                       label_smoothing, grad=True)
+                                       label_smoothing, classes, grad=True)
     return sums, (dh.astype(hidden.dtype), dkernel.astype(kernel.dtype))
 
 
-def _chunked_sums_bwd(chunks, z_loss, label_smoothing, residuals, cotangents):
+def _chunked_sums_bwd(chunks, z_loss, label_smoothing, classes, residuals, cotangents):
     dh, dkernel = residuals
     g = cotangents[0]  # of the loss sum; xent is stop_gradient'ed by the caller
     return (g * dh).astype(dh.dtype), (g * dkernel).astype(dkernel.dtype), None, None

@@ -7,9 +7,9 @@ optimizer-state leaf (from the parameter it belongs to) and of every batch featu
 init, so the full model never exists on one device, and the train step is jitted with those
 shardings and donates the old state.
 
-A batch placed on the devices (`Trainer.place_batch`) is a `PlacedBatch`: its arrays and,
-where the model asks for it (`models.base`: `uses_packing`), how its examples are packed
-(`base.packing_of`), which the model's kernels see while it is traced
+A batch placed on the devices (`Trainer.place_batch`) is a `PlacedBatch` (`placement`): its
+arrays and, where the model asks for it (`models.base`: `uses_packing`), how its examples
+are packed (`base.packing_of`), which the model's kernels see while it is traced
 (`base.current_packing`). The packing is part of the batch's pytree structure, so the jitted
 steps compile once per value, like once per shape. The trainer knows no kernel.
 """
@@ -31,37 +31,14 @@ from mtrain.models import moe
 from mtrain.training import losses
 from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
-from mtrain.parallel.layout import (Layout, LayoutError, constrain, is_names, logical_names,
-                           tree_shardings)
+from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
+                                   tree_shardings)
 from mtrain.training.losses import LossConfig
 from mtrain.models.base import batch_keys, packed_rows, packing_of
+from mtrain.training.placement import PlacedBatch, local_rows
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
-
-
-class PlacedBatch(dict):
-    """A batch on the devices: feature name -> global array, and `packing` (`base.packing_of`
-    of it; None where the model does not ask). A pytree whose structure (what jit compiles
-    for) holds the packing."""
-
-    def __init__(self, arrays: dict, packing: int | None = None):
-        super().__init__(arrays)
-        self.packing = packing
-
-    def like(self, arrays: dict) -> "PlacedBatch":
-        """Other arrays (e.g. a microbatch's) with this batch's packing."""
-        return PlacedBatch(arrays, self.packing)
-
-
-def _flatten_batch(batch: PlacedBatch):
-    keys = tuple(sorted(batch))
-    return [(jax.tree_util.DictKey(k), batch[k]) for k in keys], (keys, batch.packing)
-
-
-jax.tree_util.register_pytree_with_keys(
-    PlacedBatch, _flatten_batch,
-    lambda aux, arrays: PlacedBatch(dict(zip(aux[0], arrays)), aux[1]))
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -88,21 +65,6 @@ def step_metrics(grads, loss, xent, tokens, extra=None) -> dict:
             "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32)}
 
 
-def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int]:
-    """The rows [start, stop) of a global array of `shape` laid out by `sharding` that this
-    process's devices hold (see `Trainer.local_rows`)."""
-    size = shape[0]
-    slices = {(s[0].start or 0, size if s[0].stop is None else s[0].stop) for s in
-              sharding.addressable_devices_indices_map(shape).values()}
-    start, stop = min(a for a, _ in slices), max(b for _, b in slices)
-    covered = sum(b - a for a, b in slices)
-    if covered != stop - start or size % (stop - start) or start % (stop - start):
-        raise LayoutError(
-            f"this process's devices hold rows {sorted(slices)} of the batch, not one "
-            f"block of it: put the hosts along the batch mesh dimension")
-    return start, stop
-
-
 class Trainer:
     """Builds the sharded state and the jitted steps for one model, optimizer and layout."""
 
@@ -120,8 +82,9 @@ class Trainer:
     ):
         """`num_microbatches` > 1 accumulates the gradient over that many slices of the
         batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
-        activation memory."""
-        self.model, self.optimizer, self.layout, self.mesh = model, optimizer, layout, mesh
+        activation memory. `optimizer` is told which parameters are a scanned stack's
+        (`optimizer.for_parameters`), so that its per-tensor statistics are each layer's."""
+        self.model, self.layout, self.mesh = model, layout, mesh
         # Whether the model's kernels want each batch's packing (`models.base`).
         self.uses_packing = bool(getattr(model, "uses_packing", False))
         self.loss_config = loss_config or LossConfig()
@@ -137,9 +100,11 @@ class Trainer:
         boxed = jax.eval_shape(self._init_variables, init_key)
         self.param_names = param_names = nn.get_partition_spec(boxed)["params"]
         abstract_params = nn.unbox(boxed)["params"]
+        self.given_optimizer = optimizer  # (for `with_layout`)
+        self.optimizer = optimizer_lib.for_parameters(optimizer, param_names)
         # Parameters and optimizer state are stored by the parameter layout rules too.
         param_shardings = tree_shardings(layout, mesh, param_names, abstract_params, True)
-        abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         opt_names = optimizer_lib.state_names(abstract_opt, abstract_params, param_names)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = TrainState(
@@ -158,6 +123,10 @@ class Trainer:
              ("vocab", model.config.vocab_size)])
         self.loss_chunks = self.loss_config.num_chunks(sequence_length, logits_per_device)
         self._init_state = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        self._start_from = jax.jit(
+            lambda params: self._start_fn(jax.tree.map(
+                lambda p, a: p.astype(a.dtype), params, self.abstract_state.params)),
+            in_shardings=(param_shardings,), out_shardings=self.state_shardings)
         self._train_step = jax.jit(
             self._train_step_fn,
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -208,7 +177,10 @@ class Trainer:
         initialisation costs little whatever the model; the key is an argument, not a
         constant folded into every parameter's random number generator."""
         variables = self.model.init(key, *self._dummy_batch((1, 1)).values())
-        params = nn.unbox(variables)["params"]
+        return self._start_fn(nn.unbox(variables)["params"])
+
+    def _start_fn(self, params):
+        """Step 0 at `params`, with the optimizer's state initialised from them."""
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params)
         )
@@ -223,8 +195,16 @@ class Trainer:
             weights,
             z_loss=self.loss_config.z_loss,
             label_smoothing=self.loss_config.label_smoothing,
+            classes=self.classes,
         )
+        if self.classes:  # (the rows past the real vocabulary: no prediction either)
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < self.classes, logits, -jnp.inf)
         return loss, xent, weights, logits
+
+    @property
+    def classes(self) -> int:
+        """The model's real vocabulary rows (its config's `real_vocab_size`; 0: all)."""
+        return getattr(self.model.config, "real_vocab_size", 0)
 
     def _loss_sums(self, params, batch, rngs):
         """(loss, cross-entropy, tokens, statistics) summed over the training `batch`'s
@@ -238,11 +218,12 @@ class Trainer:
         out, stats = self._apply(params, batch, False, rngs, chunks > 1, stats=True)
         if chunks == 1:
             loss, xent = (x.sum() for x in losses.cross_entropy(
-                out, batch["targets"], weights, z_loss=c.z_loss, label_smoothing=c.label_smoothing))
+                out, batch["targets"], weights, z_loss=c.z_loss, label_smoothing=c.label_smoothing,
+                classes=self.classes))
         else:  # `out` is (hidden, kernel)
             loss, xent = losses.chunked_cross_entropy(
                 *out, batch["targets"], weights, chunks=chunks, z_loss=c.z_loss,
-                label_smoothing=c.label_smoothing)
+                label_smoothing=c.label_smoothing, classes=self.classes)
         if "aux_loss" in stats:
             loss = loss + tokens * stats.pop("aux_loss")
         return loss, xent, tokens, {k: v * tokens for k, v in stats.items()}
@@ -336,7 +317,7 @@ class Trainer:
     def with_layout(self, layout: Layout) -> "Trainer":
         """The same model, optimizer, batch, seed and settings on another layout (over the
         first `layout.size` devices)."""
-        return Trainer(self.model, self.optimizer, layout,
+        return Trainer(self.model, self.given_optimizer, layout,
                        layout.make_mesh(jax.devices()[:layout.size]), *self.batch_shape,
                        seed=self.seed, loss_config=self.loss_config,
                        num_microbatches=self.num_microbatches)
@@ -344,6 +325,20 @@ class Trainer:
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shards."""
         return self._init_state(self.init_key)
+
+    def start_from(self, params) -> TrainState:
+        """Step 0 at `params` (an import's, another run's: a tree of arrays shaped as the
+        model's, wherever they lie, converted to its dtypes) with a fresh optimizer state,
+        laid out as the state is: fine-tuning's start. The arrays given are not consumed."""
+        expected = jax.tree_util.tree_structure(self.abstract_state.params)
+        if jax.tree_util.tree_structure(params) != expected:
+            raise ValueError(f"start_from: the parameters' tree is not the model's ({expected})")
+        for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(params),
+                                     jax.tree.leaves(self.abstract_state.params)):
+            if got.shape != want.shape:
+                raise ValueError(f"start_from: parameter {jax.tree_util.keystr(path)} is "
+                                 f"{got.shape}, the model's is {want.shape}")
+        return self._start_from(jax.device_put(params, self.state_shardings.params))
 
     def local_rows(self) -> tuple[int, int]:
         """The rows [start, stop) of the global batch that this process's devices hold, and
