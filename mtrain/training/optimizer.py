@@ -1,17 +1,35 @@
 """The optimizers and learning-rate schedules: Adafactor with Mesh-TF's defaults and its
 `linear_warmup * rsqrt_decay` schedule; AdamW with gradient clipping and the warmup + cosine
 schedule Llama-style models train with; and the logical names of an optimizer state's
-leaves (for its sharding)."""
+leaves (for its sharding).
+
+A scanned stack's parameters are stacked on a leading ``layers`` dimension, yet each layer's
+slice is a parameter of its own: `for_parameters` tells an optimizer which parameters are
+stacked (from their logical names; the trainer calls it), and `layerwise` makes a
+transformation's per-tensor statistics (Adafactor's factored moments, parameter scale and
+update clipping) those of each slice, so that scanning the layers never changes an update.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+# The first logical name of the parameters of a scanned stack (`models.blocks`): one slice
+# per layer (or per repeating group of layers).
+STACKED = "layers"
+# The parameters the optimizer being traced holds stacked: their key paths (`jax.tree_util.
+# keystr`). Set only by `for_parameters`, read only by `layerwise`.
+_stacked_paths: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "mtrain_stacked_paths", default=frozenset())
 
-SCHEDULE_SHAPES = ("rsqrt", "cosine")
+
+SCHEDULE_SHAPES = ("rsqrt", "cosine", "constant")
 
 
 def learning_rate_schedule(
@@ -35,6 +53,8 @@ def learning_rate_schedule(
       constant * s / warmup`` up to warmup, then ``constant * (f + (1 - f) * (1 + cos(pi *
       p)) / 2)`` with ``p = (s - warmup) / (T - warmup)``, held at its end value after T.
       (With `decay_steps`, a run given more steps keeps the rates it trained with.)
+    - ``'constant'``: linear warmup to `constant`, then `constant` (``warmup_steps=1``: from
+      the first update): fine-tuning's rate (Hugging Face's ``constant_with_warmup``).
     """
     if warmup_steps < 1:
         raise ValueError(f"learning_rate_schedule.warmup_steps must be >= 1, got {warmup_steps}")
@@ -68,7 +88,11 @@ def learning_rate_schedule(
         decay = final_fraction + (1.0 - final_fraction) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
         return constant * jnp.where(s < warmup_steps, s / warmup_steps, decay)
 
-    return rsqrt if shape == "rsqrt" else cosine
+    def flat(count):
+        s = jnp.asarray(count, jnp.float32) + 1.0
+        return constant * jnp.minimum(1.0, s / warmup_steps)
+
+    return {"rsqrt": rsqrt, "cosine": cosine, "constant": flat}[shape]
 
 
 def adamw(
@@ -80,11 +104,16 @@ def adamw(
     clip_norm: float | None = 1.0,
 ) -> optax.GradientTransformation:
     """optax's AdamW after clipping the gradients to global norm `clip_norm` (None: no
-    clipping), with Llama's settings as defaults. Weight decay (decoupled, times the
-    learning rate) applies to parameters of two or more dimensions, not to the norms'
-    scales, as nanoGPT and many Llama recipes do."""
+    clipping), with Llama's settings as defaults: torch's ``AdamW`` step for step.
+
+    Weight decay (decoupled: ``p -= lr * weight_decay * p``) applies by a parameter's role,
+    `decays`: to every weight and table (embeddings included, as torch and Hugging Face
+    recipes decay them), not to the norms' scales nor to biases. Not by rank: a scanned
+    stack's norm scales are [layers, d_model], and a bias of heads [heads, d_kv], yet neither
+    is decayed, so that the same parameters decay with and without ``scan_layers``. AdamW's
+    statistics are elementwise and its clipping global, so stacking changes nothing else."""
     decay = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+                        mask=decay_mask)
     if clip_norm is None:
         return decay
     return optax.chain(optax.clip_by_global_norm(clip_norm), decay)
@@ -104,9 +133,10 @@ def adafactor(
 
     Factored second moments for matrices whose two largest dimensions are >= 128, second-moment
     decay ``1 - (step + 1)^-0.8``, updates scaled by the parameter's RMS (at least 1e-3), update
-    clipping at RMS 1.0, and no momentum.
+    clipping at RMS 1.0, and no momentum. All are statistics of one parameter: a stacked
+    one's are each layer's (`layerwise`), as in the run without ``scan_layers``.
     """
-    return optax.adafactor(
+    return layerwise(optax.adafactor(
         learning_rate=learning_rate,
         min_dim_size_to_factor=min_dim_size_to_factor,
         decay_rate=decay_rate,
@@ -115,7 +145,97 @@ def adafactor(
         momentum=momentum,
         factored=factored,
         eps=epsilon,
-    )
+    ))
+
+
+def _key_name(key) -> str:
+    """The name of one step of a key path (a dict key, an attribute, an index)."""
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def decays(path) -> bool:
+    """Whether weight decay applies to the parameter at `path` (a key path), by its role:
+    not to a norm's ``scale`` nor to a bias (``bias``, ``q_bias``, ...; T5's
+    ``relative_bias`` table is an embedding, which Hugging Face decays), to all else."""
+    name = _key_name(path[-1]) if path else ""
+    bias = (name == "bias" or name.endswith("_bias")) and name != "relative_bias"
+    return not (name == "scale" or bias)
+
+
+def decay_mask(params):
+    """True at each parameter that weight decay applies to (`decays`)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
+
+
+def for_parameters(optimizer: optax.GradientTransformation,
+                   param_names) -> optax.GradientTransformationExtraArgs:
+    """`optimizer` told which parameters are stacked layers: those whose first logical name
+    (`param_names`: a PartitionSpec of logical names per parameter, as the model gives them)
+    is ``layers``. Its `layerwise` parts then keep each layer's statistics apart. The same
+    transformation otherwise; with no stacked parameter, exactly `optimizer`'s state."""
+    stacked = frozenset(
+        jax.tree_util.keystr(path) for path, names in
+        jax.tree_util.tree_leaves_with_path(
+            param_names, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        if len(names) and names[0] == STACKED)
+    optimizer = optax.with_extra_args_support(optimizer)
+
+    @contextlib.contextmanager
+    def bound():
+        token = _stacked_paths.set(stacked)
+        try:
+            yield
+        finally:
+            _stacked_paths.reset(token)
+
+    def init(params):
+        with bound():
+            return optimizer.init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        with bound():
+            return optimizer.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _vmapped(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` on each slice along axis 0 of every parameter (all of one depth)."""
+    def update(updates, state, params=None, **extra_args):
+        return jax.vmap(lambda u, s, p: inner.update(u, s, p, **extra_args))(
+            updates, state, params)
+    return optax.GradientTransformation(jax.vmap(inner.init), update)
+
+
+def layerwise(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner`, a transformation of each parameter on its own (optax's per-tensor ones:
+    Adafactor's factored moments, `scale_by_param_block_rms`, `clip_by_block_rms`), with
+    each layer of a stacked parameter (`for_parameters`) taken as a parameter of its own:
+    `inner` vmapped over the ``layers`` dimension. Its state then holds ``stacked_<depth>``
+    (the vmapped states of the parameters stacked that deep: its step counts are per layer,
+    all equal) beside ``tensors`` (the rest); with nothing stacked, it is `inner`'s. Not for
+    a transformation across parameters (global-norm clipping): per layer it is another."""
+    def transformation(tree):
+        stacked = _stacked_paths.get()
+        labels = jax.tree_util.tree_map_with_path(
+            lambda path, x: (f"stacked_{x.shape[0]}" if jax.tree_util.keystr(path) in stacked
+                             else "tensors"), tree)
+        groups = set(jax.tree.leaves(labels)) - {"tensors"}
+        if not groups:
+            return inner
+        return optax.partition({"tensors": inner, **{g: _vmapped(inner) for g in groups}},
+                               labels)
+
+    def init(params):
+        return transformation(params).init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        return transformation(updates).update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def state_names(opt_state, params, param_names):
@@ -124,11 +244,16 @@ def state_names(opt_state, params, param_names):
     optax states hold trees shaped like the parameters (Adafactor: row/column second-moment
     factors and full second moments). A leaf with the parameter's shape gets its names; a
     factored statistic (one dimension reduced away) gets the names of the dimensions it kept;
-    anything else (step counters) is replicated.
+    anything else (step counters) is replicated. A tree of some of the parameters, the others
+    `optax.MaskedNode` (`optax.masked`, `optax.partition`, `layerwise`), is matched leaf by
+    leaf; a stacked parameter's per-layer statistics (`layerwise`) keep ``layers`` first.
     """
     params_def = jax.tree_util.tree_structure(params)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
 
     def match(leaf, p, names):
+        if masked(leaf):
+            return leaf
         if leaf.shape == p.shape:
             return PartitionSpec(*names)
         if len(leaf.shape) == len(p.shape) - 1:
@@ -142,8 +267,8 @@ def state_names(opt_state, params, param_names):
         return PartitionSpec()
 
     def walk(node):
-        if jax.tree_util.tree_structure(node) == params_def:
-            return jax.tree_util.tree_map(match, node, params, param_names)
+        if jax.tree_util.tree_structure(node, is_leaf=masked) == params_def:
+            return jax.tree_util.tree_map(match, node, params, param_names, is_leaf=masked)
         children, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
         if not children:
             return node  # an empty container (optax's EmptyState)
