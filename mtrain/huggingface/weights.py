@@ -7,22 +7,31 @@ table:
 - **Projections**: Hugging Face stores a linear layer as [out, in] (torch's), mtrain as
   [in, out]: transposed. Attention projections also split their heads: q/k/v [heads x d_kv,
   d_model] -> [d_model, heads, d_kv], o [d_model, heads x d_kv] -> [heads, d_kv, d_model].
-- **Attention scale**: mtrain's attention logits are unscaled (Mesh-TF's and T5's
-  convention), Llama's are scaled by d_kv^-0.5: the queries take that factor on import and
-  give it back on export (exact in float32 where d_kv is a power of 4: 16, 64, 256).
+- **Attention scale**: an import keeps its family's scale as a setting
+  (``transformer.attention_scale``: Llama's d_kv^-0.5), so that its weights are the
+  checkpoint's bit for bit and an optimizer step is its home framework's. A model trained
+  here with another scale (Mesh-TF's unscaled logits) exports with the ratio folded into
+  its queries.
+- **Biases and q/k norms** (Qwen2, Qwen3, Gemma 3): q/k/v biases [heads x d_kv] split into
+  heads, the per-head norms' scales [d_kv] as they are.
 - **Rotary convention**: Hugging Face stores q/k for its half-split rotation (the first
   half of each head's dimensions paired with the second half; its conversion from Meta's
   interleaved checkpoints permuted them once), which is mtrain's rotation
   (`positions.rotary`): no permutation.
-- **Embeddings**: T5 v1.0's tied table stays tied; a tied Llama (SmolLM, Llama 3.2 1B),
-  whose logits are not scaled, is imported untied (the softmax a copy of the table, the
-  same logits) and exports untied.
-- **Experts**: Mixtral's per-expert w1 (gate), w3 (up), w2 (down) are stacked along
-  mtrain's ``experts`` dimension (wi_0, wi_1, wo), its router [experts, d_model] transposed.
+- **Embeddings**: a tied table stays tied (T5 v1.0's scaled logits, the decoder-only
+  families' unscaled: ``transformer.shared_softmax_scaled``).
+- **Norms**: Llama's ``post_attention_layernorm`` is the norm before the feed-forward
+  layer (``mlp_norm``); Gemma 3's is the one after attention (``post_attention_norm``),
+  its ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` the feed-forward
+  layer's.
+- **Experts**: Mixtral's per-expert w1 (gate), w3 (up), w2 (down) and Qwen3-MoE's
+  gate_proj, up_proj, down_proj are stacked along mtrain's ``experts`` dimension (wi_0,
+  wi_1, wo), the router [experts, d_model] transposed.
 - **T5's relative bias** [buckets, heads] (in each stack's first layer) is mtrain's
   per-stack table [heads, buckets], transposed.
 - **Scanned layers** (``transformer.scan_layers``): the layers' tensors stacked on the
-  leading ``layers`` dimension.
+  leading ``layers`` dimension (by groups where the layers repeat in groups: experts every
+  few layers, Gemma's sliding and full layers, ``layers/layer_<i>/...``).
 - **Vocabulary rows**: mtrain pads the vocabulary dimension to a multiple of 128; rows past
   ``vocab_size`` are zeros on import and left out on export.
 """
@@ -33,7 +42,8 @@ import dataclasses
 
 import numpy as np
 
-from mtrain.huggingface.families import MIXTRAL, T5, ConversionError
+from mtrain.huggingface.common import GEMMA3, MIXTRAL, T5
+from mtrain.models.blocks import is_moe, period
 
 
 def ranges(index, shape) -> list[tuple[int, int]]:
@@ -160,6 +170,25 @@ class HeadsOut(Source):
 
 
 @dataclasses.dataclass
+class Reshaped(Source):
+    """mtrain [a, b] = the tensor [a x b] (q/k/v biases split into heads)."""
+
+    name: str
+    shape: tuple[int, int]
+
+    def tensors(self):
+        return [(self.name, (self.shape[0] * self.shape[1],))]
+
+    def read(self, folder, ranges):
+        (a0, a1), (b0, b1) = ranges
+        b = self.shape[1]
+        return folder.read(self.name, a0 * b, a1 * b).reshape(a1 - a0, b)[:, b0:b1]
+
+    def to_hf(self, value):
+        return [(self.name, value.reshape(-1))]
+
+
+@dataclasses.dataclass
 class Stacked(Source):
     """mtrain [n, ...] = `parts` stacked (Mixtral's experts; scanned layers)."""
 
@@ -180,14 +209,14 @@ class Stacked(Source):
         return [t for part, v in zip(self.parts, value) for t in part.to_hf(v)]
 
 
-def parameters(fam: str, c, vocab_rows: int, untied: bool = False) -> dict[str, Source]:
+def parameters(fam: str, c, vocab_rows: int) -> dict[str, Source]:
     """Every mtrain parameter of the model `c` (`TransformerConfig`) of family `fam`, by its
-    path ("layer_0/self_attention/q"), with the tensors it is made of (`untied`: the
-    softmax is a copy of the tied embedding table; import only)."""
+    path ("layer_0/self_attention/q"), with the tensors it is made of (`vocab_rows`: the
+    checkpoint's vocab_size)."""
     d, h, kv, k, f, v = c.d_model, c.num_heads, c.num_kv_heads, c.d_kv, c.d_ff, c.vocab_size
     rows = vocab_rows if vocab_rows != v else None
 
-    def attention(prefix, names, scale):
+    def attention(prefix, names, scale=1.0):
         q, kk, vv, o = names
         return {f"{prefix}/q": HeadsIn(q, (d, h, k), scale),
                 f"{prefix}/k": HeadsIn(kk, (d, kv, k)), f"{prefix}/v": HeadsIn(vv, (d, kv, k)),
@@ -199,15 +228,16 @@ def parameters(fam: str, c, vocab_rows: int, untied: bool = False) -> dict[str, 
                 for i, n in enumerate(wi)}
         return ours | {f"{prefix}/wo": Transposed(wo, (f, d))}
 
-    def scale(name):
-        return Plain(name, (d,))
+    def scale(name, size=d):
+        return Plain(name, (size,))
+
+    def softmax(name):
+        return {} if c.shared_embedding_and_softmax else {"softmax": Transposed(name, (d, v), rows)}
 
     out = {}
     if fam == T5:
         out["embed/embedding"] = Plain("shared.weight", (v, d), rows)
-        if not c.shared_embedding_and_softmax:
-            out["softmax"] = Transposed("shared.weight" if untied else "lm_head.weight",
-                                        (d, v), rows)
+        out |= softmax("lm_head.weight")
         stacks = (("encoder", c.num_encoder_layers or c.num_layers), ("decoder", c.num_layers))
         for stack, layers in stacks:
             out[f"{stack}_norm/scale"] = scale(f"{stack}.final_layer_norm.weight")
@@ -223,49 +253,72 @@ def parameters(fam: str, c, vocab_rows: int, untied: bool = False) -> dict[str, 
                     parts.append((f"{hf}1.EncDecAttention.", "encoder_decoder_attention",
                                   "encoder_decoder_attention_norm", "1"))
                 for at, name, norm, n in parts:
-                    out |= attention(f"{me}/{name}", [f"{at}{p}.weight" for p in "qkvo"], 1.0)
+                    out |= attention(f"{me}/{name}", [f"{at}{p}.weight" for p in "qkvo"])
                     out[f"{me}/{norm}/scale"] = scale(f"{hf}{n}.layer_norm.weight")
                 out[f"{me}/mlp_norm/scale"] = scale(f"{hf}{ff}.layer_norm.weight")
                 out |= mlp(f"{me}/mlp", [f"{hf}{ff}.DenseReluDense.{w}.weight"
                                          for w in [*wi, "wo"]])
         return _scanned(c, out, ("encoder", "decoder"))
     out["token_embedding/embedding"] = Plain("model.embed_tokens.weight", (v, d), rows)
-    out["softmax"] = Transposed("model.embed_tokens.weight" if untied else "lm_head.weight",
-                                (d, v), rows)
+    out |= softmax("lm_head.weight")
     out["final_norm/scale"] = scale("model.norm.weight")
+    # The queries carry what the checkpoint's scale is not of this model's (1 on import).
+    hf_scale = c.attention_scale if fam == GEMMA3 else k ** -0.5
+    q_factor = c.attention_scale / hf_scale
     for i in range(c.num_layers):
         hf, me = f"model.layers.{i}.", f"layer_{i}"
-        out |= attention(f"{me}/self_attention",
-                         [f"{hf}self_attn.{p}_proj.weight" for p in "qkvo"], k**-0.5)
-        out[f"{me}/attention_norm/scale"] = scale(f"{hf}input_layernorm.weight")
-        out[f"{me}/mlp_norm/scale"] = scale(f"{hf}post_attention_layernorm.weight")
-        if fam == MIXTRAL:
-            moe, e = f"{hf}block_sparse_moe.", c.moe.num_experts
-            out[f"{me}/mlp/router"] = Transposed(f"{moe}gate.weight", (d, e))
-            for ours, w, shape in (("wi_0", "w1", (d, f)), ("wi_1", "w3", (d, f)),
-                                   ("wo", "w2", (f, d))):
-                out[f"{me}/mlp/{ours}"] = Stacked(
-                    [Transposed(f"{moe}experts.{j}.{w}.weight", shape) for j in range(e)])
+        attn = f"{hf}self_attn."
+        out |= attention(f"{me}/self_attention", [f"{attn}{p}_proj.weight" for p in "qkvo"],
+                         q_factor)
+        if c.attention_bias:
+            for p, heads in (("q", h), ("k", kv), ("v", kv)):
+                out[f"{me}/self_attention/{p}_bias"] = Reshaped(f"{attn}{p}_proj.bias",
+                                                                (heads, k))
+        if c.qk_norm:
+            for p in "qk":
+                out[f"{me}/self_attention/{p}_norm/scale"] = scale(f"{attn}{p}_norm.weight", k)
+        norms = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+        if fam == GEMMA3:
+            norms = {"attention_norm": "input_layernorm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "mlp_norm": "pre_feedforward_layernorm",
+                     "post_mlp_norm": "post_feedforward_layernorm"}
+        for ours, theirs in norms.items():
+            out[f"{me}/{ours}/scale"] = scale(f"{hf}{theirs}.weight")
+        if is_moe(c, i):
+            out |= _experts(fam, c, f"{me}/mlp", hf)
         else:
             out |= mlp(f"{me}/mlp", [f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down")])
     return _scanned(c, out, ("",))
 
 
+def _experts(fam: str, c, prefix: str, hf: str) -> dict[str, Source]:
+    """The router and the stacked experts of a Mixtral or Qwen3-MoE layer."""
+    d, e, f = c.d_model, c.moe.num_experts, c.moe.expert_d_ff
+    moe, names = ((f"{hf}block_sparse_moe.", ("w1", "w3", "w2")) if fam == MIXTRAL else
+                  (f"{hf}mlp.", ("gate_proj", "up_proj", "down_proj")))
+    out = {f"{prefix}/router": Transposed(f"{moe}gate.weight", (d, e))}
+    for ours, w, shape in zip(("wi_0", "wi_1", "wo"), names, ((d, f), (d, f), (f, d))):
+        out[f"{prefix}/{ours}"] = Stacked(
+            [Transposed(f"{moe}experts.{j}.{w}.weight", shape) for j in range(e)])
+    return out
+
+
 def _scanned(c, params: dict[str, Source], stacks) -> dict[str, Source]:
     """With ``transformer.scan_layers``, each stack's layers as one stacked parameter per
-    name (``layers/...``; ``encoder/...`` and ``decoder/...``)."""
+    name (``layers/...``; ``encoder/...`` and ``decoder/...``), stacked by groups of
+    `blocks.period` layers where the layers repeat in groups (``layers/layer_<j>/...``)."""
     if not c.scan_layers:
         return params
-    if c.moe_every > 1:
-        raise ConversionError("importing or exporting scanned groups of experts "
-                              "(transformer.moe_every > 1 with scan_layers) is not supported")
+    group = period(c)
     out, stacked = {}, {}
     for path, source in params.items():
         head, _, rest = path.partition("/")
         stack, _, number = head.rpartition("_")
         if number.isdigit() and stack in [s or "layer" for s in stacks]:
             name = "layers" if stack == "layer" else stack
-            stacked.setdefault(f"{name}/{rest}", []).append(source)
+            inner = f"layer_{int(number) % group}/" if group > 1 else ""
+            stacked.setdefault(f"{name}/{inner}{rest}", []).append(source)
         else:
             out[path] = source
     return out | {path: Stacked(parts) for path, parts in stacked.items()}

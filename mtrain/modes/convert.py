@@ -98,7 +98,7 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
     model_dir = exp.model_dir
     folder = tensors.Folder(input_dir)
     c = exp.model_config
-    sources = weights.parameters(settings.family, c, settings.vocab_size, settings.untied)
+    sources = weights.parameters(settings.family, c, settings.vocab_size)
     params = exp.trainer.abstract_state.params
     shardings = _paths(exp.trainer.state_shardings.params)
     wanted = _paths(params)
