@@ -9,6 +9,10 @@
   Hopper GPU runs ('auto' there: cuDNN, its packed layout with a table fitted to each batch,
   emulated here) go through every mode: train (with evaluation, and BLEU for translation),
   eval, infer (translation), score and plan, each from the checkpoint the last one left.
+
+The models attend within a sliding window of 8 positions (``transformer.attention_windows``,
+the rows are 32 long) with logits scaled by 0.5 (``transformer.attention_scale``), so that
+every path's own window and scale are what is compared, decoding's ring cache included.
 """
 
 import json
@@ -36,12 +40,13 @@ PATHS = {  # name -> (gin bindings, emulate a GPU for tokamax's kernel)
     "triton": (["transformer.attention='flash'", "transformer.flash_kernel='triton'"], True),
 }
 BF16 = "run.activation_dtype='bfloat16'"
+WINDOWED = ["transformer.attention_windows=(8,)", "transformer.attention_scale=0.5"]
 
 
 def cli(task, model_dir, *params, mode=None, extra=()):
     gin_file, task_params = TASKS[task]
     argv = [f"--gin_file={gin_file}", f"--gin_file={LAYOUT}", f"--model_dir={model_dir}"]
-    argv += [f"--gin_param={p}" for p in [*TINY, *task_params, "run.train_steps=4",
+    argv += [f"--gin_param={p}" for p in [*TINY, *task_params, *WINDOWED, "run.train_steps=4",
                                           "run.log_every=2", "run.checkpoint_every=2", *params]]
     return main(argv + ([f"--mode={mode}"] if mode else []) + list(extra))
 

@@ -134,6 +134,26 @@ def test_segments_are_honoured(on, kernel):
     assert np.abs(packed[:, 64:] - unsegmented[:, 64:]).max() > 0.1
 
 
+@pytest.mark.parametrize("kernel", ["splash", "triton", "cudnn", "cudnn_segments"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_windows_and_a_scale_match_the_reference(on, monkeypatch, kernel, causal):
+    """Each kernel's own local window (splash's LocalMask, cuDNN's sliding window; the
+    Triton kernel's and a bidirectional cuDNN window in the packed mask) and its logits'
+    scale give the reference's attention; which does differ from the unwindowed one."""
+    if kernel.startswith("cudnn"):
+        on_a_gpu_emulated(monkeypatch)
+    else:
+        kernel = on(kernel)
+    ids = packed_ids(4, 128, segments=3, seed=5)
+    mask = attention.AttentionMask.of_self(ids, causal=causal).windowed(8)
+    q, k, v = qkv(4, 128, 128, seed=5)
+    assert_same(lambda q, k, v: attention.flash(q, k, v, mask, kernel, scale=0.7),
+                lambda q, k, v: attention.reference(q, k, v, mask, scale=0.7), q, k, v, ids > 0)
+    full = attention.reference(q, k, v, mask.windowed(0), scale=0.7)
+    windowed = attention.reference(q, k, v, mask, scale=0.7)
+    assert np.abs((full - windowed)[ids > 0]).max() > 0.1
+
+
 def test_cudnn_call_is_the_packed_mask(monkeypatch):
     """The cuDNN kernel needs a GPU; mtrain's part of it (the mask and the call of
     `jax.nn.dot_product_attention`) runs here through jax's XLA implementation."""

@@ -26,7 +26,8 @@ from mtrain.huggingface import families
 
 safetensors = pytest.importorskip("safetensors.numpy")
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
-FAMILIES = ("llama_gqa", "t5_1_1", "mixtral")
+FAMILIES = ("llama_gqa", "t5_1_1", "mixtral", "llama3", "qwen2", "qwen3", "mistral_sw",
+            "gemma3", "qwen3_moe")
 
 
 def params_of(model_dir, *gin_params) -> dict:
@@ -87,7 +88,11 @@ def imports(tmp_path_factory):
 
 
 # Each family's own dimensions split too: key/value heads (Llama, Mixtral), experts (Mixtral).
-EXTRA_RULES = {"llama_gqa": ";kv_heads:model", "t5_1_1": "", "mixtral": ";kv_heads:model;experts:model"}
+EXTRA_RULES = {"llama_gqa": ";kv_heads:model", "t5_1_1": "",
+               "mixtral": ";kv_heads:model;experts:model", "llama3": ";kv_heads:model",
+               "qwen2": ";kv_heads:model", "qwen3": ";kv_heads:model",
+               "mistral_sw": ";kv_heads:model", "gemma3": ";kv_heads:model",
+               "qwen3_moe": ";kv_heads:model;experts:model"}
 
 
 def layout(name, family) -> list[str]:
@@ -303,9 +308,15 @@ def _refused(capsys, argv, *fragments):
 def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports):
     weights = safetensors.load_file(os.path.join(ORACLES, "llama_gqa", "model.safetensors"))
     cases = [
-        ("mixtral", lambda c: c | {"sliding_window": 4096}, None, "sliding_window"),
-        ("llama_gqa", lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        ("llama_gqa", lambda c: c | {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
          None, "rope_scaling.rope_type"),
+        ("llama3", lambda c: c | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+         None, "rope_parameters.rope_type"),
+        ("qwen2", lambda c: c | {"use_sliding_window": True, "sliding_window": 8,
+                                 "layer_types": None}, None, "max_window_layers"),
+        ("gemma3", lambda c: c | {"final_logit_softcapping": 30.0}, None,
+         "final_logit_softcapping"),
+        ("qwen3_moe", lambda c: c | {"mlp_only_layers": [0]}, None, "mlp_only_layers"),
         ("llama_gqa", lambda c: c | {"attention_bias": True}, None, "attention_bias"),
         ("llama_gqa", lambda c: c | {"architectures": ["GPT2LMHeadModel"]}, None, "architectures"),
         ("llama_gqa", lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, None,
@@ -347,7 +358,7 @@ def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports)
     # exports of settings no Hugging Face family has
     for family, setting, fragment in (
             ("llama_gqa", "transformer.position_encoding='learned'", "no Hugging Face family"),
-            ("mixtral", "moe.top_k=1", "Mixtral"),
+            ("mixtral", "moe.normalize_top_k=False", "renormalises"),
             ("t5_1_1", "transformer.mlp_activations=('gelu_exact', 'linear')", "feed_forward_proj")):
         _refused(capsys, ["--mode=export", f"--model_dir={imports / family}",
                           f"--output_dir={tmp_path / 'out'}",
@@ -358,16 +369,23 @@ def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports)
 
 def test_tied_llama_and_t5_v1_0_folders(tmp_path):
     """Two variants the oracles do not have, made from them: a Llama whose softmax is its
-    embedding table (no lm_head.weight; imported untied, the softmax a copy of the table),
-    and a T5 v1.0 (ReLU, one input projection `wi`, tied and rescaled logits: mtrain's
-    shared softmax) that exports back to the same tensors and config."""
+    embedding table (no lm_head.weight; it stays tied, its logits unscaled, and exports
+    tied), and a T5 v1.0 (ReLU, one input projection `wi`, tied and rescaled logits:
+    mtrain's shared softmax) that exports back to the same tensors and config."""
     weights = safetensors.load_file(os.path.join(ORACLES, "llama_gqa", "model.safetensors"))
     del weights["lm_head.weight"]
     folder = _broken(tmp_path / "llama", "llama_gqa", lambda c: c | {"tie_word_embeddings": True},
                      weights)
     import_folder(folder, tmp_path / "llama_m")
     params = params_of(tmp_path / "llama_m")
-    np.testing.assert_array_equal(params["softmax"], weights["model.embed_tokens.weight"].T)
+    assert "softmax" not in params
+    np.testing.assert_array_equal(params["token_embedding/embedding"],
+                                  weights["model.embed_tokens.weight"])
+    assert main(["--mode=export", f"--model_dir={tmp_path / 'llama_m'}",
+                 f"--output_dir={tmp_path / 'llama_out'}"]) == 0
+    ours = safetensors.load_file(tmp_path / "llama_out" / "model.safetensors")
+    assert sorted(ours) == sorted(weights)
+    assert families.read_config(tmp_path / "llama_out")["tie_word_embeddings"] is True
     t5 = safetensors.load_file(os.path.join(ORACLES, "t5_1_1", "model.safetensors"))
     del t5["lm_head.weight"]
     for name in [n for n in t5 if "wi_1" in n]:
@@ -386,3 +404,51 @@ def test_tied_llama_and_t5_v1_0_folders(tmp_path):
     assert all(np.array_equal(ours[n], t5[n]) for n in t5)
     assert (families.settings(families.read_config(tmp_path / "t5_out")).architecture
             == families.settings(families.read_config(folder)).architecture)
+
+
+def test_a_vocabulary_not_a_multiple_of_128_scores_as_hugging_face_does(tmp_path):
+    """Qwen2.5's folder cut to 500 embedding rows (its tokenizer has 496 ids): mtrain pads
+    the vocabulary to 512 rows, and those 12 must take no part in any softmax. The model's
+    log-probabilities are then the oracle's logits' over their first 500 rows (a row of
+    logits depends on no other table row: the rows cut are ids no input holds), while the 16
+    rows Qwen itself has past its tokenizer (496-499) stay in the softmax. Tolerance as the
+    logits' (1e-4; log-softmax of O(1) logits adds no more)."""
+    weights = safetensors.load_file(os.path.join(ORACLES, "qwen2", "model.safetensors"))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:500]
+    folder = _broken(tmp_path, "qwen2", lambda c: c | {"vocab_size": 500}, weights)
+    o = oracle("qwen2")
+    ids = o["input_ids"][0]
+    # The model reads transformer.start_id first: the row's first id, so that it reads ids.
+    import_folder(folder, tmp_path / "m", f"--gin_param=transformer.start_id={int(ids[0])}")
+    exp, params, _ = load(tmp_path / "m")
+    assert exp.trainer.model.config.vocab_size == 512
+    batch = {k: np.zeros(exp.trainer.batch_shape, np.int32)
+             for k in ("targets", "targets_segment_ids", "targets_positions")}
+    n = len(ids) - 1
+    batch["targets"][0, :n], batch["targets_segment_ids"][0, :n] = ids[1:], 1
+    batch["targets_positions"][0, :n] = np.arange(n)
+    got = np.asarray(exp.trainer.token_log_likelihoods(params, exp.trainer.place_batch(batch)))
+    logits = o["logits"][0, :n, :500].astype(np.float64)
+    expected = logits[np.arange(n), ids[1:]] - np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(got[0, :n], expected, atol=1e-4, rtol=0)
+    # (with the padded rows in the softmax it would be off by their probability mass)
+    padded = o["logits"][0, :n].astype(np.float64)
+    assert np.abs(got[0, :n] - (padded[np.arange(n), ids[1:]]
+                                - np.log(np.exp(padded).sum(-1)))).max() > 1e-3
+
+
+def test_mixtral_renormalises_even_one_gate(tmp_path):
+    """Hugging Face's Mixtral renormalises its top-k gates whatever k: with one expert per
+    token the gate is 1, not Switch's probability. The import says so
+    (moe.normalize_top_k), and the router then gives each token its expert's output whole."""
+    from mtrain.models import moe
+
+    folder = _broken(tmp_path, "mixtral", lambda c: c | {"num_experts_per_tok": 1})
+    import_folder(folder, tmp_path / "m")
+    exp, _, _ = load(tmp_path / "m")
+    assert exp.trainer.model.config.moe.renormalizes
+    logits = jax.random.normal(jax.random.key(0), (2, 8, 4))
+    _, combine, _ = moe.route(logits, jnp.ones((2, 8)), 1, 8, normalize=True)
+    np.testing.assert_allclose(combine.sum((2, 3)), 1.0, rtol=1e-6)
+    _, switch, _ = moe.route(logits, jnp.ones((2, 8)), 1, 8)  # Switch: the probability
+    assert float(switch.sum((2, 3)).max()) < 1.0

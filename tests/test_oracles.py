@@ -27,6 +27,10 @@ ORACLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "shared", "oracles")
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
 ATOL = 1e-4
+# The decoder-only folders: Llama 2 and 3.2, Mistral with a window, Qwen2.5, Qwen3, Gemma 3,
+# and the experts of Mixtral and Qwen3-MoE.
+DECODERS = ("llama_gqa", "mixtral", "llama3", "qwen2", "qwen3", "mistral_sw", "gemma3",
+            "qwen3_moe")
 
 
 def oracle(family) -> dict:
@@ -54,7 +58,7 @@ def load(model_dir, *gin_params):
 def imported(tmp_path_factory):
     """family -> its model dir, imported once for the module."""
     root, dirs = tmp_path_factory.mktemp("imported"), {}
-    for family in ("llama_gqa", "t5_1_1", "mixtral"):
+    for family in ("t5_1_1", *DECODERS):
         import_folder(os.path.join(ORACLES, family), root / family)
         dirs[family] = root / family
     return dirs
@@ -67,7 +71,7 @@ def lm_logits(model, params, ids):
     return logits
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "mixtral"])
+@pytest.mark.parametrize("family", DECODERS)
 def test_decoder_only_logits_are_hugging_faces(imported, family):
     exp, params, _ = load(imported[family])
     model, expected = exp.trainer.model, oracle(family)
@@ -78,10 +82,11 @@ def test_decoder_only_logits_are_hugging_faces(imported, family):
 
 
 @pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
-@pytest.mark.parametrize("family", ["llama_gqa", "mixtral"])
+@pytest.mark.parametrize("family", DECODERS)
 def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
     """By the incremental decoding path (`decode_step`: the prompt fed a token at a time
-    into the cache of 2 key/value heads and rotated keys, then its own argmax)."""
+    into the cache of 2 key/value heads and rotated keys, then its own argmax; a windowed
+    layer's cache a ring of its window, which the 20 ids of Mistral's and Gemma's pass)."""
     exp, params, _ = load(imported[family])
     model, params, expected = exp.trainer.model, {"params": params}, oracle(family)
     prompt, total = list(expected["prompt_ids"]), len(expected["greedy_ids"])

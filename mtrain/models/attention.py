@@ -207,8 +207,9 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
             kernel, max_segments = "cudnn_segments", packing
     if kernel not in kernels.KERNELS:
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
-    if kernel == "cudnn_segments" and not mask.self_attention:
-        kernel = "cudnn"  # (the packed layout is self-attention's)
+    if kernel == "cudnn_segments" and (not mask.self_attention
+                                       or (mask.window and not mask.causal)):
+        kernel = "cudnn"  # (the packed layout is self-attention's, its window causal's)
     fn = functools.partial(kernels.KERNELS[kernel], causal=mask.causal, window=mask.window,
                            scale=scale)
     if kernel == "cudnn_segments":

@@ -118,7 +118,8 @@ def cudnn(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
     # cuDNN takes a mask (as a bias) in training only over even lengths.
     q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)
     mask = packed_mask(query_ids, memory_ids, causal, window)
-    local = (window - 1, 0 if causal else window - 1) if window else None
+    # (cuDNN's own window is causal's only: a bidirectional one is in the mask alone)
+    local = (window - 1, 0) if window and causal else None
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
                                         local_window_size=local,
                                         implementation="cudnn")[:, :length]
