@@ -6,7 +6,11 @@ from the kernel's accounting of each `python -m mtrain` process) of ``--mode=imp
 The baseline in the same run: reading every tensor of the folder whole with the
 safetensors package (flax), the least any import must do.
 
-    python benchmarks/hf_import.py [--dir /tmp/hf_1b] [--vocab 32000]
+    python benchmarks/hf_import.py [--dir /tmp/hf_1b] [--vocab 32000] [--like llama3]
+
+``--like llama3``: the folder as Llama 3.x ships (../shared/oracles/llama3's config.json:
+rope_type llama3, its bos/eos, and its byte-level BPE tokenizer.json whose id 0 is an
+ordinary piece) in place of Llama 2's (sentencepiece tokenizer.model); the same tensors.
 
 On CPU the devices are the host: the imported parameters (float32, twice the bfloat16
 file) live in the same process's memory, so the RSS of an import is at least the model in
@@ -27,10 +31,11 @@ import ml_dtypes
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORACLE = os.path.join(ROOT, "..", "shared", "oracles", "llama_gqa")
+ORACLES = os.path.join(ROOT, "..", "shared", "oracles")
 
 
-def llama_folder(path: str, vocab: int, shards: int = 3) -> tuple[int, int]:
+def llama_folder(path: str, vocab: int, shards: int = 3,
+                 like: str = "llama_gqa") -> tuple[int, int]:
     """Writes the folder; returns (bytes of weights, bytes of the largest tensor)."""
     from mtrain.huggingface import tensors
 
@@ -57,12 +62,17 @@ def llama_folder(path: str, vocab: int, shards: int = 3) -> tuple[int, int]:
 
     os.makedirs(path)
     tensors.write_folder(path, shapes, ml_dtypes.bfloat16, produce, -(-total // shards))
-    config = json.load(open(os.path.join(ORACLE, "config.json")))
+    oracle = os.path.join(ORACLES, like)
+    config = json.load(open(os.path.join(oracle, "config.json")))
     config |= {"hidden_size": d, "intermediate_size": f, "num_attention_heads": h,
                "num_key_value_heads": kv, "head_dim": k, "num_hidden_layers": layers,
-               "vocab_size": vocab, "max_position_embeddings": 2048, "dtype": "bfloat16"}
+               "vocab_size": vocab, "max_position_embeddings": 2048, "dtype": "bfloat16",
+               "tie_word_embeddings": False}
     json.dump(config, open(os.path.join(path, "config.json"), "w"), indent=2)
-    shutil.copy(os.path.join(ORACLE, "tokenizer.model"), path)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        if os.path.exists(os.path.join(oracle, name)):
+            shutil.copy(os.path.join(oracle, name), path)
     return total, max(2 * int(np.prod(s)) for _, s in shapes)
 
 
@@ -93,11 +103,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dir", default="/tmp/mtrain_hf_1b")
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--like", default="llama_gqa", choices=["llama_gqa", "llama3"],
+                   help="the oracle folder whose config.json and tokenizer the folder takes")
     args = p.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     hf, model_dir, out = (os.path.join(args.dir, n) for n in ("hf", "model", "exported"))
     start = time.time()
-    size, largest = llama_folder(hf, args.vocab)
+    size, largest = llama_folder(hf, args.vocab, like=args.like)
     print(f"folder: {size / 1e9:.2f} GB of bfloat16 in 3 shards (largest tensor "
           f"{largest / 1e9:.3f} GB), written in {time.time() - start:.0f} s")
     read_s, read_rss = baseline(hf)
