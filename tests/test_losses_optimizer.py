@@ -161,8 +161,9 @@ def test_cosine_schedule_is_warmup_then_cosine_to_the_final_fraction():
 
 def test_adamw_first_update_is_optaxs_and_adams_closed_form():
     """The first Adam step is -lr * g / (|g| + eps) per element (bias-corrected moments of
-    one gradient), plus decoupled weight decay -lr * wd * p on matrices only; with gradients
-    of global norm above clip_norm, g is scaled down to that norm first."""
+    one gradient), plus decoupled weight decay -lr * wd * p on the weight, not the norm's
+    scale; with gradients of global norm above clip_norm, g is scaled down to that norm
+    first."""
     params = {"w": jnp.arange(6.0).reshape(2, 3) / 10 - 0.2, "scale": jnp.ones(3)}
     grads = {"w": jnp.array([[0.3, -0.2, 0.0], [1.0, 2.0, -0.5]]), "scale": jnp.array([0.1, 0.2, -0.3])}
     lr, wd = 1e-2, 0.1
@@ -183,3 +184,34 @@ def test_adamw_first_update_is_optaxs_and_adams_closed_form():
                                     mask={"w": True, "scale": False})
             ref_updates, _ = reference.update(grads, reference.init(params), params)
             jax.tree.map(np.testing.assert_array_equal, updates, ref_updates)
+
+
+def test_weight_decay_follows_the_role_not_the_rank():
+    """Norm scales and biases are not decayed, whatever their rank (a scanned stack's scales
+    are [layers, d_model], a query bias [heads, d_kv]); weights and tables are, embeddings
+    and T5's relative_bias table (an embedding in Hugging Face) included. The step shows it:
+    a parameter with a zero gradient moves by -lr * wd * p exactly where it decays."""
+    shapes = {
+        "token_embedding": {"embedding": (16, 4)}, "softmax": (4, 16),
+        "relative_bias": {"relative_bias": (8, 2)},
+        "final_norm": {"scale": (4,)},
+        "layers": {"attention_norm": {"scale": (2, 4)}, "mlp_norm": {"scale": (2, 4)},
+                   "self_attention": {"q": (2, 4, 2, 2), "q_bias": (2, 2, 2),
+                                      "k_bias": (2, 2, 2), "v_bias": (2, 2, 2),
+                                      "q_norm": {"scale": (2, 2)}, "k_norm": {"scale": (2, 2)}},
+                   "post_attention_norm": {"scale": (2, 4)},
+                   "post_mlp_norm": {"scale": (2, 4)}, "mlp": {"wi_0": (2, 4, 8)}},
+    }
+    leaves = lambda tree: {jax.tree_util.keystr(p): x  # noqa: E731
+                           for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    params = jax.tree.map(lambda s: jnp.full(s, 2.0), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    opt = optimizer.adamw(0.5, weight_decay=0.1, clip_norm=None)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zeros, opt.init(params), params)
+    moved = {k: float(jnp.max(jnp.abs(u))) for k, u in leaves(updates).items()}
+    kept = {k for k, m in moved.items() if m == 0}
+    assert kept == {k for k in moved if k.endswith(("['scale']", "_bias']"))
+                    and "relative_bias" not in k}, kept
+    for k, m in moved.items():
+        assert m == 0.0 or m == pytest.approx(0.5 * 0.1 * 2.0, rel=1e-6), (k, m)  # float32
+    assert leaves(optimizer.decay_mask(params)) == {k: k not in kept for k in moved}

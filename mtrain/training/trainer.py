@@ -330,14 +330,13 @@ class Trainer:
         """Step 0 at `params` (an import's, another run's: a tree of arrays shaped as the
         model's, wherever they lie, converted to its dtypes) with a fresh optimizer state,
         laid out as the state is: fine-tuning's start. The arrays given are not consumed."""
-        expected = jax.tree_util.tree_structure(self.abstract_state.params)
-        if jax.tree_util.tree_structure(params) != expected:
-            raise ValueError(f"start_from: the parameters' tree is not the model's ({expected})")
-        for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(params),
-                                     jax.tree.leaves(self.abstract_state.params)):
-            if got.shape != want.shape:
-                raise ValueError(f"start_from: parameter {jax.tree_util.keystr(path)} is "
-                                 f"{got.shape}, the model's is {want.shape}")
+        shapes = lambda tree: {jax.tree_util.keystr(p): tuple(np.shape(x)) for p, x in  # noqa: E731
+                               jax.tree_util.tree_leaves_with_path(tree)}
+        given, model = shapes(params), shapes(self.abstract_state.params)
+        if given != model:
+            name = min(k for k in given.keys() | model.keys() if given.get(k) != model.get(k))
+            raise ValueError(f"start_from: parameter {name} is {given.get(name, 'missing')}, "
+                             f"the model's is {model.get(name, 'not there')}")
         return self._start_from(jax.device_put(params, self.state_shardings.params))
 
     def local_rows(self) -> tuple[int, int]:
