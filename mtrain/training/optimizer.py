@@ -158,11 +158,12 @@ def _key_name(key) -> str:
 
 def decays(path) -> bool:
     """Whether weight decay applies to the parameter at `path` (a key path), by its role:
-    not to a norm's ``scale`` nor to a bias (``bias``, ``q_bias``, ...), to all else. T5's
-    ``relative_bias`` is a table (an ``nn.Embedding`` in Hugging Face's T5), decayed as the
-    oracles' rule decays every parameter of two or more dimensions but the norms'."""
+    not to a norm's ``scale`` nor to a bias (``bias``, ``q_bias``, ...), to all else,
+    embeddings included: Hugging Face's Trainer's rule (no decay for its norms' weights nor
+    for any name holding "bias", which T5's ``relative_attention_bias`` table does: so
+    mtrain's ``relative_bias`` is not decayed either)."""
     name = _key_name(path[-1]) if path else ""
-    bias = (name == "bias" or name.endswith("_bias")) and name != "relative_bias"
+    bias = name == "bias" or name.endswith("_bias")
     return not (name == "scale" or bias)
 
 
