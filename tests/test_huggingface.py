@@ -452,3 +452,24 @@ def test_mixtral_renormalises_even_one_gate(tmp_path):
     np.testing.assert_allclose(combine.sum((2, 3)), 1.0, rtol=1e-6)
     _, switch, _ = moe.route(logits, jnp.ones((2, 8)), 1, 8)  # Switch: the probability
     assert float(switch.sum((2, 3)).max()) < 1.0
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1] + FAMILIES[2:])
+def test_both_forms_of_rope_settings_read_the_same(family):
+    """transformers 5's `rope_parameters` (per layer type for Gemma 3) and the older
+    `rope_theta` + `rope_scaling` (+ Gemma's `rope_local_base_freq`) of the same model give
+    the same settings (an export writes both; `test_export_writes_the_original_tensors_and_
+    imports_back` reads its config.json back to the original's settings)."""
+    new = families.read_config(os.path.join(ORACLES, family))
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    rope = new.get("rope_parameters") or {}
+    if "full_attention" in rope:  # Gemma 3
+        old |= {"rope_theta": rope["full_attention"]["rope_theta"],
+                "rope_local_base_freq": rope["sliding_attention"]["rope_theta"]}
+    elif rope:
+        old["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default":
+            old["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert families.settings(old).architecture == families.settings(new).architecture
+    if family == "llama3":
+        assert families.settings(old).architecture["rope_scaling.kind"] == "llama3"
