@@ -92,6 +92,11 @@ def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
     prompt, total = list(expected["prompt_ids"]), len(expected["greedy_ids"])
     cache = model.init(jax.random.key(0), jnp.zeros((1, total), jnp.int32),
                        method=DecoderLM.decode_step)["cache"]
+    windows = model.config.attention_windows
+    for i in range(model.config.num_layers):  # a sliding layer's cache: its window alone
+        window = windows[i % len(windows)] if windows else 0
+        keys = cache[f"layer_{i}"]["self_attention"]["cached_key"]
+        assert keys.shape[1] == (window or total), (i, keys.shape)
     ids = prompt[:1]
     for i in range(total - 1):
         logits, variables = model.apply({**params, "cache": cache}, jnp.asarray([[ids[i]]]),
