@@ -116,7 +116,11 @@ def test_auxiliary_losses_equal_their_formulas():
     f = np.array([3 / 4, 1 / 4])  # the fraction of tokens sent to each expert
     p = np.array([(3 * 0.75 + 0.25) / 4, (3 * 0.25 + 0.75) / 4])  # the mean probabilities
     np.testing.assert_allclose(float(stats["load_balance_loss"]), 2 * np.sum(f * p), rtol=1e-6)
-    assert abs(2 * np.sum(f * p) - 1.125) < 1e-12
+    # Its scale: 1 for a router as balanced in what it sends as in its probabilities (Switch's
+    # minimum; lopsided as above, 2 x (3/4 x 5/8 + 1/4 x 3/8) = 1.125).
+    even = jnp.array([[[l3, 0.0], [0.0, l3], [l3, 0.0], [0.0, l3]]], jnp.float32)
+    _, _, balanced = route(even, jnp.ones((1, 4)), top_k=1, capacity=4)
+    np.testing.assert_allclose(float(balanced["load_balance_loss"]), 1.0, rtol=1e-6)
     np.testing.assert_allclose(float(stats["router_z_loss"]), np.log(4.0) ** 2, rtol=1e-6)
     np.testing.assert_allclose(float(stats["busiest_expert_share"]), 3 / 4, rtol=1e-6)
     assert float(stats["dropped_fraction"]) == 0.0

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,11 +40,21 @@ def argv(model_dir, *params):
 
 
 def subprocess_cli(model_dir, *params, cache=True):
+    """`python -m mtrain` started as from a terminal, where Ctrl-C stops it, whatever this
+    process inherited: a test run started in the background by a shell inherits SIGINT
+    ignored and would pass that on (and mtrain, as Python, keeps an ignored SIGINT ignored).
+    A handler of this process is not inherited (exec resets it to the default); so, for the
+    moment the child starts, this process handles SIGINT. (Not a `preexec_fn`: that forks
+    this multithreaded process instead of spawning.)"""
     env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
     env = env if cache else no_compilation_cache(env)
-    return subprocess.Popen([sys.executable, "-m", "mtrain", "--cpu_devices=8",
-                             *argv(model_dir, *params)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "mtrain", "--cpu_devices=8",
+                                 *argv(model_dir, *params)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def assert_bitwise_equal(a, b):
@@ -53,6 +64,19 @@ def assert_bitwise_equal(a, b):
 def records(model_dir):
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def untimed(recs):
+    """`recs` without the metrics that measure time (which no two runs share)."""
+    timings = ("tokens_per_second", "model_flops_per_second_per_device", "mfu")
+    return [{k: v for k, v in r.items() if not k.endswith(timings)} for r in recs]
+
+
+def assert_each_step_once(model_dir):
+    """metrics.jsonl holds each step at most once per kind (train/, eval/, ...)."""
+    seen = [(r["step"], kind) for r in records(model_dir)
+            for kind in {name.split("/")[0] for name in r if name != "step"}]
+    assert len(seen) == len(set(seen)), sorted(seen)
 
 
 def wait_for_step(model_dir, step, proc, timeout=240):
@@ -144,12 +168,16 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bit_for_bit(data_dir, 
     assert f"took over the lock of a run that is no longer running (pid {killed.pid}" in err
     assert not (tmp_path / "killed" / "mtrain.lock").exists()
     assert_bitwise_equal(saved_state(tmp_path / "killed", 8), saved_state(tmp_path / "straight", 8))
+    # The steps logged after the checkpoint it resumed from were taken again: recorded once.
+    assert_each_step_once(tmp_path / "killed")
+    assert untimed(records(tmp_path / "killed")) == untimed(records(tmp_path / "straight"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code, said", [
     (signal.SIGTERM, 0, "SIGTERM: stopped after step {step} and saved its checkpoint"),
-    (signal.SIGINT, 130, "mtrain: interrupted (Ctrl-C) after step {step}, and saved its checkpoint")])
+    (signal.SIGINT, 130, "mtrain: interrupted (Ctrl-C) after step {step}, and saved its checkpoint")],
+    ids=["SIGTERM", "SIGINT"])
 def test_sigterm_and_ctrl_c_save_a_checkpoint_and_the_next_run_resumes(data_dir, tmp_path,
                                                                        signum, code, said):
     run = subprocess_cli(tmp_path / "run", "run.train_steps=1000", "run.checkpoint_every=500")
@@ -211,6 +239,28 @@ def test_ctrl_c_ignored_from_the_start_stays_ignored():
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_steps_taken_again_after_a_resume_are_recorded_once(data_dir, tmp_path):
+    """A run that logged steps it had not checkpointed (killed while it wrote the checkpoint
+    of step 6: here it is removed) takes them again when resumed: metrics.jsonl and the
+    TensorBoard events hold each step once per kind, with the values of the run that the
+    checkpoints continue (here the first run's, bit for bit, but for the timings)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model_dir = tmp_path / "run"
+    assert main(argv(model_dir, "run.train_steps=6", "run.checkpoint_every=4")) == 0
+    first = records(model_dir)
+    shutil.rmtree(model_dir / "checkpoints" / "6")
+    assert main(argv(model_dir, "run.train_steps=8", "run.checkpoint_every=4")) == 0
+    assert_each_step_once(model_dir)
+    again = records(model_dir)
+    assert [r["step"] for r in again if "train/loss" in r] == list(range(1, 9))
+    assert untimed(again[:6]) == untimed(first[:6])  # steps 1-6 as the first run took them
+    events = EventAccumulator(str(model_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))
+    assert [e.step for e in events.Scalars("eval/loss")] == [8]
 
 
 @pytest.mark.slow
@@ -316,9 +366,10 @@ def test_divergence_never_poisons_the_newest_checkpoint(data_dir, tmp_path, caps
     assert sorted(os.listdir(model_dir / "checkpoints")) == ["2", "4", "5.diverged"]
     assert main(argv(model_dir, "run.train_steps=8", "run.checkpoint_every=2")) == 0
     assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
+    # The diverged steps' records were replaced by those of the steps taken again.
     logged = [r for r in records(model_dir) if "train/loss" in r and r["step"] > 4]
-    assert [r["step"] for r in logged][-4:] == [5, 6, 7, 8]
-    assert all(np.isfinite(r["train/loss"]) for r in logged[-4:])
+    assert [r["step"] for r in logged] == [5, 6, 7, 8]
+    assert all(np.isfinite(r["train/loss"]) for r in logged)
     assert logged[-1]["train/skipped_steps"] == 0
     state = saved_state(model_dir, 8)
     assert all(np.isfinite(x).all() and np.abs(x).max() < 100

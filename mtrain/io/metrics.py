@@ -16,7 +16,7 @@ import jax
 from etils import epath
 
 from mtrain.io.model_dir import metrics_file
-from mtrain.io.textfiles import append_text, is_remote
+from mtrain.io.textfiles import append_text, is_remote, write_atomically
 
 log = logging.getLogger("mtrain")
 
@@ -49,12 +49,20 @@ class MetricsWriter:
     and logs them in one line each. `directory` None: the log only (a reader whose model
     dir cannot be written). A record that metrics.jsonl already holds (the same step and
     values: an evaluation repeated by a resume or by --mode=eval) is logged, not written
-    again; the event file is made at the first record written."""
+    again; the event file is made at the first record written.
 
-    def __init__(self, directory: str | None):
+    `resumed_from`: the step a training run starts from (its checkpoint's; 0 for a fresh
+    run). The records of later steps that metrics.jsonl holds are of steps this run takes
+    again (a run that stopped without checkpointing them: killed, out of memory): at the
+    first record written they are dropped from metrics.jsonl (rewritten whole, atomically)
+    and TensorBoard is told to hide their events (`purge_step`), so that every step is
+    recorded once per kind, with the values of the run that the checkpoints continue."""
+
+    def __init__(self, directory: str | None, resumed_from: int | None = None):
         self.enabled = jax.process_index() == 0 and directory is not None
         self.directory = directory
         self.path = metrics_file(directory) if directory else None
+        self.resumed_from = resumed_from
         self._tb = None
         self._written = None  # the records already in metrics.jsonl, read at the first write
 
@@ -73,13 +81,32 @@ class MetricsWriter:
     def _already_written(self, step: int, metrics: dict) -> bool:
         if self._written is None:
             path = epath.Path(self.path)
-            lines = path.read_text().splitlines() if path.exists() else []
-            self._written = {line for line in lines if line.strip()}
+            lines = [line for line in (path.read_text().splitlines() if path.exists() else [])
+                     if line.strip()]
+            if self.resumed_from is not None:
+                lines = self._drop_replayed(lines)
+            self._written = set(lines)
         record = json.dumps({"step": step, **metrics}, allow_nan=True)
         if record in self._written:
             return True
         self._written.add(record)
         return False
+
+    def _drop_replayed(self, lines: list[str]) -> list[str]:
+        """`lines` of metrics.jsonl less the records of steps after `resumed_from`
+        (rewritten without them, if there were any)."""
+        def replayed(line: str) -> bool:
+            try:
+                return json.loads(line).get("step", 0) > self.resumed_from
+            except (ValueError, AttributeError):  # (a line cut short: kept as it is)
+                return False
+
+        kept = [line for line in lines if not replayed(line)]
+        if len(kept) < len(lines):
+            write_atomically(self.path, "".join(line + "\n" for line in kept))
+            log.info("%s: dropped %d records of the steps after %d, which this run takes "
+                     "again", self.path, len(lines) - len(kept), self.resumed_from)
+        return kept
 
     def _events(self):
         if self._tb is None:
@@ -88,7 +115,8 @@ class MetricsWriter:
             if is_remote(self.directory):
                 record_writer.register_writer_factory(os.fspath(self.directory).split("://")[0],
                                                       _BucketEventFiles())
-            self._tb = SummaryWriter(self.directory, flush_secs=10)
+            purge = None if self.resumed_from is None else self.resumed_from + 1
+            self._tb = SummaryWriter(self.directory, flush_secs=10, purge_step=purge)
         return self._tb
 
     def close(self) -> None:

@@ -6,7 +6,8 @@
 - **One run per model dir**: process 0 holds the model dir's lock for the whole run
   (`io.lock`), and the model dir and its checkpoints are written to once before the first
   step, so that a directory that cannot be written fails in seconds.
-- **Resume**: from the newest checkpoint that can be read; damaged ones are moved to
+- **Resume**: from the newest checkpoint that can be read (the metrics of later steps, which
+  the run takes again, are replaced: `io.metrics.MetricsWriter`); damaged ones are moved to
   ``<step>.damaged``; one of a run with other settings is an error (`io.checkpoints`). A
   model dir with checkpoints or damaged ones that cannot resume is never trained from
   scratch unless `restart` says so (then what it held is moved to ``before-restart-<n>/``).
@@ -65,7 +66,8 @@ def train(exp: Experiment, restart: bool = False) -> dict:
                     write_atomically(model_dir.config, exp.config_text)
                     if not epath.Path(model_dir.vocabulary).exists():
                         exp.vocab.save(model_dir.vocabulary)
-                writer = MetricsWriter(exp.model_dir)
+                # (the records of steps after `start` are of steps taken again: replaced)
+                writer = MetricsWriter(exp.model_dir, resumed_from=start)
                 with _closing(writer.close):
                     results = _train(exp, state, start, batches, checkpoints, writer)
     log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
