@@ -109,11 +109,13 @@ def test_scanned_encoder_decoder_computes_what_the_unrolled_one_does():
     # Incremental decoding with the key/value cache: greedy and beam search, sharded as in
     # translation (the scanned cache keeps its rows first for beam search to reorder).
     vocab = types.SimpleNamespace(vocab_size=CONFIG.vocab_size, eos_id=1)
-    inputs = packed_batch(1, both)["inputs"]
+    batch = packed_batch(1, both)
+    inputs, segments = batch["inputs"], (batch["inputs_segment_ids"] > 0).astype(np.int32)
     for beam_size in (1, 2):
         decoding = DecodingConfig(beam_size=beam_size, max_decode_length=8)
-        expected = Translator(plain, vocab, decoding)._decode(plain.init_state().params, inputs)
-        got = Translator(scanned, vocab, decoding)._decode(stacked, inputs)
+        expected = Translator(plain, vocab, decoding)._decode(plain.init_state().params, inputs,
+                                                              segments)
+        got = Translator(scanned, vocab, decoding)._decode(stacked, inputs, segments)
         assert np.asarray(expected).any()
         np.testing.assert_array_equal(got, expected)
     # Training (last: a train step donates the parameters it is given).

@@ -13,6 +13,7 @@ the same for every task, so the translation experiment leaves them out."""
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import pytest
 from conftest import no_compilation_cache, split_import_times
 from model_dirs import digest, saved_state
 from mtrain.io.lock import DATA_LOCK_FILE
+from mtrain.io.work_dirs import OWNER
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,16 +63,19 @@ def mtrain(home, files, params, model_dir, *more, python_flags=()):
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-def killed_when(appears, home, files, params, model_dir):
-    """Starts `mtrain` and SIGKILLs it as soon as a path matching the glob `appears` exists."""
+def killed_when(appears, home, files, params, model_dir, signum=signal.SIGKILL):
+    """Starts `mtrain` and sends it `signum` (SIGKILL) as soon as a path matching the glob
+    `appears` exists; returns (its exit code, its stderr)."""
     args, env = command(home, files, params, model_dir)
     with subprocess.Popen(args, cwd=REPO, env=no_compilation_cache(env),
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
         while proc.poll() is None and not glob.glob(str(appears)):
             time.sleep(0.01)
-        proc.kill()
+        proc.send_signal(signum)
         stderr = proc.communicate(timeout=60)[1].decode()
-    assert glob.glob(str(appears)), f"it ended before {appears} appeared: {stderr}"
+    assert glob.glob(str(appears)) or signum != signal.SIGKILL, \
+        f"it ended before {appears} appeared: {stderr}"
+    return proc.returncode, stderr
 
 
 def records(model_dir):
@@ -181,8 +186,10 @@ ORACLES = os.path.join(REPO, "..", "shared", "oracles")
 def test_import_of_a_published_model_then_infer_rerun_and_a_changed_setting(tmp_path):
     """``--mode=import`` of the tiny Llama with an empty HOME and data dir, then infer from
     it through stdin (the data prepared on the way); the same import again is refused in one
-    line and leaves the model dir as it was; with a changed layout it imports into a new dir,
-    and a kill during an import leaves no model dir behind."""
+    line and leaves the model dir as it was; a kill during an import leaves no model dir
+    behind, only its work dir marked as mtrain's, which the next import beside it (with a
+    changed layout, into a new dir) clears while the user's look-alike stays; the killed
+    import then runs again; SIGTERM during an import removes its work dir at once."""
     home, folder = tmp_path / "home", os.path.join(ORACLES, "llama_gqa")
     home.mkdir()
     layout = ["run.mesh_shape='batch:4;model:2'",
@@ -200,13 +207,26 @@ def test_import_of_a_published_model_then_infer_rerun_and_a_changed_setting(tmp_
     assert again.returncode == 2 and "not empty" in again.stderr
     assert len(again.stderr.strip().splitlines()) <= 3
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "m").rglob("*")} == before
-    changed = mtrain(home, [], ["run.mesh_shape='model:8'", "run.layout_rules='d_ff:model'"],
-                     tmp_path / "m8", "--mode=import", f"--input_dir={folder}")
-    assert changed.returncode == 0, changed.stderr
-    assert "run.mesh_shape = 'model:8'" in (tmp_path / "m8" / "config.gin").read_text()
     importing = ["--mode=import", f"--input_dir={folder}"]
     killed_when(tmp_path / "killed.importing" / "checkpoints", home, importing, [],
                 tmp_path / "killed")
     assert not (tmp_path / "killed").exists()
+    owner = json.loads((tmp_path / "killed.importing" / OWNER).read_text())
+    assert owner["target"] == str(tmp_path / "killed") and "unfinished" in owner["note"]
+    (tmp_path / "mine.importing").mkdir()  # the user's, named like a work dir
+    (tmp_path / "mine.importing" / "notes.txt").write_text("mine")
+    changed = mtrain(home, [], ["run.mesh_shape='model:8'", "run.layout_rules='d_ff:model'"],
+                     tmp_path / "m8", "--mode=import", f"--input_dir={folder}")
+    assert changed.returncode == 0, changed.stderr
+    assert "run.mesh_shape = 'model:8'" in (tmp_path / "m8" / "config.gin").read_text()
+    assert not (tmp_path / "killed.importing").exists()
+    assert f"removed {tmp_path / 'killed.importing'}" in changed.stderr
+    assert (tmp_path / "mine.importing" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "m8" / OWNER).exists()
     rerun = mtrain(home, importing, [], tmp_path / "killed")
     assert rerun.returncode == 0 and not (tmp_path / "killed.importing").exists(), rerun.stderr
+    code, stderr = killed_when(tmp_path / "term.importing" / "checkpoints", home, importing,
+                               [], tmp_path / "term", signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, stderr
+    assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1], stderr
+    assert not (tmp_path / "term").exists() and not (tmp_path / "term.importing").exists()

@@ -7,6 +7,11 @@
 
 `encode_batch` tokenises a window of strings with one SentencePiece call (the input
 pipeline's).
+
+Id 0 is not padding by definition: a published tokenizer's id 0 may be an ordinary piece
+(Llama 3's and Qwen's "!") or the unknown one (Llama 2's). Packed rows hold 0 where nothing
+is, but what is real is told by their segment ids (0 on padding) or by lengths, never by
+the ids: a text whose ids include 0 is trained on, scored, continued and decoded whole.
 """
 
 from __future__ import annotations
@@ -45,28 +50,26 @@ class VocabularyError(UserError, ValueError):
 class Vocabulary:
     """A loaded SentencePiece model. mtrain trains its own with T5's special ids (pad 0, EOS 1,
     UNK 2, no BOS); a published model's (`mtrain.huggingface`) keeps its own: Llama's has
-    UNK 0, BOS 1, EOS 2 and no pad. Id 0 is what packing pads with either way, so it must be
-    the pad or the unknown piece; the EOS is the model's."""
+    UNK 0, BOS 1, EOS 2 and no pad, Gemma's pad 0, EOS 1, BOS 2, UNK 3. Only an EOS is
+    required (every example ends with it); id 0 may be any piece (see the module doc)."""
 
     def __init__(self, model_proto: bytes, path: str | None = None):
         self.path = path
         self._proto = model_proto
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        if self._sp.eos_id() < 0 or not (self._sp.pad_id() == PAD_ID
-                                         or self._sp.unk_id() == PAD_ID):
-            raise VocabularyError(
-                f"sentencepiece model {path or '(in memory)'} has pad/eos/unk ids "
-                f"{self._sp.pad_id()}/{self._sp.eos_id()}/{self._sp.unk_id()}; "
-                f"mtrain needs an EOS, and id {PAD_ID} for padding or unknown pieces"
-            )
+        if self._sp.eos_id() < 0:
+            raise VocabularyError(f"sentencepiece model {path or '(in memory)'} has no EOS "
+                                  f"piece, which mtrain ends every example with")
 
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
     @property
-    def pad_id(self) -> int:
-        return PAD_ID
+    def pad_id(self) -> int | None:
+        """The tokenizer's padding piece (mtrain's own: 0), None if it has none. Packed rows
+        hold 0 where nothing is whatever this is (their segment ids say what is real)."""
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else None
 
     @property
     def eos_id(self) -> int:
@@ -77,7 +80,9 @@ class Vocabulary:
         return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
 
     @property
-    def unk_id(self) -> int:
+    def unk_id(self) -> int | None:
+        """The unknown piece (every sentencepiece model has one); None where a tokenizer has
+        none (a byte-level BPE's)."""
         return self._sp.unk_id()
 
     def piece(self, i: int) -> str:
@@ -109,8 +114,10 @@ class Vocabulary:
         return self._sp.encode(text, out_type=int)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to the first EOS; padding ids are skipped."""
-        return self._sp.decode(_before_eos(ids, self.eos_id))
+        """Text of `ids` up to the first EOS. The tokenizer's pad piece (if it has one) is
+        skipped, and ids past its pieces (a published model's spare rows) give nothing; any
+        other id is text, 0 too (Llama's unknown piece reads " ⁇ ")."""
+        return self._sp.decode(_before_eos(ids, self.eos_id, self.pad_id, self.vocab_size))
 
     def encode_batch(self, texts: list[str], add_eos: bool = False
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -135,25 +142,28 @@ def _flat(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return values, row_splits
 
 
-def _before_eos(ids: Iterable[int], eos_id: int) -> list[int]:
-    """`ids` up to the first `eos_id`, without padding (0)."""
+def _before_eos(ids: Iterable[int], eos_id: int, pad_id: int | None, size: int) -> list[int]:
+    """`ids` up to the first `eos_id`, without `pad_id` (None: no id is padding) and without
+    ids outside [0, size)."""
     kept = []
     for i in ids:
         i = int(i)
         if i == eos_id:
             break
-        if i != PAD_ID:
+        if i != pad_id and 0 <= i < size:
             kept.append(i)
     return kept
 
 
 class TokenizerVocabulary(Vocabulary):
     """A Hugging Face ``tokenizer.json`` (through the `tokenizers` package) as a vocabulary,
-    for published models that ship no sentencepiece file (Llama 3, Mistral's newer ones).
-    Its file (`save`) is JSON: ``{"format": FORMAT, "eos_id": N, "bos_id": N or null,
-    "tokenizer": <tokenizer.json>}``, since the EOS is the model's (config.json), not the
-    tokenizer's. Texts are encoded without the tokenizer's own special tokens: the model
-    adds what its family needs (EOS, `TransformerConfig.start_id`)."""
+    for published models that ship no sentencepiece file (Llama 3, Qwen, Mistral's newer
+    ones). Its file (`save`) is JSON: ``{"format": FORMAT, "eos_id": N, "bos_id": N or null,
+    "tokenizer": <tokenizer.json>}`` and, where the model has one, ``"pad_id": N``, since
+    those are the model's (config.json, tokenizer_config.json), not the tokenizer's. Texts
+    are encoded without the tokenizer's own special tokens: the model adds what its family
+    needs (EOS, `TransformerConfig.start_id`). A byte-level BPE has no unknown piece, and its
+    id 0 is an ordinary one ("!")."""
 
     FORMAT = "mtrain tokenizers vocabulary 1"
 
@@ -167,16 +177,27 @@ class TokenizerVocabulary(Vocabulary):
             spec = json.loads(data)
             self._tok = tokenizers.Tokenizer.from_str(json.dumps(spec["tokenizer"]))
             self._eos, self._bos = int(spec["eos_id"]), spec.get("bos_id")
+            self._pad = spec.get("pad_id")
+            unk = spec["tokenizer"].get("model", {}).get("unk_token")
+            self._unk = self._tok.token_to_id(unk) if unk is not None else None
         except Exception as e:
             raise VocabularyError(f"{path or '(in memory)'} is not a tokenizers vocabulary: "
                                   f"{first_line(e)}") from None
+        for name, i in (("EOS", self._eos), ("BOS", self._bos), ("pad", self._pad)):
+            if i is not None and not 0 <= i < self.vocab_size:
+                raise VocabularyError(f"{path or '(in memory)'}: its {name} id {i} is not one "
+                                      f"of the tokenizer's {self.vocab_size} ids")
 
     @classmethod
-    def of(cls, tokenizer_json: bytes, eos_id: int, bos_id: int | None) -> "TokenizerVocabulary":
+    def of(cls, tokenizer_json: bytes, eos_id: int, bos_id: int | None,
+           pad_id: int | None = None) -> "TokenizerVocabulary":
         import json
 
-        return cls(json.dumps({"format": cls.FORMAT, "eos_id": eos_id, "bos_id": bos_id,
-                               "tokenizer": json.loads(tokenizer_json)}).encode())
+        spec = {"format": cls.FORMAT, "eos_id": eos_id, "bos_id": bos_id,
+                "tokenizer": json.loads(tokenizer_json)}
+        if pad_id is not None:
+            spec["pad_id"] = pad_id
+        return cls(json.dumps(spec).encode())
 
     def tokenizer_json(self) -> str:
         import json
@@ -196,14 +217,26 @@ class TokenizerVocabulary(Vocabulary):
         return self._bos
 
     @property
-    def unk_id(self) -> int:
-        return PAD_ID
+    def pad_id(self) -> int | None:
+        return self._pad
+
+    @property
+    def unk_id(self) -> int | None:
+        return self._unk
+
+    def piece(self, i: int) -> str:
+        return self._tok.id_to_token(i)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of the token `token`, None if it has none."""
+        return self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(_before_eos(ids, self.eos_id), skip_special_tokens=True)
+        return self._tok.decode(_before_eos(ids, self.eos_id, self.pad_id, self.vocab_size),
+                                skip_special_tokens=True)
 
     def encode_batch(self, texts: list[str], add_eos: bool = False
                      ) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,8 @@ The model supplies a ``cache`` and a one-step function; nothing here knows about
 ``beam_search`` expands ``cache`` itself. Both searches are a single ``lax.while_loop`` with
 no Python control flow on traced values, so a caller can ``jax.jit`` them (the step function
 and the sizes static) with sharded parameters and inputs. Returned sequences do not include
-the initial 0; position 0 is the first generated token, and positions after EOS are 0.
+the initial 0; position 0 is the first generated token, and positions after EOS are 0 (id
+0 may be a token too: what is output is told by EOS and lengths, never by the ids).
 
 Beam search follows tensor2tensor and the Flax WMT example: each step keeps the best
 ``beam`` unfinished ("alive") hypotheses and the best ``beam`` finished ones (ended by EOS),
@@ -108,7 +109,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache, batch_size: int, max_
     """
     _check_rows(cache, batch_size, "cache")
     prompts = jnp.zeros((batch_size, max_decode_len), jnp.int32)
-    return sample(tokens_to_logits, cache, prompts, max_decode_len, None, eos_id=eos_id)
+    return sample(tokens_to_logits, cache, prompts, max_decode_len, None, eos_id=eos_id,
+                  prompt_lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
 def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
@@ -128,14 +130,17 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 
 def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int, rng,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           eos_id: int = 1, start_id: int = 0) -> jax.Array:
-    """[batch, length] int32: each row's prompt (`prompts` [batch, length], its tokens then
-    0s) followed by its continuation: at most `max_decode_len` tokens, ended by EOS, then
-    0s. Greedy for `temperature` 0, else sampled from softmax(logits / temperature) after
-    `filter_logits`, with the key ``fold_in(rng, position)``. The model reads `start_id`
-    first (`TransformerConfig.start_id`)."""
+           eos_id: int = 1, start_id: int = 0, *, prompt_lengths) -> jax.Array:
+    """[batch, length] int32: each row's prompt (its first `prompt_lengths` [batch] ids of
+    `prompts` [batch, length], any id, 0 too) followed by its continuation: at most
+    `max_decode_len` tokens, ended by EOS, then 0s. A row's output is its first
+    ``min(prompt_length + max_decode_len, length)`` ids cut after the first EOS of the
+    continuation (the 0s after that are no tokens). Greedy for `temperature` 0, else sampled
+    from softmax(logits / temperature) after `filter_logits`, with the key
+    ``fold_in(rng, position)``. The model reads `start_id` first
+    (`TransformerConfig.start_id`)."""
     batch, length = prompts.shape
-    prompt_lengths = jnp.sum(prompts > 0, axis=1)
+    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     stop = jnp.minimum(prompt_lengths + max_decode_len, length)
 
     def cond(state):

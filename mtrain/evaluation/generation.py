@@ -7,7 +7,9 @@ or by sampling (temperature, top-k, top-p), batched, jitted and sharded as `tran
 `decoding.sample` runs the model one position at a time with its key/value cache, from
 the start token (0) on; while a row is inside its prompt it feeds the prompt's next token
 instead of what it would pick, so that prompts of any length share one loop and one
-decoding index (T5X's decoder-only prefix works the same way). A prompt is the line's tokens without EOS, as an LM example begins.
+decoding index (T5X's decoder-only prefix works the same way). A prompt is the line's
+tokens without EOS, as an LM example begins; its length is counted on the host (any id may
+be in it, 0 too) and goes to the loop as a mask of the row's prompt positions.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -51,10 +52,11 @@ class Generator(BatchedDecoder):
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._generate = jax.jit(
             self._generate_fn, in_shardings=(trainer.state_shardings.params, self.sharding,
-                                             replicated),
+                                             self.sharding, replicated),
             out_shardings=replicated)
 
-    def _generate_fn(self, params, prompts, rng):
+    def _generate_fn(self, params, prompts, prompted, rng):
+        """`prompts` [batch, length] continued; `prompted` is 1 on each row's prompt."""
         model, config = self.trainer.model, self.config
         with self.trainer.layout.activate(self.trainer.mesh):
             cache = empty_cache(model, (), prompts.shape[0], self.length)
@@ -62,12 +64,11 @@ class Generator(BatchedDecoder):
             def tokens_to_logits(ids, cache):
                 logits, variables = model.apply({"params": params, "cache": cache}, ids,
                                                 method=model.decode_step, mutable=["cache"])
-                real = jnp.arange(logits.shape[-1]) < self.vocab.vocab_size  # (padded vocab)
-                return jnp.where(real, logits.astype(jnp.float32), -jnp.inf), variables["cache"]
+                return self.real(logits), variables["cache"]
 
             return sample(tokens_to_logits, cache, prompts, self.max_decode_length, rng,
                           config.temperature, config.top_k, config.top_p, self.vocab.eos_id,
-                          model.config.start_id)
+                          model.config.start_id, prompt_lengths=prompted.sum(axis=1))
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
         """[batch_size, length] prompt ids (no EOS; cut to leave one position, counted in
@@ -81,12 +82,27 @@ class Generator(BatchedDecoder):
             lengths.append(len(tokens))
         return ids, lengths
 
+    def continuations(self, params, ids: np.ndarray, lengths: list[int], number: int = 0
+                      ) -> list[list[int]]:
+        """The ids of each prompt's continuation (`ids` [batch_size, length] holding the
+        prompts of `lengths`), up to and including its EOS if one came. `number`: the
+        batch's, which seeds its sampling (``fold_in(PRNGKey(seed), number)``)."""
+        prompted = (np.arange(self.length)[None, :] < np.array(
+            lengths + [0] * (self.batch_size - len(lengths)))[:, None]).astype(np.int32)
+        rng = jax.random.fold_in(jax.random.key(self.seed), number)
+        out = np.asarray(jax.device_get(self._generate(params, self.place(ids),
+                                                       self.place(prompted), rng)))
+        kept = []
+        for row, n in zip(out, lengths):
+            new = row[n:min(n + self.max_decode_length, self.length)].tolist()
+            kept.append(new[:new.index(self.vocab.eos_id) + 1] if self.vocab.eos_id in new
+                        else new)
+        return kept
+
     def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
         """The continuations of `texts` (without the prompt), a batch at a time. The k-th
         batch samples with the key ``fold_in(PRNGKey(seed), k)``: a rerun gives the same."""
         for number, start in enumerate(range(0, len(texts), self.batch_size)):
             ids, lengths = self.encode_batch(texts[start:start + self.batch_size])
-            rng = jax.random.fold_in(jax.random.key(self.seed), number)
-            out = np.asarray(jax.device_get(self._generate(params, self.place(ids), rng)))
-            yield [self.vocab.decode(list(row[n:]) + [self.vocab.eos_id])
-                   for row, n in zip(out, lengths)]
+            yield [self.vocab.decode(new + [self.vocab.eos_id])
+                   for new in self.continuations(params, ids, lengths, number)]

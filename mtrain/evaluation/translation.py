@@ -4,8 +4,10 @@
     french = translator(params, ["In the beginning God created the heaven and the earth."])
 
 Sentences are tokenised (EOS appended, trimmed to the training sequence length), padded into
-batches of the training batch size, and decoded by `decoding.beam_search` (or greedy search
-for beam 1) in one jitted function whose inputs and parameters carry the training layout:
+batches of the training batch size with segment ids that say which ids are a sentence's
+(never the ids themselves: id 0 may be a token), and decoded by `decoding.beam_search` (or
+greedy search for beam 1) in one jitted function whose inputs and parameters carry the
+training layout:
 the batch of sentences is split over the mesh like a training batch, and the model's
 weights stay where training put them. Encoder outputs are computed once per batch; the
 decoder runs one token at a time with its key/value cache.
@@ -64,6 +66,11 @@ class BatchedDecoder:
 
     def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig):
         self.trainer, self.vocab, self.config = trainer, vocab, config
+        # The ids the model may emit: its real vocabulary rows (`Trainer.classes`, 0: all),
+        # never the padding mtrain adds to split them evenly over a mesh. A published
+        # model's rows may outnumber its tokenizer's ids (Qwen's 512 for 496): Hugging
+        # Face emits those too, and they decode to nothing.
+        self.rows = trainer.classes or trainer.model.config.vocab_size
         self.length = trainer.batch_shape[1]
         self.batch_size = config.batch_size or trainer.batch_shape[0]
         if self.batch_size < 1:
@@ -77,6 +84,11 @@ class BatchedDecoder:
             raise ValueError(f"decoding.max_decode_length={self.max_decode_length} is longer "
                              f"than transformer.max_length={longest}")
         self.truncated = 0  # how many texts were cut to fit
+
+    def real(self, logits):
+        """`logits` [n, padded vocab] in float32, -inf past the model's `rows`."""
+        return jnp.where(jnp.arange(logits.shape[-1]) < self.rows,
+                         logits.astype(jnp.float32), -jnp.inf)
 
     def place(self, ids: np.ndarray) -> jax.Array:
         """A host batch [batch_size, length] of ids on the mesh (this process's rows)."""
@@ -102,14 +114,16 @@ class Translator(BatchedDecoder):
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._decode = jax.jit(
             self._decode_fn,
-            in_shardings=(trainer.state_shardings.params, self.sharding),
+            in_shardings=(trainer.state_shardings.params, self.sharding, self.sharding),
             out_shardings=replicated,
         )
 
-    def _decode_fn(self, params, inputs):
+    def _decode_fn(self, params, inputs, segments):
+        """The best output of each row of `inputs` [batch, length]: its ids where
+        `segments` is 1 (a sentence, any ids, 0 too), nothing where it is 0."""
         model, config = self.trainer.model, self.config
         with self.trainer.layout.activate(self.trainer.mesh):
-            segments = (inputs > 0).astype(jnp.int32)
+            segments = segments.astype(jnp.int32)
             positions = jnp.where(segments > 0, jnp.arange(inputs.shape[1])[None, :], 0)
             encoded = model.apply({"params": params}, inputs, segments, positions,
                                   method=model.encode)
@@ -122,11 +136,7 @@ class Translator(BatchedDecoder):
                 logits, variables = model.apply(
                     {"params": params, "cache": cache}, encoded, segments, ids,
                     method=model.decode_step, mutable=["cache"])
-                # The model's vocabulary is padded (to split evenly over the mesh): never
-                # emit an id the sentencepiece vocabulary does not have.
-                real = jnp.arange(logits.shape[-1]) < self.vocab.vocab_size
-                logits = jnp.where(real, logits.astype(jnp.float32), -jnp.inf)
-                return logits, variables["cache"]
+                return self.real(logits), variables["cache"]
 
             if config.beam_size == 1:
                 return decoding.greedy_search(tokens_to_logits, cache, self.batch_size,
@@ -136,22 +146,25 @@ class Translator(BatchedDecoder):
                 self.max_decode_length, alpha=config.alpha, eos_id=self.vocab.eos_id)
             return sequences[:, 0]  # the best hypothesis of each sentence
 
-    def encode_batch(self, texts: Sequence[str]) -> np.ndarray:
-        """[batch_size, length] input ids: EOS appended, trimmed (counted in `truncated`),
-        0-padded (also the rows)."""
+    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """[batch_size, length] input ids (EOS appended, trimmed: counted in `truncated`;
+        0 after them and in the rows past the texts) and segment ids (1 on each text's ids,
+        0 elsewhere)."""
         ids = np.zeros((self.batch_size, self.length), np.int32)
+        segments = np.zeros((self.batch_size, self.length), np.int32)
         for row, text in enumerate(texts):
             tokens, cut = self.vocab.encode_example(text, self.length)
             self.truncated += cut
-            ids[row, : len(tokens)] = tokens
-        return ids
+            ids[row, : len(tokens)], segments[row, : len(tokens)] = tokens, 1
+        return ids, segments
 
     def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
         """The translations of `texts`, in order, a batch of `batch_size` at a time."""
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start:start + self.batch_size])
-            decoded = np.asarray(jax.device_get(self._decode(params, self.place(
-                self.encode_batch(chunk)))))
+            ids, segments = self.encode_batch(chunk)
+            decoded = np.asarray(jax.device_get(self._decode(params, self.place(ids),
+                                                             self.place(segments))))
             yield [self.vocab.decode(row) for row in decoded[: len(chunk)]]
 
 

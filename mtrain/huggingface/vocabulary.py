@@ -7,18 +7,95 @@ with only ``tokenizer.json`` (Llama 3, Mistral's newer releases) as a `Tokenizer
 special tokens, and the family's conventions are the model's: EOS appended to every example
 and target (both families), the Llama family's BOS read before each sequence
 (``transformer.start_id``), T5's decoder started from the pad id 0.
+
+Tokenizers as they ship: id 0 may be an ordinary piece (Llama 3's and Qwen's byte-level
+BPE), the specials the last ids, no BOS (Qwen) and no unknown piece; none of that matters
+to mtrain (`mtrain.data.vocabulary`). The pad, where the model has one (config.json's
+``pad_token_id``, else tokenizer_config.json's ``pad_token``), is kept for export.
+
+A folder's chat template (`chat_template`: ``chat_template.jinja``, where transformers 5
+writes it, else tokenizer_config.json's ``chat_template``, where older folders keep it) is
+kept in the model dir by the import and written back by the export in both places.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from mtrain.data.vocabulary import TokenizerVocabulary, Vocabulary, VocabularyError, load_vocabulary
 from mtrain.huggingface.families import T5, ConversionError, Settings
 
+log = logging.getLogger("mtrain")
 SENTENCEPIECE = {T5: "spiece.model"}  # the others': tokenizer.model
 TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+
+
+def _tokenizer_config(folder: str) -> dict:
+    """The folder's tokenizer_config.json ({} if it has none), or ConversionError."""
+    path = os.path.join(folder, TOKENIZER_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path} cannot be read: {' '.join(str(e).split())}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} is not a JSON object")
+    return config
+
+
+def _token(value) -> str | None:
+    """A special token of tokenizer_config.json: a string, or (older files) an AddedToken's
+    ``{"content": ...}``."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_json_vocabulary(folder: str, eos_id: int, bos_id: int | None
+                              ) -> TokenizerVocabulary:
+    """The tokenizer.json of `folder` as a vocabulary with the model's EOS and BOS (its
+    config.json's) and its pad: config.json's ``pad_token_id``, else the id of
+    tokenizer_config.json's ``pad_token``, else none."""
+    with open(os.path.join(folder, TOKENIZER_JSON), "rb") as f:
+        data = f.read()
+    vocab = TokenizerVocabulary.of(data, eos_id, bos_id)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            pad = json.load(f).get("pad_token_id")
+    except (OSError, ValueError, AttributeError):
+        pad = None
+    if not isinstance(pad, int):
+        token = _token(_tokenizer_config(folder).get("pad_token"))
+        pad = vocab.token_id(token) if isinstance(token, str) else None
+    return vocab if pad is None else TokenizerVocabulary.of(data, eos_id, bos_id, pad)
+
+
+def chat_template(folder: str) -> str | None:
+    """The chat template of the Hugging Face folder `folder`: its chat_template.jinja, else
+    tokenizer_config.json's ``chat_template`` (a string, or a list of named templates of
+    which the one named "default" is kept), else None."""
+    path = os.path.join(folder, CHAT_TEMPLATE)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{path} cannot be read: {' '.join(str(e).split())}") from None
+    template = _tokenizer_config(folder).get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if set(named) - {"default"}:
+            log.warning("%s: of the chat templates %s, only 'default' is kept",
+                        TOKENIZER_CONFIG, ", ".join(map(str, named)))
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ConversionError(f"{os.path.join(folder, TOKENIZER_CONFIG)}: chat_template is "
+                              f"not a string")
+    return template
 
 
 def folder_vocabulary(folder: str, settings: Settings) -> Vocabulary:
@@ -33,8 +110,7 @@ def folder_vocabulary(folder: str, settings: Settings) -> Vocabulary:
             if settings.eos_id is None:
                 raise ConversionError("config.json has no eos_token_id, which a tokenizer.json "
                                       "vocabulary needs")
-            with open(os.path.join(folder, TOKENIZER_JSON), "rb") as f:
-                vocab = TokenizerVocabulary.of(f.read(), settings.eos_id, settings.bos_id)
+            vocab = tokenizer_json_vocabulary(folder, settings.eos_id, settings.bos_id)
         else:
             raise ConversionError(f"{folder} has no tokenizer.model, spiece.model or "
                                   f"tokenizer.json")
@@ -53,32 +129,53 @@ def folder_vocabulary(folder: str, settings: Settings) -> Vocabulary:
     return vocab
 
 
-def write_tokenizer(vocab: Vocabulary, config: dict, folder: str) -> list[str]:
+def write_tokenizer(vocab: Vocabulary, config: dict, folder: str,
+                    template: str | None = None) -> list[str]:
     """Writes `vocab` into the Hugging Face folder `folder` as the family of `config` reads
-    it: its sentencepiece file or tokenizer.json, and tokenizer_config.json. Returns the
+    it: its sentencepiece file or tokenizer.json, and tokenizer_config.json (the special
+    tokens' strings, and the chat `template` if any, which also goes to chat_template.jinja:
+    transformers 5 reads that file first, older readers tokenizer_config.json). Returns the
     names written."""
     t5 = config["model_type"] == "t5"
+    piece = vocab.piece
+
+    def token(i):
+        return piece(i) if i is not None else None
+
     if isinstance(vocab, TokenizerVocabulary):
         name = TOKENIZER_JSON
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(vocab.tokenizer_json())
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": token(vocab.bos_id),
+                    "eos_token": token(vocab.eos_id), "pad_token": token(vocab.pad_id),
+                    "unk_token": token(vocab.unk_id)}
     else:
         name = "spiece.model" if t5 else "tokenizer.model"
         vocab.save(os.path.join(folder, name))
-        piece = vocab.piece
         if t5:
             extra = config["vocab_size"] - vocab.vocab_size
             settings = {"tokenizer_class": "T5Tokenizer", "eos_token": piece(vocab.eos_id),
                         "unk_token": piece(vocab.unk_id), "pad_token": piece(0),
                         "extra_ids": 100 if extra >= 100 else 0}
         else:
-            settings = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
-                        "add_eos_token": False, "bos_token": piece(config["bos_token_id"]),
-                        "eos_token": piece(vocab.eos_id), "unk_token": piece(vocab.unk_id),
-                        "legacy": True}
+            gemma = config["model_type"].startswith("gemma")
+            settings = {"tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer",
+                        "add_bos_token": True, "add_eos_token": False,
+                        "bos_token": piece(config["bos_token_id"]),
+                        "eos_token": piece(vocab.eos_id), "unk_token": piece(vocab.unk_id)}
+            if vocab.pad_id is not None:
+                settings["pad_token"] = piece(vocab.pad_id)
+            if not gemma:
+                settings["legacy"] = True
     settings["model_max_length"] = config.get("max_position_embeddings",
                                               config.get("n_positions", 512))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(settings, f, indent=2)
-    return [name, "tokenizer_config.json"]
+    written = [name, TOKENIZER_CONFIG]
+    if template is not None:
+        settings["chat_template"] = template
+        with open(os.path.join(folder, CHAT_TEMPLATE), "w", encoding="utf-8") as f:
+            f.write(template)
+        written.append(CHAT_TEMPLATE)
+    with open(os.path.join(folder, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(settings, f, indent=2, ensure_ascii=False)
+    return written

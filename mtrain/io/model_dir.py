@@ -4,6 +4,7 @@
       checkpoints/<step>/       orbax checkpoints (`checkpoints.Checkpoints`)
       vocabulary.model          the vocabulary the checkpoints were trained with
       config.gin                the operative gin config of the last training run
+      chat_template.jinja       an imported model's chat template (its folder's), exported back
       metrics.jsonl             one JSON record per logged step (`metrics.MetricsWriter`)
       events.out.tfevents.*     TensorBoard events (the same records)
       decodes/<split>-<step>.tsv  translation: every decode of an evaluation with BLEU
@@ -11,7 +12,7 @@
       profile/                  jax.profiler traces (run.profile_steps)
       before-restart-<n>/       what --restart moved aside (`RUN_FILES`)
 
-Training writes all of them. The readers (eval, score, infer, plan) never write the model
+Training writes all of them but the chat template. The readers (eval, score, infer, plan) never write the model
 dir's own files; what they measure (metrics, events, decodes) goes to `outputs`: their
 --output_dir, else the model dir when it can be written, else nowhere, which one line says.
 """
@@ -35,6 +36,7 @@ log = logging.getLogger("mtrain")
 CHECKPOINTS = "checkpoints"
 VOCABULARY = "vocabulary.model"
 CONFIG = "config.gin"
+CHAT_TEMPLATE = "chat_template.jinja"
 METRICS = "metrics.jsonl"
 DECODES = "decodes"
 PROFILE = "profile"
@@ -65,6 +67,10 @@ class ModelDir:
     @property
     def config(self) -> str:
         return self / CONFIG
+
+    @property
+    def chat_template(self) -> str:
+        return self / CHAT_TEMPLATE
 
     @property
     def profile(self) -> str:

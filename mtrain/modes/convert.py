@@ -6,15 +6,19 @@ its ``vocabulary.model`` (the folder's tokenizer) and a step-0 checkpoint of its
 alone (`Checkpoints.save_imported`). Each parameter is made by `jax.make_array_from_callback`
 in the run's layout: every device's slice read from the safetensors files and converted
 there (`huggingface.weights`), so that a host reads and holds only what its devices hold,
-a slice at a time. Everything is written to ``<model_dir>.importing`` and renamed to the
-model dir at the end: a failed import leaves no model dir behind.
+a slice at a time. The folder's chat template, if any, is kept as the model dir's
+``chat_template.jinja``. Everything is written to ``<model_dir>.importing`` and renamed to
+the model dir at the end (`work_dirs.writing`): a failed or killed import leaves no model
+dir behind, and what a killed one leaves is marked as mtrain's and cleared by the next
+import or export beside it.
 
 Export (`export_model`) writes a checkpoint of a model dir (the newest, or
 ``--checkpoint_step``) as a folder Hugging Face loads: ``config.json``,
 ``generation_config.json``, the weights in safetensors shards of at most 5 GB (with
 ``model.safetensors.index.json`` when there are several) and the tokenizer's files. Each
 parameter is gathered, converted and written in turn (`tensors.write_folder`): no host holds
-more than one at a time. It too writes into ``<output_dir>.exporting`` and renames.
+more than one at a time; the model dir's chat template goes to chat_template.jinja and
+tokenizer_config.json. It too writes into ``<output_dir>.exporting`` and renames.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 
 import jax
@@ -31,13 +34,13 @@ from jax.experimental import multihost_utils
 
 from mtrain.errors import ConfigError
 from mtrain.huggingface import families, tensors, weights
-from mtrain.huggingface.vocabulary import write_tokenizer
+from mtrain.huggingface.vocabulary import chat_template, write_tokenizer
 from mtrain.io.checkpoints import Checkpoints, restore_for_reading
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
+from mtrain.io.work_dirs import writing
 from mtrain.modes.experiment import Experiment
 from mtrain.data.vocabulary import load_vocabulary
-from mtrain.parallel import distributed
 
 log = logging.getLogger("mtrain")
 
@@ -71,26 +74,6 @@ def check_new_dir(path: str, what: str) -> None:
         raise ConfigError(f"{what} {path} is not empty; name a new directory")
 
 
-def _fresh_dir(path: str, what: str, suffix: str) -> str:
-    """The temporary dir ``<path><suffix>`` to write `path` in (emptied of a failed
-    attempt's files), after checking that `path` holds nothing yet."""
-    check_new_dir(path, what)
-    work = path.rstrip("/") + suffix
-    if jax.process_index() == 0:
-        shutil.rmtree(work, ignore_errors=True)
-        os.makedirs(work)
-    distributed.sync(f"mtrain_{suffix.strip('.')}_dir")
-    return work
-
-
-def _finish(work: str, path: str, label: str) -> None:
-    if jax.process_index() == 0:
-        if os.path.isdir(path):
-            os.rmdir(path)  # (checked empty)
-        os.rename(work, path)
-    distributed.sync(f"mtrain_{label}_done")
-
-
 def import_model(exp: Experiment, input_dir: str, settings: families.Settings, vocab) -> dict:
     """Writes the model dir of `exp` from the Hugging Face folder `input_dir` (`settings`
     of its config.json, `vocab` its tokenizer); returns what it did."""
@@ -107,8 +90,9 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
         raise ConfigError(f"the model's parameters do not match {settings.family}'s tensors "
                           f"({odd[0]}): a setting of the gin config changes the model")
     _check_tensors(folder, sources, settings.family)
-    work = _fresh_dir(model_dir, "the model dir", ".importing")
-    try:
+    template = chat_template(input_dir)
+    check_new_dir(model_dir, "the model dir")
+    with writing(model_dir, ".importing", "the model dir") as work:
         arrays = {}
         for name, leaf in wanted.items():
             source = sources[name]
@@ -127,11 +111,8 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
         if jax.process_index() == 0:
             vocab.save(ModelDir(work).vocabulary)
             write_atomically(ModelDir(work).config, exp.config_text)
-        _finish(work, model_dir, "import")
-    except BaseException:
-        if jax.process_index() == 0:
-            shutil.rmtree(work, ignore_errors=True)
-        raise
+            if template is not None:
+                write_atomically(ModelDir(work).chat_template, template)
     count = sum(int(np.prod(leaf.shape)) for leaf in wanted.values())
     log.info("imported %s (%d parameters, %s) from %s into %s in %.1f s", settings.family,
              count, f"{len(folder.names())} tensors", input_dir, model_dir, time.time() - start)
@@ -182,8 +163,13 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(vocab), step)
     params = _paths(state.params)
-    work = _fresh_dir(output_dir, "--output_dir", ".exporting")
-    try:
+    template_file = model_dir.chat_template
+    template = None
+    if os.path.isfile(template_file):
+        with open(template_file, encoding="utf-8") as f:
+            template = f.read()
+    check_new_dir(output_dir, "--output_dir")
+    with writing(output_dir, ".exporting", "--output_dir") as work:
         entries = [t for source in sources.values() for t in source.tensors()]
 
         def produce():
@@ -201,15 +187,10 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
                 with open(os.path.join(work, name), "w") as f:
                     json.dump(content, f, indent=2)
             written += ["config.json", "generation_config.json",
-                        *write_tokenizer(vocab, config, work)]
+                        *write_tokenizer(vocab, config, work, template)]
         else:
             for _ in produce():  # (the gathers are collective)
                 pass
-        _finish(work, output_dir, "export")
-    except BaseException:
-        if jax.process_index() == 0:
-            shutil.rmtree(work, ignore_errors=True)
-        raise
     log.info("exported step %d of %s as %s (%s, %d tensors) to %s in %.1f s", step,
              exp.model_dir, family, dtype, len(entries), output_dir, time.time() - start)
     return {"step": step, "files": sorted(written), "seconds": time.time() - start}
