@@ -124,7 +124,7 @@ def test_the_layout_of_an_import_changes_no_logit(tmp_path, family, name):
 
 
 def test_bfloat16_and_sharded_copies_import_as_the_original(imports, tmp_path):
-    for family in FAMILIES:
+    for family in ("llama_gqa", "t5_1_1", "mixtral", "gemma3"):  # (the conversions' kinds)
         original = params_of(imports / family)
         copy_folder(family, tmp_path / f"{family}_shards", files=3)
         import_folder(tmp_path / f"{family}_shards", tmp_path / f"{family}_from_shards")
@@ -206,6 +206,9 @@ def test_tokenizer_infer_score_eval_and_plan_through_the_command_line(imports, t
     o = oracle(family)
     for i, text in enumerate(o["texts"]):
         assert vocab.encode(str(text)) == list(_ragged(o, "text_ids", i))
+    if "text_prefix" in o:  # what the texts are read after: the BOS, Qwen's <|endoftext|>
+        assert f"transformer.start_id = {int(o['text_prefix'][0])}" in (
+            imports / family / "config.gin").read_text()
     config = f"--gin_file={imports / family / 'config.gin'}"
     common = [config, f"--model_dir={imports / family}",
               *[f"--gin_param={p}" for p in layout("batch:4;model:2", family)]]

@@ -231,51 +231,6 @@ def test_chat_template_forms(tmp_path):
         chat_template(tmp_path)
 
 
-# --- today's families through the command line ------------------------------------------
-
-NEW_FAMILIES = ("llama3", "qwen2", "qwen3", "qwen3_moe", "gemma3", "mistral_sw")
-
-
-@pytest.fixture(scope="module")
-def new_imports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("new_families")
-    for name in NEW_FAMILIES:
-        import_folder(os.path.join(ORACLES, name), root / name)
-    return root
-
-
-@pytest.mark.parametrize("name", NEW_FAMILIES)
-def test_infer_and_score_of_todays_families(new_imports, tmp_path, data_dir, name):
-    """--mode=infer continues each text (after the family's prefix: its BOS, Qwen's
-    <|endoftext|>) with Hugging Face's greedy ids (Qwen3's pick rows past the tokenizer,
-    Qwen3-MoE's id 0), and --mode=score gives the sums of its log-probabilities (1e-3)."""
-    o, model_dir = oracle(name), new_imports / name
-    _, _, vocab = load(model_dir)
-    texts = [str(t) for t in o["texts"]]
-    assert f"transformer.start_id = {int(o['text_prefix'][0])}" in (
-        model_dir / "config.gin").read_text()
-    for i, text in enumerate(texts):
-        assert vocab.encode(text) == ragged(o, "text_ids", i)
-    (tmp_path / "in.txt").write_text("".join(t + "\n" for t in texts))
-    common = [f"--gin_file={model_dir / 'config.gin'}", f"--model_dir={model_dir}",
-              f"--input_file={tmp_path / 'in.txt'}", *LAYOUT]
-    assert main([*common, "--mode=infer", f"--output_file={tmp_path / 'out.txt'}",
-                 "--gin_param=decoding.max_decode_length=12"]) == 0
-    want = [vocab.decode(ragged(o, "text_greedy", i)) for i in range(len(texts))]
-    assert (tmp_path / "out.txt").read_text() == "".join(f"{w}\n" for w in want)
-    assert main([*common, "--mode=score", f"--output_file={tmp_path / 'scores.jsonl'}",
-                 f"--output_dir={tmp_path / 'measured'}"]) == 0
-    got = [json.loads(line)["log_likelihood"]
-           for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
-    want = [sum(ragged_float(o, "text_logprobs", i)) for i in range(len(texts))]
-    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
-
-
-def ragged_float(o, name, i):
-    offsets = o[f"{name}_offsets"]
-    return [float(x) for x in o[f"{name}_flat"][offsets[i]:offsets[i + 1]]]
-
-
 # --- work dirs ----------------------------------------------------------------------------
 
 
