@@ -189,6 +189,7 @@ def test_rules_the_mesh_lacks_are_dropped_in_silence_unless_a_split_is_lost(caps
 
 
 @pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
+@pytest.mark.slow  # (the fast tier exports in test_huggingface)
 def test_export_and_import_lay_the_model_out_on_the_devices_there_are(data_dir, tmp_path):
     """A model dir trained on a batch:4;model:2 mesh exports from a process of one device
     (the README's export line gives no --cpu_devices) the folder a process of 8 exports; an

@@ -167,6 +167,7 @@ def greedy_after(model, params, prefix, new, eos):
     return seq[len(prefix):]
 
 
+@pytest.mark.slow  # (fast siblings: id 0 through sampling and qwen3_moe's infer; export in test_huggingface)
 def test_texts_holding_id_0_are_scored_and_continued_whole(tmp_path, data_dir):
     """--mode=score scores every id of a text whose ids include 0 (the log-probabilities
     the model gives, after the BOS), and --mode=infer continues it after all of it."""
