@@ -21,6 +21,7 @@ from mtrain.__main__ import main
 from mtrain.data.vocabulary import load_vocabulary
 from mtrain.io.checkpoints import restore_for_reading
 from mtrain.io.model_dir import ModelDir
+from mtrain.models.blocks import layer_window
 from mtrain.models.transformer import DecoderLM, EncoderDecoder
 
 ORACLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
@@ -92,9 +93,8 @@ def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
     prompt, total = list(expected["prompt_ids"]), len(expected["greedy_ids"])
     cache = model.init(jax.random.key(0), jnp.zeros((1, total), jnp.int32),
                        method=DecoderLM.decode_step)["cache"]
-    windows = model.config.attention_windows
     for i in range(model.config.num_layers):  # a sliding layer's cache: its window alone
-        window = windows[i % len(windows)] if windows else 0
+        window = layer_window(model.config, i)
         keys = cache[f"layer_{i}"]["self_attention"]["cached_key"]
         assert keys.shape[1] == (window or total), (i, keys.shape)
     ids = prompt[:1]

@@ -54,8 +54,10 @@ def config_of(name) -> dict:
 
 def folder_vocab(name):
     config = config_of(name)
+    pad = config.get("pad_token_id")
     return tokenizer_json_vocabulary(os.path.join(ORACLES, name), config["eos_token_id"],
-                                     config.get("bos_token_id"))
+                                     config.get("bos_token_id"),
+                                     pad if isinstance(pad, int) else None)
 
 
 @pytest.mark.parametrize("name", TOKENIZER_JSON_FOLDERS)

@@ -35,6 +35,7 @@ class Settings:
     vocab_size: int  # config.json's: the rows of the embedding
     eos_id: int | None
     bos_id: int | None
+    pad_id: int | None = None  # config.json's pad_token_id, where it has one
 
 
 def refuse(field: str, value, why: str):

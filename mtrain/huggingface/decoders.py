@@ -8,6 +8,7 @@ import math
 from mtrain.huggingface.common import (EXPERTS, GEMMA3, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES,
                                        QWEN2, QWEN3, QWEN3_MOE, ConversionError, Settings,
                                        first, get, refuse)
+from mtrain.models.blocks import layer_window
 
 ROPE_TYPES = ("default", "linear", "llama3")
 _QWEN = (QWEN2, QWEN3, QWEN3_MOE)
@@ -162,8 +163,10 @@ def settings(config: dict, fam: str) -> Settings:
         defaults["transformer.start_id"] = int(first(config["eos_token_id"]))
     if fam in EXPERTS:
         arch, fields, defaults = _experts(config, fam, arch, fields, defaults)
+    pad = config.get("pad_token_id")
     return Settings(fam, arch, fields, defaults, config["vocab_size"],
-                    first(config.get("eos_token_id")), bos)
+                    first(config.get("eos_token_id")), bos,
+                    pad_id=pad if isinstance(pad, int) else None)
 
 
 def _experts(config: dict, fam: str, arch: dict, fields: dict, defaults: dict):
@@ -234,8 +237,7 @@ def hf_config(c, vocab_rows: int, eos_id: int, bos_id: int | None) -> dict:
                 "sqrt(d_model) together")
     if not gemma and (c.embedding_multiplier != 1.0 or c.rotary_local_max_wavelength):
         refuse_(f"{fam} has no embedding multiplier or RoPE of its own for sliding layers")
-    windows = [c.attention_windows[i % len(c.attention_windows)] if c.attention_windows else 0
-               for i in range(c.num_layers)]
+    windows = [layer_window(c, i) for i in range(c.num_layers)]
     sizes = sorted(set(windows) - {0})
     if len(sizes) > 1 or (0 in windows and sizes and fam in (MISTRAL, MIXTRAL)):
         refuse_(f"{fam} has one sliding window, in every layer "

@@ -46,9 +46,8 @@ import json
 import os
 
 from mtrain.huggingface import decoders
-from mtrain.huggingface.common import (  # noqa: F401 (the families' names, for callers)
-    ARCHITECTURES, EXPERTS, GEMMA3, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, T5,
-    ConversionError, Settings, first, get, refuse)
+from mtrain.huggingface.common import (ARCHITECTURES, T5, ConversionError, Settings, first,
+                                       get, refuse)
 
 # README "Starting from a published model" lists what is read of each family's config.json.
 _T5_ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu", "gelu": "gelu_exact", "silu": "silu"}

@@ -55,20 +55,15 @@ def _token(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def tokenizer_json_vocabulary(folder: str, eos_id: int, bos_id: int | None
-                              ) -> TokenizerVocabulary:
+def tokenizer_json_vocabulary(folder: str, eos_id: int, bos_id: int | None,
+                              pad: int | None = None) -> TokenizerVocabulary:
     """The tokenizer.json of `folder` as a vocabulary with the model's EOS and BOS (its
-    config.json's) and its pad: config.json's ``pad_token_id``, else the id of
+    config.json's) and its pad: `pad` (config.json's ``pad_token_id``), else the id of
     tokenizer_config.json's ``pad_token``, else none."""
     with open(os.path.join(folder, TOKENIZER_JSON), "rb") as f:
         data = f.read()
     vocab = TokenizerVocabulary.of(data, eos_id, bos_id)
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            pad = json.load(f).get("pad_token_id")
-    except (OSError, ValueError, AttributeError):
-        pad = None
-    if not isinstance(pad, int):
+    if pad is None:
         token = _token(_tokenizer_config(folder).get("pad_token"))
         pad = vocab.token_id(token) if isinstance(token, str) else None
     return vocab if pad is None else TokenizerVocabulary.of(data, eos_id, bos_id, pad)
@@ -110,7 +105,8 @@ def folder_vocabulary(folder: str, settings: Settings) -> Vocabulary:
             if settings.eos_id is None:
                 raise ConversionError("config.json has no eos_token_id, which a tokenizer.json "
                                       "vocabulary needs")
-            vocab = tokenizer_json_vocabulary(folder, settings.eos_id, settings.bos_id)
+            vocab = tokenizer_json_vocabulary(folder, settings.eos_id, settings.bos_id,
+                                              settings.pad_id)
         else:
             raise ConversionError(f"{folder} has no tokenizer.model, spiece.model or "
                                   f"tokenizer.json")

@@ -231,7 +231,7 @@ class MultiHeadAttention(nn.Module):
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments, o.scale)
         elif path == "dot_product":
-            dense = mask if not isinstance(mask, attention.AttentionMask) else mask.dense()
+            dense = mask.dense()
             out = jax.nn.dot_product_attention(
                 q, key, value, mask=jnp.broadcast_to(dense, (q.shape[0], h, *dense.shape[2:])),
                 bias=None if bias is None else bias.astype(q.dtype), scale=o.scale)
