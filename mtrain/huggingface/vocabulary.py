@@ -24,7 +24,8 @@ import json
 import logging
 import os
 
-from mtrain.data.vocabulary import TokenizerVocabulary, Vocabulary, VocabularyError, load_vocabulary
+from mtrain.data.tokenizer_vocabulary import TokenizerVocabulary
+from mtrain.data.vocabulary import Vocabulary, VocabularyError, load_vocabulary
 from mtrain.huggingface.families import T5, ConversionError, Settings
 
 log = logging.getLogger("mtrain")
