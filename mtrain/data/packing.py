@@ -30,12 +30,14 @@ that of a stream, not of a window (README, "Datasets").
 import numpy as np
 
 
-def pack_arrays(arrays: list[np.ndarray], length: int) -> list[np.ndarray]:
+def pack_arrays(arrays: list[np.ndarray], length: int,
+                aligned: tuple[np.ndarray, ...] = ()) -> list[np.ndarray]:
     """Trims and packs a window of examples given as flat token arrays.
 
     `arrays` is (values, row_splits) for each key: example i of that key is
     values[row_splits[i]:row_splits[i + 1]]. Returns (tokens, segment_ids, positions) for
-    each key, each [rows, length].
+    each key, each [rows, length], then each of `aligned` (values that share the first key's
+    row splits: a target's loss weight, the token read before it) packed as its tokens are.
     """
     values, row_splits = arrays[0::2], arrays[1::2]
     lengths = np.stack([np.minimum(np.diff(splits), length) for splits in row_splits], axis=1)
@@ -47,7 +49,7 @@ def pack_arrays(arrays: list[np.ndarray], length: int) -> list[np.ndarray]:
     segment = np.empty(num_examples, np.int32)
     segment[order] = np.arange(num_examples) - np.searchsorted(by_row, by_row) + 1
 
-    packed = []
+    packed, packed_aligned = [], []
     for k, (key_values, splits) in enumerate(zip(values, row_splits)):
         kept = lengths[:, k]  # tokens kept of each example after trimming
         example = np.repeat(np.arange(num_examples), kept)  # the example of each kept token
@@ -59,7 +61,12 @@ def pack_arrays(arrays: list[np.ndarray], length: int) -> list[np.ndarray]:
         segment_ids[where] = segment[example]
         positions[where] = position
         packed += [tokens, segment_ids, positions]
-    return packed
+        if k == 0:
+            for extra in aligned:
+                row_values = np.zeros((num_rows, length), np.int32)
+                row_values[where] = extra[splits[example] + position]
+                packed_aligned.append(row_values)
+    return packed + packed_aligned
 
 
 def first_fit(lengths: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:

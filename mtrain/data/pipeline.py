@@ -54,7 +54,9 @@ import numpy as np
 from absl import flags
 from etils import epath
 
-from mtrain.data.lanes import LaneRows, PackWindow, Rows, lane_windows, num_rows
+from mtrain.data.formats import Text, Translation
+from mtrain.data.lanes import (LaneRows, Mixture, PackWindow, Rows, Stream, lane_windows,
+                              num_rows)
 from mtrain.data.sources import TextSource
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError, IncompatibleRun
@@ -70,18 +72,23 @@ def default_workers() -> int:
     return max(0, min(8, (os.cpu_count() or 1) // 4))
 
 
-def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[str, str],
-            sequence_length: int, batch_size: int, seed: int = 0, *, train: bool,
-            shard: tuple[int, int] = (0, 1), process: tuple[int, int] | None = None,
-            window: int = 256, workers: int = 0) -> "BatchIterator":
-    """Packed batches: for each packed key k of `features` (e.g. {"inputs": "en", "targets":
-    "fr"}), the arrays k, k_segment_ids and k_positions.
+def batches(source: "TextSource | list[Stream]", vocab: Vocabulary, split: str,
+            features: dict[str, str] | None, sequence_length: int, batch_size: int,
+            seed: int = 0, *, train: bool, shard: tuple[int, int] = (0, 1),
+            process: tuple[int, int] | None = None, window: int = 256, workers: int = 0,
+            start_id: int = 0) -> "BatchIterator":
+    """Packed batches: for each packed key k (e.g. "inputs" and "targets"), the arrays k,
+    k_segment_ids and k_positions; with a fine-tuning format (`formats`), also the targets'
+    loss weights and the tokens read before them (the model's `start_id` where an example
+    reads nothing of its own first).
 
-    train=True: endless, shuffled by `seed`. train=False: one pass in order, the last batch
-    padded with all-zero rows. `shard` (i, n): yield rows [i*B/n, (i+1)*B/n) of each global
-    batch of B rows. `process` (p, P) names the state this iterator saves (default: as
-    `shard`). `window`: how many examples are tokenised and packed together. `workers`:
-    Grain worker processes (0: a thread of this process).
+    `source` is a list of `lanes.Stream`s of the split `split` (several: a mixture by their
+    weights), or a `TextSource` whose `features` (e.g. {"inputs": "en", "targets": "fr"})
+    are text. train=True: endless, shuffled by `seed`. train=False: one pass in order
+    (stream after stream), the last batch padded with all-zero rows. `shard` (i, n): yield
+    rows [i*B/n, (i+1)*B/n) of each global batch of B rows. `process` (p, P) names the state
+    this iterator saves (default: as `shard`). `window`: how many examples are encoded and
+    packed together. `workers`: Grain worker processes (0: a thread of this process).
     """
     index, count = shard
     if batch_size % count:
@@ -89,14 +96,34 @@ def batches(source: TextSource, vocab: Vocabulary, split: str, features: dict[st
                         f"(one per process feeding its own rows)")
     if not 0 <= index < count:
         raise ValueError(f"shard {index} is not in [0, {count})")
-    source.check_split(split)
+    streams = source if isinstance(source, list) else [text_stream(source, split, features)]
     if train:
-        _check_enough_examples(source, split, batch_size)
-    config = dict(data=source.fingerprint(), split=split, features=features,
+        for stream in streams:
+            _check_enough_examples(stream, split, batch_size)
+    with_inputs = any(s.format.reads_first for s in streams)
+    config = dict(data=[s.fingerprint or s.name for s in streams] if isinstance(source, list)
+                  else source.fingerprint(), split=split,
+                  features=features or [s.format.describe() for s in streams],
                   vocabulary=vocab.digest, sequence_length=sequence_length,
                   batch_size=batch_size, seed=seed, train=train, window=window)
-    pack = PackWindow(source.records(split), vocab, features, sequence_length)
-    return BatchIterator(pack, config, shard, process or shard, workers)
+    if len(streams) > 1:
+        config["mixture"] = {s.name: s.weight for s in streams}
+    if with_inputs:
+        config["start_id"] = start_id
+    pack = PackWindow(streams, vocab, sequence_length, start_id=start_id,
+                      with_inputs=with_inputs)
+    mixture = Mixture([s.weight for s in streams]) if len(streams) > 1 and train else None
+    return BatchIterator(pack, config, shard, process or shard, workers, mixture)
+
+
+def text_stream(source: TextSource, split: str, features: dict[str, str]) -> Stream:
+    """The split of a source of texts as a stream: its `features` ({packed key: source
+    feature}) as one text (language modelling) or a translation pair."""
+    source.check_split(split)
+    fmt = (Translation(features["inputs"], features["targets"]) if "inputs" in features
+           else Text(features["targets"]))
+    return Stream(source.description(), source.records(split), fmt,
+                  fingerprint=source.fingerprint())
 
 
 def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_length: int,
@@ -107,12 +134,13 @@ def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_lengt
                    **kwargs)
 
 
-def _check_enough_examples(source: TextSource, split: str, batch_size: int) -> None:
+def _check_enough_examples(stream: Stream, split: str, batch_size: int) -> None:
     """Every lane needs at least one example, or training would stop at once."""
-    size = source.num_examples(split)
+    size = len(stream.records)
     if size < batch_size:
-        raise DataError(f"split {split!r} has {size} examples, fewer than the batch size "
-                         f"{batch_size}: some batch rows would have nothing to train on")
+        raise DataError(f"split {split!r} of {stream.name} has {size} examples, fewer than "
+                        f"the batch size {batch_size}: some batch rows would have nothing to "
+                        f"train on")
 
 
 class BatchIterator:
@@ -126,8 +154,9 @@ class BatchIterator:
     """
 
     def __init__(self, pack: PackWindow, config: dict, shard: tuple[int, int] = (0, 1),
-                 process: tuple[int, int] = (0, 1), workers: int = 0):
-        self._pack = pack
+                 process: tuple[int, int] = (0, 1), workers: int = 0,
+                 mixture: Mixture | None = None):
+        self._pack, self._mixture = pack, mixture
         self.config = dict(config)
         self.train = bool(config["train"])
         self.shard, self.process = tuple(shard), tuple(process)
@@ -168,9 +197,9 @@ class BatchIterator:
         its slice of the lanes, which go back to their places (lane order) in the batch."""
         c = self.config
         order = sorted(self.lanes)
-        size = len(self._pack.records)
-        lanes = [(lane, lane_windows(size, lane, c["batch_size"], c["seed"], c["window"],
-                                     self._pack)) for lane in order]
+        sizes = [len(stream.records) for stream in self._pack.streams]
+        lanes = [(lane, lane_windows(sizes, lane, c["batch_size"], c["seed"], c["window"],
+                                     self._pack, self._mixture)) for lane in order]
         groups = iter(self._prefetched(LaneRows(lanes, self.lanes), buffer=2))
         self._open = groups
         place = {lane: i for i, lane in enumerate(order)}
@@ -195,7 +224,7 @@ class BatchIterator:
         """One pass: the split's windows in order, their rows batched by batch_size, the last
         batch padded with zeros; this process's rows of each."""
         c = self.config
-        windows = (grain.MapDataset.range(len(self._pack.records))
+        windows = (grain.MapDataset.range(self._pack.size)
                    .batch(c["window"]).map(self._pack)
                    .to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
         windows = iter(self._prefetched(windows, buffer=2))
@@ -231,6 +260,13 @@ class BatchIterator:
 
     # --- saving and restoring the position ------------------------------------------------
 
+    def taken(self) -> dict[str, int]:
+        """A mixture's position in each of its sources: the examples this process's lanes
+        have taken from each (those of the windows they are in included)."""
+        windows = np.array([w + 1 for w, _ in self.lanes.values()], np.int64)
+        taken = self._mixture.taken(windows * self.config["window"]).sum(axis=0)
+        return {s.name: int(n) for s, n in zip(self._pack.streams, taken)}
+
     def state_prefix(self, directory: str | os.PathLike, process=None) -> str:
         """Where a process's state lives: `directory/input_pipeline.process-p-of-P.json`."""
         p, count = process or self.process
@@ -245,6 +281,8 @@ class BatchIterator:
         prefix = self.state_prefix(directory)
         state = dict(self.config, shard=list(self.shard), position=self.position,
                      lanes={str(lane): list(p) for lane, p in sorted(self.lanes.items())})
+        if self._mixture is not None:
+            state["sources"] = self.taken()
         write_atomically(prefix + ".json", json.dumps(state, sort_keys=True))
         return prefix
 

@@ -112,15 +112,17 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _heldout(source, vocab, split: str, length: int, max_texts: int) -> dict:
+    """(Evaluation cuts a text longer than `length` into pieces and scores every token:
+    `data.formats.pieces`; `length` stays in the cache key for the callers.)"""
     train_ids = np.fromiter(itertools.chain.from_iterable(
-        vocab.encode_example(text, length)[0]
+        vocab.encode(text) + [vocab.eos_id]
         for text in source.texts("train", limit=max_texts)), np.int64)
     counts = 1.0 + np.bincount(train_ids, minlength=vocab.vocab_size)
     log_p = np.log(counts / counts.sum())
     log_loss, tokens, words = 0.0, 0, 0
     for text in source.texts(split):
-        ids, cut = vocab.encode_example(text, length)
+        ids = vocab.encode(text) + [vocab.eos_id]
         log_loss -= log_p[ids].sum()
         tokens += len(ids)
-        words += scored_words(vocab, text, ids, cut)
+        words += scored_words(vocab, text, ids, False)
     return {"words": max(words, 1), "unigram_perplexity": math.exp(log_loss / max(tokens, 1))}

@@ -112,7 +112,10 @@ class DecoderLM(_PackingAware, nn.Module):
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
-                 return_hidden: bool = False, decode: bool = False):
+                 return_hidden: bool = False, decode: bool = False, inputs=None):
+        """`inputs` (optional, [b, l]): the token read before each target, where the data
+        says (a chat's first token is read, not predicted: `data.formats`); by default the
+        targets shifted right within their segments, `start_id` first."""
         c = self.config
         decode_index = mask = None
         if decode:  # `targets` are the tokens to feed, the index says where (decode_step)
@@ -121,7 +124,8 @@ class DecoderLM(_PackingAware, nn.Module):
             positions = decode_index + jnp.broadcast_to(jnp.arange(targets.shape[1]),
                                                         targets.shape)
         else:
-            inputs = layers.shift_right(targets, segment_ids, c.start_id)
+            if inputs is None:
+                inputs = layers.shift_right(targets, segment_ids, c.start_id)
             mask = attention.AttentionMask.of_self(segment_ids, causal=True)
         embed = layers.Embed(c.vocab_size, c.d_model, c.dtype, name="token_embedding")
         x = _embed(c, embed, inputs)

@@ -158,6 +158,8 @@ class Trainer:
         `stats`, ``(out, statistics)``: its experts' (`moe.summary`; {} without)."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
+        if losses.INPUTS in batch:  # the tokens read before the targets, as the data gives
+            kwargs["inputs"] = batch[losses.INPUTS]
         with packed_rows(getattr(batch, "packing", None)):
             out = self.model.apply({"params": params}, *args, deterministic=deterministic,
                                    rngs=rngs, mutable=[moe.STATS] if stats else False, **kwargs)
@@ -188,7 +190,7 @@ class Trainer:
     def _losses(self, params, batch, deterministic, rngs=None):
         """(loss, xent, weights, logits) per token; see `losses.cross_entropy`."""
         logits = self._apply(params, batch, deterministic, rngs)
-        weights = batch["targets_segment_ids"] > 0
+        weights = losses.loss_weights(batch)
         loss, xent = losses.cross_entropy(
             logits,
             batch["targets"],
@@ -212,7 +214,7 @@ class Trainer:
         cross-entropy then carries no gradient). A mixture of experts' auxiliary losses
         (``aux_loss``, a mean) count once per token, and its statistics are summed x tokens
         too, so that all add up over microbatches."""
-        weights = batch["targets_segment_ids"] > 0
+        weights = losses.loss_weights(batch)
         tokens = weights.sum().astype(jnp.float32)
         c, chunks = self.loss_config, self.loss_chunks
         out, stats = self._apply(params, batch, False, rngs, chunks > 1, stats=True)

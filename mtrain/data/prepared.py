@@ -1,0 +1,320 @@
+"""A user's own data: files named in gin, tokenised once into ArrayRecord, read by index.
+
+    files.train = 'corpus/train-*.jsonl.gz'      # paths or globs, local or gs://
+    files.validation = 0.01                      # files too, or a held-out fraction of train
+    files.format = 'chat'                        # text | text_file | translation |
+                                                 # pretokenized | chat | prompt_completion
+
+`Files` names the data: each split's files (or a folder laid out as a Hugging Face dataset
+saves it, read without the hub: `files.hf_dataset_splits`), the format of its records
+(`formats`) and the columns to read. `prepare` makes it a `PreparedSource`: one streaming
+pass over the files (never all in memory) encodes every record by its format (tokenised,
+with its loss weights) and writes it to ``<split>.array_record``, which Grain then reads by
+index like any source. The prepared copy lives in the data dir under a name that is a
+digest of everything it was made from: every file's path, size and modification time, the
+tokenizer, the format and its settings, the held-out fraction. An edited file makes a new
+one; nothing is served stale. A bad record (not a conversation the template renders, an
+assistant mask of zeros, an id outside the vocabulary) stops the preparation with one line
+naming the file and the line, and nothing is left behind.
+
+Preparing is the default for every file source (random access by index needs it, and a
+corpus is read once per epoch). A held-out fraction f takes record i of the training files
+into "validation" when a hash of i falls below f: the same records on every machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+
+import numpy as np
+from etils import epath
+
+from mtrain.data import files as files_lib
+from mtrain.data import formats
+from mtrain.errors import DataError
+
+log = logging.getLogger("mtrain")
+VERSION = 1  # of the prepared files' layout
+BLOCK = 1024  # records encoded at once
+FORMATS = ("text", "text_file", "translation", "pretokenized", "chat", "prompt_completion")
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """A source of the user's files (gin ``files.*``; see the module doc). `columns`: the
+    record fields the format reads, by its role: ``{"text": "content"}``, ``{"inputs": "en",
+    "targets": "fr"}``, ``{"input_ids": "tokens"}``, ``{"messages": "conversation"}``,
+    ``{"prompt": "question", "completion": "answer"}``. `file_kind` forces how the files are
+    read (`files.FORMATS`; default: by their names). `chat_template`: a jinja file to
+    render conversations with (default: the model dir's, which an import keeps)."""
+
+    train: str | Sequence[str] | None = None
+    validation: str | Sequence[str] | float | None = None
+    test: str | Sequence[str] | None = None
+    format: str = "text"
+    columns: dict | None = None
+    file_kind: str | None = None
+    chat_template: str | None = None
+
+    def splits(self) -> dict[str, list]:
+        """The files of each split named (a Hugging Face dataset folder: its splits)."""
+        named = {"train": self.train, "validation": self.validation, "test": self.test}
+        out = {}
+        for split, paths in named.items():
+            if paths is None or isinstance(paths, float):
+                continue
+            if isinstance(paths, str) and epath.Path(paths).is_dir():
+                layout = files_lib.hf_dataset_splits(paths)
+                if layout is None:
+                    raise DataError(f"files.{split}={paths!r} is a folder that is not laid out "
+                                    f"as a Hugging Face dataset: name its files or a glob")
+                if split == "train":  # the folder's splits, unless named apart
+                    out.update({k: v for k, v in layout.items() if named.get(k) is None
+                                or k == "train"})
+                    continue
+                paths = layout.get(split) or sum(layout.values(), [])
+            out[split] = files_lib.expand(paths)
+        if "train" not in out and not out:
+            raise DataError("files.train names no files: give paths, globs or a dataset folder")
+        if isinstance(self.validation, float):
+            if not 0.0 < self.validation < 1.0 or "train" not in out:
+                raise DataError(f"files.validation={self.validation}: a held-out fraction of "
+                                f"files.train must be between 0 and 1")
+        return out
+
+    def make_format(self, template=None) -> formats.Format:
+        """The `formats.Format` of these records (`template`: a chat's `ChatTemplate`)."""
+        c = dict(self.columns or {})
+        if self.format in ("text", "text_file"):
+            return formats.Text(c.get("text", "text"))
+        if self.format == "translation":
+            return formats.Translation(c.get("inputs", "inputs"), c.get("targets", "targets"))
+        if self.format == "pretokenized":
+            return formats.Pretokenized(c.get("input_ids", "input_ids"))
+        if self.format == "prompt_completion":
+            return formats.PromptCompletion(c.get("prompt", "prompt"),
+                                            c.get("completion", "completion"))
+        if self.format == "chat":
+            if template is None:
+                raise DataError("files.format='chat' needs a chat template: import a model "
+                                "that has one (--mode=import keeps it in the model dir), or "
+                                "name a file with files.chat_template")
+            return formats.Chat(template, c.get("messages", "messages"))
+        raise DataError(f"files.format={self.format!r}; use one of {', '.join(FORMATS)}")
+
+    def reader_kind(self) -> str | None:
+        return "text_file" if self.format == "text_file" else self.file_kind
+
+    def records(self, split: str, limit: int | None = None):
+        """(where, record) of a split's raw records in order (vocabulary training)."""
+        n = 0
+        for path in self.splits().get(split, []):
+            for number, record in files_lib.read(path, self.reader_kind()):
+                if limit is not None and n >= limit:
+                    return
+                n += 1
+                yield f"{path} line {number}", record
+
+
+def _held_out(ordinals: np.ndarray, fraction: float) -> np.ndarray:
+    """Whether each record (by its ordinal in the training files) is held out."""
+    mixed = (ordinals.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    return (mixed >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
+
+
+def _key(spec: Files, splits: dict, fmt: formats.Format, vocab) -> str:
+    described = json.dumps({
+        "version": VERSION, "format": fmt.describe(), "reader": spec.reader_kind(),
+        "vocabulary": vocab.digest, "holdout": spec.validation if isinstance(
+            spec.validation, float) else None,
+        "files": {split: files_lib.identity(paths) for split, paths in sorted(splits.items())},
+    }, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def prepare(spec: Files, fmt: formats.Format, vocab, data_dir: str,
+            name: str = "files") -> "PreparedSource":
+    """The prepared copy of `spec`'s files (made now if there is none: module doc)."""
+    splits = spec.splits()
+    key = _key(spec, splits, fmt, vocab)
+    directory = epath.Path(data_dir) / "prepared" / f"{name}-{key}"
+    if not (directory / "info.json").exists():
+        _write(spec, splits, fmt, vocab, directory)
+    info = json.loads((directory / "info.json").read_text())
+    return PreparedSource(str(directory), info, fmt)
+
+
+def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> None:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    work = epath.Path(f"{directory}.preparing")
+    if work.exists():
+        shutil.rmtree(work)  # an interrupted preparation's (the data dir's lock is held)
+    work.mkdir(parents=True)
+    names = list(splits) + (["validation"] if isinstance(spec.validation, float) else [])
+    writers = {s: ArrayRecordWriter(str(work / f"{s}.array_record"), "group_size:1")
+               for s in names}
+    counts = {s: {"examples": 0, "tokens": 0, "loss_tokens": 0} for s in names}
+    log.info("preparing %s (%s) -> %s", ", ".join(f"{s}: {len(p)} files"
+                                                 for s, p in splits.items()),
+             fmt.describe(), directory)
+    try:
+        for split, paths in splits.items():
+            ordinal = 0
+            for block in _blocks(paths, spec.reader_kind()):
+                where, records = zip(*block)
+                encoded = fmt.encode(list(records), vocab, list(where))
+                into = np.full(len(records), split, object)
+                if split == "train" and isinstance(spec.validation, float):
+                    held = _held_out(np.arange(ordinal, ordinal + len(records)), spec.validation)
+                    into[held] = "validation"
+                ordinal += len(records)
+                for i, example in enumerate(_examples(encoded)):
+                    writers[into[i]].write(_serialise(example))
+                    c = counts[into[i]]
+                    c["examples"] += 1
+                    c["tokens"] += len(example[0][-1])
+                    c["loss_tokens"] += int(example[1].sum()) if example[1] is not None else \
+                        len(example[0][-1])
+    except BaseException:
+        for writer in writers.values():
+            writer.close()
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    for writer in writers.values():
+        writer.close()
+    info = {"format": fmt.describe(), "splits": counts}
+    (work / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+    work.rename(directory)
+
+
+def _blocks(paths, kind):
+    block = []
+    for path in paths:
+        for number, record in files_lib.read(path, kind):
+            block.append((f"{path} line {number}" if kind != "parquet" else
+                          f"{path} row {number}", record))
+            if len(block) == BLOCK:
+                yield block
+                block = []
+    if block:
+        yield block
+
+
+def _examples(encoded: formats.Encoded):
+    """Each example of a window: ([ids of each key], its weights or None)."""
+    keys = list(encoded.keys.values())
+    for i in range(len(keys[0][1]) - 1):
+        ids = [values[splits[i]:splits[i + 1]] for values, splits in keys]
+        t = encoded.keys["targets"][1]
+        yield ids, (None if encoded.weights is None else encoded.weights[t[i]:t[i + 1]])
+
+
+def _serialise(example) -> bytes:
+    """[keys, has weights, length of each] then the ids of each key, then the weights."""
+    ids, weights = example
+    header = np.array([len(ids), weights is not None, *map(len, ids)], np.int32)
+    parts = [header, *ids] + ([np.asarray(weights, np.int32)] if weights is not None else [])
+    return np.concatenate(parts).astype(np.int32).tobytes()
+
+
+def _deserialise(data: bytes):
+    a = np.frombuffer(data, np.int32)
+    n, weighted = int(a[0]), bool(a[1])
+    sizes = a[2:2 + n]
+    ends = 2 + n + np.cumsum(sizes)
+    ids = [a[e - s:e] for s, e in zip(sizes, ends)]
+    return ids, (a[ends[-1]:] if weighted else None)
+
+
+class PreparedRecords(Sequence):
+    """A prepared split, by index: each example ([ids of each key], weights or None)."""
+
+    def __init__(self, path: str):
+        from array_record.python.array_record_data_source import ArrayRecordDataSource
+
+        self._path = path
+        self._source = ArrayRecordDataSource([path])
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return _deserialise(self._source[index])
+
+    def __getitems__(self, indices):
+        return [_deserialise(d) for d in self._source.__getitems__(list(indices))]
+
+    def __reduce__(self):  # Grain's worker processes open their own reader
+        return PreparedRecords, (self._path,)
+
+
+@dataclasses.dataclass
+class Stored(formats.Format):
+    """The format of prepared records: their ids as stored (`inner`'s kind)."""
+
+    inner: formats.Format = None
+
+    @property
+    def kind(self):
+        return self.inner.kind
+
+    @property
+    def reads_first(self):
+        return self.inner.reads_first
+
+    def encode(self, records, vocab, where=()) -> formats.Encoded:
+        keys = ["inputs", "targets"] if self.inner.kind == "translation" else ["targets"]
+        out = {k: formats.flat([r[0][i] for r in records]) for i, k in enumerate(keys)}
+        weights = None
+        if records and records[0][1] is not None:
+            weights = formats.flat([r[1] for r in records])[0]
+        return formats.Encoded(out, weights)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+class PreparedSource:
+    """Prepared splits of a user's files (`prepare`), read by index."""
+
+    def __init__(self, directory: str, info: dict, fmt: formats.Format):
+        self.directory, self.info = directory, info
+        self.format = Stored(fmt)
+        self.splits = tuple(s for s, c in info["splits"].items() if c["examples"])
+        self._records = {}
+
+    def check_split(self, split: str) -> str:
+        if split not in self.splits:
+            raise DataError(f"no {split!r} split in {self.directory} (it has "
+                            f"{', '.join(self.splits) or 'none'}): name its files "
+                            f"(files.{split}) or a held-out fraction (files.validation)")
+        return split
+
+    def records(self, split: str) -> PreparedRecords:
+        if split not in self._records:
+            path = os.path.join(self.directory, f"{self.check_split(split)}.array_record")
+            self._records[split] = PreparedRecords(path)
+        return self._records[split]
+
+    def num_examples(self, split: str) -> int:
+        return self.info["splits"][self.check_split(split)]["examples"]
+
+    def loss_fraction(self, split: str) -> float:
+        c = self.info["splits"][self.check_split(split)]
+        return c["loss_tokens"] / max(c["tokens"], 1)
+
+    def fingerprint(self) -> str:
+        sizes = ", ".join(f"{s} {self.num_examples(s)}" for s in sorted(self.splits))
+        return f"prepared {os.path.basename(self.directory)} ({sizes} examples)"
+
+    def description(self) -> str:
+        return f"PreparedSource({os.path.basename(self.directory)})"
