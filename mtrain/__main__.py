@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="TFDS tasks (lm1b, wmt14_enfr): run the real TFDS builder on raw files in "
                         "DIR, laid out as the official archives (make them with python -m "
                         "mtrain.data.make_offline), or 'shipped' to make them from the corpus in "
-                        "data/; without it TFDS downloads (same as run.data_source)")
+                        "data/; without it TFDS downloads (same as run.data_source, and "
+                        "recorded as it in the model dir's config.gin)")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="train (default); eval: evaluate the latest checkpoint of --model_dir "
                         "(loss, accuracy, perplexity or BLEU); infer: translate --input_file "
@@ -276,8 +277,10 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["model_dir"] = os.path.join("runs", "default")
         if args.mode is not None:
             kwargs["mode"] = args.mode
-        if args.data_source is not None:
-            kwargs["data_source"] = args.data_source
+        if args.data_source is not None:  # (recorded in config.gin: a path made absolute)
+            local = args.data_source != "shipped" and "://" not in args.data_source
+            kwargs["data_source"] = (os.path.abspath(os.path.expanduser(args.data_source))
+                                     if local else args.data_source)
         if args.mode in ("infer", "score"):
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
         if args.output_dir is not None:

@@ -99,8 +99,20 @@ def _normal(value):
     return tuple(value) if isinstance(value, list) else value
 
 
+# The ``run.*`` settings the command line gives that are settings of the run, which its
+# <model_dir>/config.gin must record so that ``--gin_file=<model_dir>/config.gin`` alone runs
+# it again: where the data comes from. Not the mode, the model dir (where config.gin lies:
+# a copied model dir must not point back at the original) nor, being no flag, the data dir
+# ($MTRAIN_DATA_DIR is this machine's cache; a run.data_dir binding is recorded as any is).
+RECORDED_OVERRIDES = ("data_source",)
+
+
 def run_config(**overrides) -> RunConfig:
-    """The run's settings: gin's ``run.*`` bindings, then `overrides` (the command line's)."""
+    """The run's settings: gin's ``run.*`` bindings, then `overrides` (the command line's).
+    Those of `RECORDED_OVERRIDES` become gin bindings, so that `operative` records them."""
+    for name in RECORDED_OVERRIDES:
+        if name in overrides:
+            gin.bind_parameter(f"run.{name}", overrides.pop(name))
     return dataclasses.replace(run(), **overrides)
 
 

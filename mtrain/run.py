@@ -11,7 +11,8 @@ what it can before the next costs anything:
    vocabulary size the settings plan (the model dir's recorded vocabulary, vocabulary.path or
    vocabulary.size: known without data), so that the layout's legality and the model's
    settings are checked before any data is prepared, and the model is built once;
-4. `_data`: the dataset (prepared once per data dir) and the vocabulary (trained once).
+4. `_data`: the dataset (prepared once per data dir) and the vocabulary (trained once);
+   infer and score, which read no training data, take the model dir's vocabulary alone.
 
 Nothing is written to the model dir before the mode starts, so a bad config never touches
 it. The modes are in `mtrain.modes`.
@@ -55,6 +56,9 @@ from mtrain.training.trainer import Trainer
 
 parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tests, benchmarks
 NO_DATA = ("plan", "import", "export")  # the modes that build the model without its data
+# The modes that read a checkpoint with the model dir's vocabulary and no training data:
+# they never build the data source (no dataset prepared, no vocabulary trained).
+READERS = ("infer", "score")
 
 
 def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str):
@@ -155,7 +159,10 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     trainer, stepper, schedule = _model(settings, task, layout, mesh, planned)
     source = vocab = translator = generator = None
     if not planning:
-        source, vocab = _data(settings, task, vocab_config, recorded, restart)
+        if settings.mode in READERS:
+            vocab = _reader_vocabulary(settings, vocab_config, recorded)
+        else:
+            source, vocab = _data(settings, task, vocab_config, recorded, restart)
         if _padded(vocab_config.rows(vocab.vocab_size)) != _padded(planned):  # sentencepiece fell short
             raise ConfigError(f"the vocabulary has {vocab.vocab_size} pieces, where "
                               f"{planned} were asked for (vocabulary.size)")
@@ -207,7 +214,7 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
         if not epath.Path(s.init_from).is_dir():
             raise ConfigError(f"run.init_from={s.init_from!r} is not a directory; name the "
                               f"model dir of the run to start from")
-    if s.mode not in NO_DATA:
+    if s.mode not in (*NO_DATA, *READERS):
         check_data_dir(_data_dir(s))  # makes it: after the checks that write nothing
     return task
 
@@ -341,6 +348,19 @@ def _data(s: RunConfig, task: tasks_lib.Task, vocab_config, recorded: str | None
                                             where=s.model_dir, unrecorded=unrecorded)
         distributed.sync(f"mtrain_data_prepared_{turn}")
     return source, vocab
+
+
+def _reader_vocabulary(s: RunConfig, vocab_config, recorded: str | None):
+    """The vocabulary of infer and score: the model dir's recorded one (else
+    vocabulary.path), never one trained from the data, which they do not read."""
+    if not recorded and not vocab_config.path:
+        where = ModelDir(s.model_dir).vocabulary if s.model_dir else "a model dir"
+        raise ConfigError(f"--mode={s.mode} reads the vocabulary the model was trained with, "
+                          f"and {where} is missing: train first (--mode=train), or name it "
+                          f"with vocabulary.path")
+    unrecorded = ModelDir(s.model_dir).vocabulary if s.model_dir and not recorded else None
+    return vocab_config.choose(recorded, "", lambda: (), "", where=s.model_dir,
+                               unrecorded=unrecorded)
 
 
 def _data_dir(s: RunConfig) -> str:

@@ -185,7 +185,7 @@ ORACLES = os.path.join(REPO, "..", "shared", "oracles")
 @pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
 def test_import_of_a_published_model_then_infer_rerun_and_a_changed_setting(tmp_path):
     """``--mode=import`` of the tiny Llama with an empty HOME and data dir, then infer from
-    it through stdin (the data prepared on the way); the same import again is refused in one
+    it through stdin (no data prepared on the way); the same import again is refused in one
     line and leaves the model dir as it was; a kill during an import leaves no model dir
     behind, only its work dir marked as mtrain's, which the next import beside it (with a
     changed layout, into a new dir) clears while the user's look-alike stays; the killed
@@ -201,7 +201,7 @@ def test_import_of_a_published_model_then_infer_rerun_and_a_changed_setting(tmp_
     infer = subprocess.run(args, cwd=REPO, env=env, input="And God said\n", capture_output=True,
                            text=True, timeout=900)
     assert infer.returncode == 0 and infer.stdout.strip(), infer.stderr
-    assert (home / ".cache" / "mtrain").is_dir()  # the task's data, prepared for its vocabulary's run
+    assert not (home / ".cache" / "mtrain").exists()  # infer reads no data: none prepared
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "m").rglob("*")}
     again = mtrain(home, [], layout, tmp_path / "m", "--mode=import", f"--input_dir={folder}")
     assert again.returncode == 2 and "not empty" in again.stderr

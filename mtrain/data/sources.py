@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -159,14 +160,38 @@ SHIPPED = "shipped"  # run.data_source value: raw files made from the shipped co
 
 def tfds_data_dir(data_dir: str, data_source: str | None) -> Path:
     """Where a TFDS dataset is prepared: one TFDS data dir per origin of the raw files, so
-    that a dataset built from local files is never mistaken for the one from the web."""
+    that a dataset built from local files is never mistaken for the one from the web.
+
+    A directory of local raw files is keyed by its path and by its files' identity
+    (`raw_files_identity`), so that a raw file edited, added or removed is prepared again
+    into a new dir, never served stale from the old one. The old prepared dir stays where
+    it is: nothing is deleted (the older ``<data_dir>/tfds_local/<folder name>-*`` dirs
+    may be deleted by hand to reclaim the space)."""
     if data_source is None:
         return Path(data_dir) / "tfds"
     if data_source == SHIPPED:
         return Path(data_dir) / "tfds_shipped"
     origin = Path(data_source).expanduser().resolve()
     digest = hashlib.sha1(str(origin).encode()).hexdigest()[:8]
-    return Path(data_dir) / "tfds_local" / f"{origin.name}-{digest}"
+    return Path(data_dir) / "tfds_local" / f"{origin.name}-{digest}-{raw_files_identity(origin)}"
+
+
+def raw_files_identity(root: Path) -> str:
+    """A short digest of every file under `root` (following links, as the builders read
+    them): its path relative to `root`, its size and its modification time in ns. Any of
+    them changed, a file added or removed, changes it; reading them costs one stat each."""
+    entries = []
+    for directory, subdirs, files in os.walk(root, followlinks=True):
+        subdirs.sort()
+        for name in sorted(files):
+            path = Path(directory) / name
+            try:
+                stat = path.stat()
+            except OSError:  # a dangling link: the builder cannot read it either
+                continue
+            entries.append(f"{path.relative_to(root).as_posix()}\t{stat.st_size}\t"
+                           f"{stat.st_mtime_ns}\n")
+    return hashlib.sha1("".join(entries).encode()).hexdigest()[:8]
 
 
 def _shipped_raw_tree(name: str, data_dir: str) -> str:

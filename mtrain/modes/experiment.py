@@ -117,7 +117,8 @@ class Experiment:
 
     config: RunConfig
     task: tasks_lib.Task
-    source: TextSource | None  # None when planning: a plan needs no data
+    source: TextSource | None  # None for the modes that read no data: plan, import,
+    # export, and infer and score (the model dir's vocabulary is all they read of it)
     vocab: Vocabulary | None
     trainer: Trainer  # the model and its sharded steps on the mesh
     stepper: Stepper  # what trains it: the trainer, or SGP around it

@@ -1,5 +1,6 @@
 """``--mode=infer``: a file of lines in, their translations (an LM: continuations) out, with
-the latest checkpoint, written as they are made."""
+the latest checkpoint, written as they are made. It reads the model dir's vocabulary and no
+training data (`run.build` prepares none)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     time left) goes to the log at least every 10 seconds."""
     lines = read_lines(input_file)
     state, step = restore_for_reading(ModelDir(exp.model_dir).checkpoints,
-                                      exp.trainer.sharded_abstract_state(), exp.checkpoint_meta())
+                                      exp.trainer.sharded_abstract_state(),
+                                      exp.reader_meta(exp.vocab))  # (no data: exp.source None)
     writing = jax.process_index() == 0
     out = None
     if writing:

@@ -14,6 +14,9 @@ order: ``{"line": n, "log_likelihood": natural-log sum over its tokens, "tokens"
 "words": n, "unknown_pieces": n, "cut": bool}``. The summary (token and word perplexity,
 counts, unknown pieces) goes to the log and to ``metrics.jsonl`` under ``score/``, at the
 checkpoint's step.
+
+Scoring reads the model dir's vocabulary (`run.build`) and no training data: nothing is
+prepared, and the run's data source need not exist.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def score(exp: Experiment, input_file: str | None, output_file: str | None,
     examples = [_example(exp, line, n + 1) for n, line in enumerate(lines)]
     model_dir = ModelDir(exp.model_dir)
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
-                                      exp.checkpoint_meta())
+                                      exp.reader_meta(exp.vocab))  # (no data: exp.source None)
     trainer = exp.trainer
     start, stop = trainer.local_rows()
     scores = []
