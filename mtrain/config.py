@@ -14,6 +14,8 @@ files use, and the run (`mtrain.run`) builds everything through them:
     adafactor.*               optimizer.adafactor (the default run.optimizer)
     adamw.*                   optimizer.adamw (``run.optimizer = @adamw``)
     learning_rate_schedule.*  optimizer.learning_rate_schedule
+    task.*, files.*, tfds_data.*, bible.*   the data a task names (``run.task = @task()``:
+                              `data.tasks`, `data.prepared.Files`)
     @DecoderLM, @EncoderDecoder   models for run.model (default: by the task's kind)
 
 A new model or optimizer is a new gin reference (``run.model = @MyModel`` after
@@ -29,6 +31,8 @@ import os
 
 import gin
 
+from mtrain.data import tasks as tasks_lib
+from mtrain.data.prepared import Files
 from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import DecodingConfig
@@ -54,6 +58,10 @@ adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
 adamw = gin.external_configurable(optimizer.adamw, "adamw")
 learning_rate_schedule = gin.external_configurable(optimizer.learning_rate_schedule,
                                                    "learning_rate_schedule")
+task = gin.external_configurable(tasks_lib.task, "task")
+files = gin.external_configurable(Files, "files")
+tfds_data = gin.external_configurable(tasks_lib.tfds_data, "tfds_data")
+bible = gin.external_configurable(tasks_lib.bible, "bible")
 MODELS = {"lm": gin.external_configurable(DecoderLM, "DecoderLM"),
           "translation": gin.external_configurable(EncoderDecoder, "EncoderDecoder")}
 

@@ -31,6 +31,7 @@ from etils import epath
 
 from mtrain import MODES, config
 from mtrain.data import tasks as tasks_lib
+from mtrain.data import user_data
 from mtrain.data.vocabulary import DEFAULT_SIZE
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
@@ -155,6 +156,9 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     vocab_config = config.vocabulary_config()
     recorded = (None if restart or settings.mode in ("plan", "import")
                 else _recorded_vocabulary(settings.model_dir))
+    if not recorded and task.vocabulary_size and vocab_config.size is None \
+            and not vocab_config.path:  # a task file names the size it trains by default
+        vocab_config = dataclasses.replace(vocab_config, size=task.vocabulary_size)
     planned = vocab_config.planned_size(recorded)
     trainer, stepper, schedule = _model(settings, task, layout, mesh, planned)
     source = vocab = translator = generator = None
@@ -163,6 +167,8 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
             vocab = _reader_vocabulary(settings, vocab_config, recorded)
         else:
             source, vocab = _data(settings, task, vocab_config, recorded, restart)
+        if isinstance(source, user_data.UserData) and settings.mode == "train":
+            source.check_loss_fraction()
         if _padded(vocab_config.rows(vocab.vocab_size)) != _padded(planned):  # sentencepiece fell short
             raise ConfigError(f"the vocabulary has {vocab.vocab_size} pieces, where "
                               f"{planned} were asked for (vocabulary.size)")
@@ -339,6 +345,11 @@ def _data(s: RunConfig, task: tasks_lib.Task, vocab_config, recorded: str | None
     for turn in ("first", "rest"):
         if (jax.process_index() == 0) == (turn == "first"):
             with preparing_data(data_dir):  # one run at a time (on a fresh machine)
+                if task.data is not None:  # a user's files
+                    source, vocab = user_data.prepare_run(
+                        task, vocab_config, data_dir, recorded=recorded, unrecorded=unrecorded,
+                        model_dir=s.model_dir, eval_split=s.eval_split)
+                    continue
                 source = task.source(data_dir, s.data_source)
                 source.check_split(s.eval_split)
                 cached = os.path.join(source.cache_dir(data_dir), task.name,

@@ -56,14 +56,44 @@ def test_scoring_the_test_split_gives_evals_perplexities(lm_dir, tmp_path):
     assert all(r["log_likelihood"] < 0 for r in rows)
 
 
-def test_long_lines_are_cut_with_a_warning(lm_dir, tmp_path, capsys):
+def test_long_lines_are_scored_in_pieces_with_a_warning(lm_dir, tmp_path, capsys):
+    """A line longer than the sequence is scored whole, in pieces as evaluation cuts it
+    (never trimmed): every token of it counts."""
     text = tmp_path / "long.txt"
     text.write_text("in the beginning\n" + "and God said " * 40 + "\n")
-    out = tmp_path / "long.jsonl"
+    out = tmp_path / "long.out"
     assert score(lm_dir, f"--input_file={text}", f"--output_file={out}") == 0
     assert "1 of 2 lines were longer than 32 tokens" in capsys.readouterr().err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["cut"] for r in rows] == [False, True] and rows[1]["tokens"] == 32
+    assert [r["cut"] for r in rows] == [False, True] and rows[1]["tokens"] > 64
+
+
+def test_jsonl_is_scored_by_its_fields_not_as_text(lm_dir, tmp_path, capsys):
+    """A .jsonl of {"text"} scores as the same lines of plain text (not braces and all);
+    {"prompt", "completion"} scores the completion given the prompt, less than the whole;
+    a line of neither is one line of error."""
+    lines = ["in the beginning God created", "and the earth was without form"]
+    plain, jsonl = tmp_path / "plain.txt", tmp_path / "texts.jsonl"
+    plain.write_text("".join(t + "\n" for t in lines))
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text("".join(json.dumps({"prompt": t[:12], "completion": t[12:]}) + "\n"
+                          for t in lines))
+    outs = []
+    for name in (plain, jsonl, pc):
+        out = tmp_path / f"{name.stem}.out"
+        assert score(lm_dir, f"--input_file={name}", f"--output_file={out}") == 0
+        outs.append([json.loads(line) for line in out.read_text().splitlines()])
+    assert [r["log_likelihood"] for r in outs[0]] == pytest.approx(
+        [r["log_likelihood"] for r in outs[1]], rel=1e-6)
+    assert all(0 > c["log_likelihood"] > t["log_likelihood"] for c, t in zip(outs[2], outs[0]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    capsys.readouterr()
+    assert score(lm_dir, f"--input_file={bad}", f"--output_file={tmp_path / 'b.out'}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "".join(err)
+    assert "line 1: a .jsonl file scores JSON objects" in err[-1]
 
 
 @pytest.mark.slow

@@ -124,6 +124,14 @@ class ChatTemplate:
                          **{k: vocab.piece(i) for k, i in tokens.items() if i is not None},
                          **variables}
 
+    def describe(self) -> str:
+        """Which template this is, for the prepared data's key: a digest of its text and
+        variables."""
+        import hashlib
+
+        text = self.source + repr(sorted(self.variables.items()))
+        return f"sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
     def __getstate__(self):  # for the input pipeline's worker processes: compiled again
         return {"template": self.source, "vocab": self.vocab, "name": self.name,
                 "variables": self.variables}

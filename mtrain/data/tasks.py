@@ -149,7 +149,7 @@ def task(data, name: str | None = None, mixture: dict[str, float] | None = None,
                     (TRANSLATION_METRICS if kind == "translation" else LM_METRICS),
                     tfds_name=data.tfds_name, description=data.description,
                     vocabulary_size=vocabulary_size)
-    named = {"data": data} if isinstance(data, Files) else dict(data or {})
+    named = {"files": data} if isinstance(data, Files) else dict(data or {})
     if not named or not all(isinstance(f, Files) for f in named.values()):
         raise ConfigError("task.data must be @files(), @tfds_data(), @bible(), or a dict "
                           "{name: @name/files()} of a mixture")

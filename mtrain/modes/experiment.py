@@ -81,7 +81,7 @@ class RunConfig:
 
     model_dir: str = ""
     mode: str = "train"
-    task: str = "bible_lm"
+    task: "str | tasks_lib.Task" = "bible_lm"  # a shipped task's name, or @task()
     data_dir: str | None = None
     data_source: str | None = None
     mesh_shape: str = ""
@@ -162,13 +162,16 @@ class Experiment:
     def _batches(self, split: str, train: bool):
         """This process's rows of each global batch (`Trainer.local_rows`)."""
         start, stop = self.trainer.local_rows()
+        source = (self.source.streams(split) if hasattr(self.source, "streams")
+                  else self.source)  # a user's files (`data.user_data`), or a text corpus
         return pipeline.batches(
-            self.source, self.vocab, split, self.task.features, self.sequence_length,
+            source, self.vocab, split, self.task.features or None, self.sequence_length,
             self.batch_size, self.config.seed, train=train,
             shard=(start // (stop - start), self.batch_size // (stop - start)),
             process=(jax.process_index(), jax.process_count()),
             workers=(pipeline.default_workers() if self.config.data_workers is None
                      else self.config.data_workers),
+            start_id=getattr(self.model_config, "start_id", 0),
         )
 
     def model_meta(self, vocab: Vocabulary) -> dict:

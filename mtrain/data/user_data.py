@@ -1,0 +1,127 @@
+"""The data of a task that reads a user's files (`tasks.task` with `prepared.Files`): each
+source prepared (`prepared.prepare`), and each split as the streams the pipeline mixes.
+
+`UserData` stands where a text corpus (`sources.TextSource`) stands for the shipped tasks:
+it checks splits, counts examples, fingerprints what decides the examples (saved with
+checkpoints), and gives the pipeline each split's `lanes.Stream`s, weighted by the task's
+mixture. Evaluation passes over every source's split in turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterator
+
+from etils import epath
+
+from mtrain.data import files as files_lib
+from mtrain.data.chat import ChatTemplate
+from mtrain.data.lanes import Stream
+from mtrain.data.prepared import PreparedSource, prepare
+from mtrain.data.vocabulary import DEFAULT_SIZE
+from mtrain.errors import DataError
+from mtrain.io.model_dir import ModelDir
+
+log = logging.getLogger("mtrain")
+
+
+class UserData:
+    def __init__(self, task, sources: dict[str, PreparedSource]):
+        self.task, self.sources = task, dict(sources)
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(s for s in ("train", "validation", "test")
+                     if all(s in p.splits for p in self.sources.values()))
+
+    def check_split(self, split: str) -> str:
+        for source in self.sources.values():
+            source.check_split(split)
+        return split
+
+    def num_examples(self, split: str) -> int:
+        return sum(p.num_examples(split) for p in self.sources.values())
+
+    def streams(self, split: str) -> list[Stream]:
+        weights = self.task.mixture or {}
+        return [Stream(name, p.records(split), p.format, float(weights.get(name, 1.0)),
+                       p.fingerprint()) for name, p in self.sources.items()]
+
+    def fingerprint(self) -> str:
+        return "; ".join(f"{name}: {p.fingerprint()}" for name, p in self.sources.items())
+
+    def description(self) -> str:
+        return f"UserData({', '.join(self.sources)})"
+
+    def check_loss_fraction(self, split: str = "train") -> None:
+        """Says when a run starts with an implausible share of tokens carrying loss: below
+        1 %, or all of them in a chat (its assistant mask is then likely wrong)."""
+        for name, p in self.sources.items():
+            fraction = p.loss_fraction(split)
+            c = p.info["splits"][split]
+            log.info("%s: %d %s examples, %d tokens, %d (%.1f%%) carry loss", name,
+                     c["examples"], split, c["tokens"], c["loss_tokens"], 100 * fraction)
+            if fraction < 0.01:
+                log.warning("%s: only %.2f%% of the %s tokens carry loss: check the "
+                            "format's masks", name, 100 * fraction, split)
+            elif fraction == 1.0 and "Chat(" in p.info["format"]:
+                log.warning("%s: every token of the chats carries loss: the template's "
+                            "assistant mask is likely wrong", name)
+
+
+def texts(task, limit: int = 1_000_000) -> Iterator[str]:
+    """The strings of the first `limit` training records of each source of `task` (what a
+    vocabulary is trained on, where the run has none)."""
+    for name, spec in task.data.items():
+        fmt = spec.make_format(_NoTemplate()) if spec.format == "chat" else spec.make_format()
+        if not fmt.needs_tokenizer:
+            raise DataError(f"source {name!r} is pre-tokenized: name its vocabulary "
+                            f"(vocabulary.path, or start from an import)")
+        for _, record in itertools.islice(spec.records("train"), limit):
+            yield from fmt.texts(record)
+
+
+class _NoTemplate:
+    """(A chat format's texts need no template.)"""
+
+    def describe(self) -> str:
+        return "none"
+
+
+def prepare_task(task, vocab, data_dir: str, template=None) -> UserData:
+    """Every source of `task` prepared with `vocab` (`template`: the chat template of the
+    run, where a source has no `chat_template` of its own)."""
+    sources = {}
+    for name, spec in task.data.items():
+        own = template
+        if spec.chat_template:
+            own = ChatTemplate(epath.Path(spec.chat_template).read_text(), vocab,
+                               name=spec.chat_template)
+        fmt = spec.make_format(own) if spec.format == "chat" else spec.make_format()
+        sources[name] = prepare(spec, fmt, vocab, data_dir, name)
+    return UserData(task, sources)
+
+
+def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
+                unrecorded: str | None, model_dir: str | None, eval_split: str):
+    """(source, vocabulary) of a run of a task that reads files: the vocabulary (the model
+    dir's `recorded` one, an import's, vocabulary.path, or one trained on the files' texts,
+    cached by the files' identity: `VocabularyConfig.choose`), then every source prepared
+    with it and the model dir's chat template (an import keeps its folder's)."""
+    identity = files_lib.identity([p for spec in task.data.values()
+                                   for p in spec.splits().get("train", [])])
+    cached = os.path.join(data_dir, "vocab", f"{task.name}-{identity}",
+                          f"spm_{vocab_config.size or DEFAULT_SIZE}.model")
+    vocab = vocab_config.choose(recorded, cached, lambda: texts(task),
+                                f"the {task.name} training files", where=model_dir,
+                                unrecorded=unrecorded)
+    template = None
+    template_file = ModelDir(model_dir).chat_template if model_dir else None
+    if template_file and epath.Path(template_file).exists():
+        template = ChatTemplate(epath.Path(template_file).read_text(), vocab,
+                                name=template_file)
+    source = prepare_task(task, vocab, data_dir, template)
+    source.check_split(eval_split)
+    return source, vocab

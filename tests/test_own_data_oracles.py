@@ -1,0 +1,85 @@
+"""A user's own data through the command line, against what transformers and torch computed
+(../shared/oracles): chat and prompt/completion files evaluated by an imported Qwen2 with the
+loss on the assistant's tokens (TRL's), and llama_gqa fine-tuned on a pre-tokenized file by
+torch's AdamW steps (finetune.npz)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from test_finetune_exact import TORCH_ADAMW, finetune_oracle
+from test_oracles import ORACLES, import_folder
+
+from mtrain.__main__ import main
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
+SFT = os.path.join(ORACLES, "sft")
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen2")
+    import_folder(os.path.join(ORACLES, "qwen2"), root / "m")
+    return root / "m"
+
+
+def metrics(model_dir) -> list[dict]:
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def evaluate(model_dir, data_dir, *params) -> dict:
+    args = [f"--gin_file={model_dir}/config.gin", "--mode=eval", f"--model_dir={model_dir}",
+            f"--gin_param=run.data_dir='{data_dir}'", "--gin_param=run.task=@task()",
+            "--gin_param=task.data=@files()", "--gin_param=run.batch_size=4",
+            "--gin_param=run.sequence_length=128",
+            "--gin_param=run.mesh_shape='batch:4;model:2'", *[f"--gin_param={p}" for p in params]]
+    assert main(args) == 0
+    return [m for m in metrics(model_dir) if "eval/loss" in m][-1]
+
+
+def test_chat_file_evaluates_to_trls_assistant_only_loss(qwen2, tmp_path):
+    """chat_qwen2.jsonl rendered by the import's own template, masked to the assistant's
+    tokens: eval/loss is transformers' masked mean loss over its 76 tokens (1e-4: a mean of
+    float32 log-probabilities against torch's)."""
+    want = np.load(os.path.join(SFT, "chat_qwen2.npz"))
+    got = evaluate(qwen2, tmp_path / "data", f"files.validation='{SFT}/chat_qwen2.jsonl'",
+                   "files.format='chat'")
+    assert got["eval/num_tokens"] == int(want["masked_tokens"])
+    assert abs(got["eval/loss"] - float(want["masked_mean_loss"])) < 1e-4
+
+
+def test_prompt_completion_file_evaluates_to_the_completions_loss(qwen2, tmp_path):
+    want = np.load(os.path.join(SFT, "chat_qwen2.npz"))
+    mask = want["pc_mask_flat"].astype(bool)
+    loss = -want["pc_logprob_flat"][mask].mean()
+    got = evaluate(qwen2, tmp_path / "data",
+                   f"files.validation='{SFT}/chat_qwen2_prompt_completion.jsonl'",
+                   "files.format='prompt_completion'")
+    assert got["eval/num_tokens"] == mask.sum()
+    assert abs(got["eval/loss"] - loss) < 1e-4
+
+
+def test_fine_tuning_on_a_pretokenized_file_takes_torchs_adamw_steps(tmp_path):
+    """finetune.npz's batch as a JSONL of `input_ids`, read after the import's bos with
+    nothing appended: three logged losses within 1e-5 relative of torch's (as
+    test_finetune_exact, through the whole command line)."""
+    want = finetune_oracle()
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n"
+                            for row in want["targets"]))
+    import_folder(os.path.join(ORACLES, "llama_gqa"), tmp_path / "m")
+    args = [f"--gin_file={tmp_path}/m/config.gin", f"--model_dir={tmp_path}/m",
+            f"--gin_param=run.data_dir='{tmp_path}/data'", "--gin_param=run.task=@task()",
+            "--gin_param=task.data=@files()", f"--gin_param=files.train='{data}'",
+            f"--gin_param=files.validation='{data}'", "--gin_param=files.format='pretokenized'",
+            "--gin_param=run.train_steps=3", "--gin_param=run.log_every=1",
+            "--gin_param=run.checkpoint_every=3", "--gin_param=run.data_workers=0",
+            "--gin_param=run.mesh_shape='batch:2;model:4'",
+            "--gin_param=run.mesh_shape='batch:2;model:4'",
+            *[f"--gin_param={p}" for p in TORCH_ADAMW]]
+    assert main(args) == 0
+    losses = [m["train/loss"] for m in metrics(tmp_path / "m") if "train/loss" in m]
+    np.testing.assert_allclose(losses, want["losses"], rtol=1e-5)
