@@ -83,3 +83,14 @@ def test_fine_tuning_on_a_pretokenized_file_takes_torchs_adamw_steps(tmp_path):
     assert main(args) == 0
     losses = [m["train/loss"] for m in metrics(tmp_path / "m") if "train/loss" in m]
     np.testing.assert_allclose(losses, want["losses"], rtol=1e-5)
+
+
+def test_an_import_combines_with_a_task_file(qwen2, tmp_path):
+    """A task file names data, not a vocabulary (its size is a default for runs that train
+    one): an import's tokenizer and a shipped task go together (refused on ba310d7)."""
+    args = [f"--gin_file={qwen2}/config.gin", "--gin_file=tasks/bible_lm.gin", "--mode=eval",
+            f"--model_dir={qwen2}", f"--gin_param=run.data_dir='{tmp_path}/data'",
+            "--gin_param=run.batch_size=8",
+            "--gin_param=run.sequence_length=32", "--gin_param=run.mesh_shape='batch:8'"]
+    assert main(args) == 0
+    assert [m for m in metrics(qwen2) if "eval/loss" in m][-1]["eval/num_tokens"] > 1000
