@@ -30,7 +30,7 @@ def build(path):
     run_lib.parse_config([path], [])
     vocab = gin.query_parameter("vocabulary.size")
     config = mtrain_config.transformer(vocab_size=128 * math.ceil(vocab / 128))
-    task = tasks.get_task(gin.query_parameter("run.task"))
+    task = tasks.get_task(mtrain_config.run_config().task)  # (a name, or @task())
     model = (EncoderDecoder if task.kind == "translation" else DecoderLM)(config)
     batch, length = gin.query_parameter("run.batch_size"), gin.query_parameter("run.sequence_length")
     ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
