@@ -62,6 +62,7 @@ def test_prompt_completion_file_evaluates_to_the_completions_loss(qwen2, tmp_pat
     assert abs(got["eval/loss"] - loss) < 1e-4
 
 
+@pytest.mark.slow  # (test_finetune_exact holds the same steps in the fast tier)
 def test_fine_tuning_on_a_pretokenized_file_takes_torchs_adamw_steps(tmp_path):
     """finetune.npz's batch as a JSONL of `input_ids`, read after the import's bos with
     nothing appended: three logged losses within 1e-5 relative of torch's (as
@@ -85,6 +86,7 @@ def test_fine_tuning_on_a_pretokenized_file_takes_torchs_adamw_steps(tmp_path):
     np.testing.assert_allclose(losses, want["losses"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_an_import_combines_with_a_task_file(qwen2, tmp_path):
     """A task file names data, not a vocabulary (its size is a default for runs that train
     one): an import's tokenizer and a shipped task go together (refused on ba310d7)."""
