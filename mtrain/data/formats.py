@@ -18,7 +18,8 @@ the sequence length and `packing` packs them into rows. The formats:
 The two fine-tuning formats `reads_first`: their ids are the model's input as they are (the
 template decides whether a BOS comes first, as transformers and TRL feed them), so the first
 id of an example is read, not predicted, and nothing is read before it. Their batches carry
-the token read before each target (`losses.INPUTS`) and the weights (`losses.WEIGHTS`); so do
+the token read before each target (`base.READ_INPUTS`) and the weights
+(`base.LOSS_WEIGHTS`); so do
 those of a mixture that holds one, where the examples of the other formats read the model's
 start token first, as they always do.
 
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mtrain.errors import DataError
+from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
 
 Flat = tuple[np.ndarray, np.ndarray]  # (values int32, row splits int64)
 
@@ -214,8 +216,8 @@ def _gather(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> Flat:
 def pieces(encoded: Encoded, length: int, *, reads_first: bool, start_id: int,
            with_inputs: bool) -> tuple[dict[str, Flat], np.ndarray]:
     """The packed keys of a window (see the module doc): "targets" (and "inputs" for
-    translation), and with `with_inputs` also `losses.INPUTS` and `losses.WEIGHTS` aligned
-    with "targets"; and the example of each piece."""
+    translation), and with `with_inputs` also `base.READ_INPUTS` and `base.LOSS_WEIGHTS`
+    aligned with "targets"; and the example of each piece."""
     keys = encoded.keys
     if "inputs" in keys:  # translation: trimmed by packing
         return dict(keys), np.arange(len(keys["targets"][1]) - 1)
@@ -246,8 +248,8 @@ def pieces(encoded: Encoded, length: int, *, reads_first: bool, start_id: int,
             inputs = np.empty_like(targets[0])
             inputs[1:] = targets[0][:-1]
             inputs[targets[1][:-1][sizes > 0]] = start_id
-        out["targets_inputs"] = (inputs, targets[1])
-        out["targets_weights"] = (_gather(weights, starts, sizes)[0], targets[1])
+        out[READ_INPUTS] = (inputs, targets[1])
+        out[LOSS_WEIGHTS] = (_gather(weights, starts, sizes)[0], targets[1])
     return out, example
 
 

@@ -32,7 +32,7 @@ from mtrain.data import formats, packing
 from mtrain.data.sources import read
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError
-from mtrain.models.base import batch_keys
+from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys
 
 Rows = dict[str, np.ndarray]  # batch key -> [rows, sequence_length] int32
 PERIOD = 1000  # slots in a mixture's pattern: weights count in thousandths
@@ -90,11 +90,9 @@ class PackWindow:
         if len(parts) > 1:  # the pieces in the window's order
             keys = formats.take(keys, np.argsort(np.concatenate(where), kind="stable"))
         arrays = [a for key in self.keys for a in keys[key]]
-        aligned = [keys[k][0] for k in ("targets_inputs", "targets_weights") if k in keys]
-        packed = packing.pack_arrays(arrays, self.length, tuple(aligned))
-        names = batch_keys(self.keys) + [k for k in ("targets_inputs", "targets_weights")
-                                         if k in keys]
-        return dict(zip(names, packed))
+        aligned = [k for k in (READ_INPUTS, LOSS_WEIGHTS) if k in keys]
+        packed = packing.pack_arrays(arrays, self.length, tuple(keys[k][0] for k in aligned))
+        return dict(zip(batch_keys(self.keys) + aligned, packed))
 
 
 class Mixture:

@@ -7,7 +7,10 @@ A model is a flax `nn.Module`, built as ``model(config)`` from the run's `Transf
 
 - `features`: the packed features `__call__` takes, e.g. ``("inputs", "targets")``. A batch
   holds each as tokens, segment ids and positions under `batch_keys`; ``targets`` is what
-  the loss predicts, and its segment ids > 0 mark the real tokens.
+  the loss predicts, and its segment ids > 0 mark the real tokens. A language model's batch
+  may also hold `LOSS_WEIGHTS` (which real targets carry loss: a chat's loss is on what the
+  assistant says) and `READ_INPUTS` (the token read before each target, passed to
+  ``__call__`` as `inputs`), as the fine-tuning formats make them (`data.formats`).
 - `config`: a frozen dataclass with `vocab_size`. Its fields marked `shape_field()` change
   the parameters' shapes: a checkpoint must agree on all of them (`shape_fields`).
 - ``__call__(*[batch[k] for k in batch_keys(features)], deterministic, return_hidden)``:
@@ -60,6 +63,9 @@ def shape_fields(config: Any) -> dict[str, Any]:
         elif value is not None:
             out[f.name] = value
     return out
+
+
+LOSS_WEIGHTS, READ_INPUTS = "targets_weights", "targets_inputs"  # optional batch keys
 
 
 def batch_keys(features: Sequence[str]) -> list[str]:

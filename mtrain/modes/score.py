@@ -31,6 +31,7 @@ import numpy as np
 from mtrain.io.checkpoints import restore_for_reading
 from mtrain.errors import ConfigError
 from mtrain.evaluation.heldout import scored_words
+from mtrain.models.base import LOSS_WEIGHTS
 from mtrain.modes.experiment import Experiment
 from mtrain.io.metrics import MetricsWriter, log
 from mtrain.io.model_dir import ModelDir
@@ -96,7 +97,7 @@ def _batch(exp: Experiment, rows: list[dict]) -> dict[str, np.ndarray]:
         weights = np.zeros(shape, np.int32)
         for row, e in enumerate(rows):
             weights[row, :len(e["targets"])] = e.get("weights", 1)
-        batch["targets_weights"] = weights
+        batch[LOSS_WEIGHTS] = weights
     return batch
 
 

@@ -11,19 +11,15 @@ import numpy as np
 
 from mtrain.parallel import layout as layout_lib
 from mtrain.errors import ConfigError
+from mtrain.models.base import LOSS_WEIGHTS
 from mtrain.parallel.layout import constrain
-
-
-# Optional batch keys of a language model's batch (`data.formats`): the loss weight of each
-# target (0 or 1: a chat's loss is on what the assistant says) and the token read before it.
-WEIGHTS, INPUTS = "targets_weights", "targets_inputs"
 
 
 def loss_weights(batch) -> jax.Array:
     """Which targets of `batch` carry loss (bool [batch, length]): the real ones (segment id
-    > 0), and of those the ones its `WEIGHTS` mark, where it has them."""
+    > 0), and of those the ones its `base.LOSS_WEIGHTS` mark, where it has them."""
     real = batch["targets_segment_ids"] > 0
-    return real & (batch[WEIGHTS] > 0) if WEIGHTS in batch else real
+    return real & (batch[LOSS_WEIGHTS] > 0) if LOSS_WEIGHTS in batch else real
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from mtrain.errors import ConfigError
 from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
                                    tree_shardings)
 from mtrain.training.losses import LossConfig
-from mtrain.models.base import batch_keys, packed_rows, packing_of
+from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
 from mtrain.training.placement import PlacedBatch, local_rows
 
 Batch = dict[str, Any]
@@ -158,8 +158,8 @@ class Trainer:
         `stats`, ``(out, statistics)``: its experts' (`moe.summary`; {} without)."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
-        if losses.INPUTS in batch:  # the tokens read before the targets, as the data gives
-            kwargs["inputs"] = batch[losses.INPUTS]
+        if READ_INPUTS in batch:  # the tokens read before the targets, as the data gives
+            kwargs["inputs"] = batch[READ_INPUTS]
         with packed_rows(getattr(batch, "packing", None)):
             out = self.model.apply({"params": params}, *args, deterministic=deterministic,
                                    rngs=rngs, mutable=[moe.STATS] if stats else False, **kwargs)
