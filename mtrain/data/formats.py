@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mtrain.data.sentencepiece_vocabulary import flat_ids
 from mtrain.errors import DataError
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
 
@@ -54,7 +55,8 @@ class Encoded:
 
 
 def flat(ids: Sequence[Sequence[int]]) -> Flat:
-    """Lists of ids as (flat int32 values, int64 row splits)."""
+    """Arrays of ids as (flat int32 values, int64 row splits) (lists of Python ints:
+    `sentencepiece_vocabulary.flat_ids`, faster for those)."""
     lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
     splits = np.zeros(len(ids) + 1, np.int64)
     np.cumsum(lengths, out=splits[1:])
@@ -92,6 +94,13 @@ class Format:
             raise DataError(f"{where}: {name!r} is a {type(value).__name__}, not a "
                             f"{' or '.join(t.__name__ for t in types)}")
         return value
+
+
+def _weighted(examples) -> Encoded:
+    """Examples given as (ids, loss weights) lists, as one window."""
+    pairs = list(examples)
+    return Encoded({"targets": flat_ids([ids for ids, _ in pairs])},
+                   flat_ids([weights for _, weights in pairs])[0])
 
 
 def _where(where: Sequence[str], i: int) -> str:
@@ -154,14 +163,9 @@ class Chat(Format):
     reads_first = True
 
     def encode(self, records, vocab, where=()) -> Encoded:
-        ids, weights = [], []
-        for i, r in enumerate(records):
-            messages = self._field(r, self.column, _where(where, i), (list,))
-            x, mask = self.template.encode(messages, where=_where(where, i))
-            ids.append(x)
-            weights.append(mask)
-        values, splits = flat(ids)
-        return Encoded({"targets": (values, splits)}, flat(weights)[0])
+        return _weighted(self.template.encode(
+            self._field(r, self.column, _where(where, i), (list,)), where=_where(where, i))
+            for i, r in enumerate(records))
 
     def texts(self, record):
         return [m.get("content", "") for m in record.get(self.column, [])
@@ -180,15 +184,9 @@ class PromptCompletion(Format):
     def encode(self, records, vocab, where=()) -> Encoded:
         from mtrain.data.chat import prompt_completion
 
-        ids, weights = [], []
-        for i, r in enumerate(records):
-            prompt = self._field(r, self.prompt, _where(where, i))
-            completion = self._field(r, self.completion, _where(where, i))
-            x, mask = prompt_completion(vocab, prompt, completion)
-            ids.append(x)
-            weights.append(mask)
-        values, splits = flat(ids)
-        return Encoded({"targets": (values, splits)}, flat(weights)[0])
+        return _weighted(prompt_completion(vocab, self._field(r, self.prompt, _where(where, i)),
+                                           self._field(r, self.completion, _where(where, i)))
+                         for i, r in enumerate(records))
 
     def texts(self, record):
         return [record.get(self.prompt, ""), record.get(self.completion, "")]
