@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -89,7 +90,8 @@ class Files:
         return out
 
     def make_format(self, template=None) -> formats.Format:
-        """The `formats.Format` of these records (`template`: a chat's `ChatTemplate`)."""
+        """The `formats.Format` of these records (`template`: a chat's `ChatTemplate`, which
+        only encoding needs: its texts are read without one)."""
         c = dict(self.columns or {})
         if self.format in ("text", "text_file"):
             return formats.Text(c.get("text", "text"))
@@ -101,25 +103,15 @@ class Files:
             return formats.PromptCompletion(c.get("prompt", "prompt"),
                                             c.get("completion", "completion"))
         if self.format == "chat":
-            if template is None:
-                raise DataError("files.format='chat' needs a chat template: import a model "
-                                "that has one (--mode=import keeps it in the model dir), or "
-                                "name a file with files.chat_template")
             return formats.Chat(template, c.get("messages", "messages"))
         raise DataError(f"files.format={self.format!r}; use one of {', '.join(FORMATS)}")
 
     def reader_kind(self) -> str | None:
         return "text_file" if self.format == "text_file" else self.file_kind
 
-    def records(self, split: str, limit: int | None = None):
+    def records(self, split: str):
         """(where, record) of a split's raw records in order (vocabulary training)."""
-        n = 0
-        for path in self.splits().get(split, []):
-            for number, record in files_lib.read(path, self.reader_kind()):
-                if limit is not None and n >= limit:
-                    return
-                n += 1
-                yield f"{path} line {number}", record
+        return _located(self.splits().get(split, []), self.reader_kind())
 
 
 def _held_out(ordinals: np.ndarray, fraction: float) -> np.ndarray:
@@ -138,10 +130,11 @@ def _key(spec: Files, splits: dict, fmt: formats.Format, vocab) -> str:
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
-def prepare(spec: Files, fmt: formats.Format, vocab, data_dir: str,
-            name: str = "files") -> "PreparedSource":
-    """The prepared copy of `spec`'s files (made now if there is none: module doc)."""
-    splits = spec.splits()
+def prepare(spec: Files, fmt: formats.Format, vocab, data_dir: str, name: str = "files",
+            splits: dict | None = None) -> "PreparedSource":
+    """The prepared copy of `spec`'s files (made now if there is none: module doc);
+    `splits`: their `Files.splits`, where the caller has them."""
+    splits = splits or spec.splits()
     key = _key(spec, splits, fmt, vocab)
     directory = epath.Path(data_dir) / "prepared" / f"{name}-{key}"
     if not (directory / "info.json").exists():
@@ -167,7 +160,7 @@ def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> 
     try:
         for split, paths in splits.items():
             ordinal = 0
-            for block in _blocks(paths, spec.reader_kind()):
+            for block in itertools.batched(_located(paths, spec.reader_kind()), BLOCK):
                 where, records = zip(*block)
                 encoded = fmt.encode(list(records), vocab, list(where))
                 into = np.full(len(records), split, object)
@@ -183,36 +176,31 @@ def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> 
                     c["loss_tokens"] += int(example[1].sum()) if example[1] is not None else \
                         len(example[0][-1])
     except BaseException:
-        for writer in writers.values():
-            writer.close()
         shutil.rmtree(work, ignore_errors=True)
         raise
-    for writer in writers.values():
-        writer.close()
+    finally:
+        for writer in writers.values():
+            writer.close()
     info = {"format": fmt.describe(), "splits": counts}
     (work / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     work.rename(directory)
 
 
-def _blocks(paths, kind):
-    block = []
+def _located(paths, kind):
+    """(where, record) of every record of `paths` in order: where is "FILE line N" (or
+    "row N" of a Parquet file), for messages."""
     for path in paths:
+        unit = "row" if (kind or files_lib.file_kind(path)) == "parquet" else "line"
         for number, record in files_lib.read(path, kind):
-            block.append((f"{path} line {number}" if kind != "parquet" else
-                          f"{path} row {number}", record))
-            if len(block) == BLOCK:
-                yield block
-                block = []
-    if block:
-        yield block
+            yield f"{path} {unit} {number}", record
 
 
 def _examples(encoded: formats.Encoded):
     """Each example of a window: ([ids of each key], its weights or None)."""
     keys = list(encoded.keys.values())
+    t = encoded.keys["targets"][1]
     for i in range(len(keys[0][1]) - 1):
         ids = [values[splits[i]:splits[i + 1]] for values, splits in keys]
-        t = encoded.keys["targets"][1]
         yield ids, (None if encoded.weights is None else encoded.weights[t[i]:t[i + 1]])
 
 

@@ -75,7 +75,7 @@ def texts(task, limit: int = 1_000_000) -> Iterator[str]:
     """The strings of the first `limit` training records of each source of `task` (what a
     vocabulary is trained on, where the run has none)."""
     for name, spec in task.data.items():
-        fmt = spec.make_format(_NoTemplate()) if spec.format == "chat" else spec.make_format()
+        fmt = spec.make_format()
         if not fmt.needs_tokenizer:
             raise DataError(f"source {name!r} is pre-tokenized: name its vocabulary "
                             f"(vocabulary.path, or start from an import)")
@@ -83,24 +83,24 @@ def texts(task, limit: int = 1_000_000) -> Iterator[str]:
             yield from fmt.texts(record)
 
 
-class _NoTemplate:
-    """(A chat format's texts need no template.)"""
-
-    def describe(self) -> str:
-        return "none"
+def _template(path: str, vocab) -> ChatTemplate:
+    return ChatTemplate(epath.Path(path).read_text(), vocab, name=path)
 
 
-def prepare_task(task, vocab, data_dir: str, template=None) -> UserData:
+def prepare_task(task, vocab, data_dir: str, template=None,
+                 splits: dict | None = None) -> UserData:
     """Every source of `task` prepared with `vocab` (`template`: the chat template of the
-    run, where a source has no `chat_template` of its own)."""
+    run, where a source has no `chat_template` of its own; `splits`: each source's
+    `Files.splits`, where the caller has them)."""
     sources = {}
     for name, spec in task.data.items():
-        own = template
-        if spec.chat_template:
-            own = ChatTemplate(epath.Path(spec.chat_template).read_text(), vocab,
-                               name=spec.chat_template)
-        fmt = spec.make_format(own) if spec.format == "chat" else spec.make_format()
-        sources[name] = prepare(spec, fmt, vocab, data_dir, name)
+        own = _template(spec.chat_template, vocab) if spec.chat_template else template
+        if spec.format == "chat" and own is None:
+            raise DataError("files.format='chat' needs a chat template: import a model that "
+                            "has one (--mode=import keeps it in the model dir), or name a "
+                            "file with files.chat_template")
+        sources[name] = prepare(spec, spec.make_format(own), vocab, data_dir, name,
+                                (splits or {}).get(name))
     return UserData(task, sources)
 
 
@@ -110,18 +110,16 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
     dir's `recorded` one, an import's, vocabulary.path, or one trained on the files' texts,
     cached by the files' identity: `VocabularyConfig.choose`), then every source prepared
     with it and the model dir's chat template (an import keeps its folder's)."""
-    identity = files_lib.identity([p for spec in task.data.values()
-                                   for p in spec.splits().get("train", [])])
+    splits = {name: spec.splits() for name, spec in task.data.items()}
+    identity = files_lib.identity([p for s in splits.values() for p in s.get("train", [])])
     cached = os.path.join(data_dir, "vocab", f"{task.name}-{identity}",
                           f"spm_{vocab_config.size or DEFAULT_SIZE}.model")
     vocab = vocab_config.choose(recorded, cached, lambda: texts(task),
                                 f"the {task.name} training files", where=model_dir,
                                 unrecorded=unrecorded)
-    template = None
     template_file = ModelDir(model_dir).chat_template if model_dir else None
-    if template_file and epath.Path(template_file).exists():
-        template = ChatTemplate(epath.Path(template_file).read_text(), vocab,
-                                name=template_file)
-    source = prepare_task(task, vocab, data_dir, template)
+    template = (_template(template_file, vocab)
+                if template_file and epath.Path(template_file).exists() else None)
+    source = prepare_task(task, vocab, data_dir, template, splits)
     source.check_split(eval_split)
     return source, vocab
