@@ -144,11 +144,9 @@ def lane_windows(sizes: Sequence[int], lane: int, lanes: int, seed: int, window:
     """Lane `lane` of `lanes` over streams of `sizes` examples as a Grain MapDataset: window
     w -> its packed rows. A stream's examples in the lane are every `lanes`-th from `lane`
     on, shuffled anew every epoch; with one stream Grain shuffles their indices, and each
-    window reads its examples at once; a `mixture` takes them by its pattern."""
+    window reads its examples at once; a `mixture` takes them by its pattern. (Every
+    stream has an example for every lane: `pipeline.batches` checks it.)"""
     def stream(s: int, size: int) -> grain.MapDataset:
-        if size <= lane:
-            raise DataError(f"a source has {size} examples, fewer than the batch size "
-                            f"{lanes}: some batch rows would have nothing to train on")
         more = () if mixture is None else (s + 1,)
         return (grain.MapDataset.range(lane, size, lanes)
                 .shuffle(seed=lane_seed(seed, lane, *more)).repeat())  # reshuffled every epoch

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
+from mtrain.data import files
 from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
 from mtrain.errors import DataError, first_line
 
@@ -178,20 +179,14 @@ def tfds_data_dir(data_dir: str, data_source: str | None) -> Path:
 
 def raw_files_identity(root: Path) -> str:
     """A short digest of every file under `root` (following links, as the builders read
-    them): its path relative to `root`, its size and its modification time in ns. Any of
-    them changed, a file added or removed, changes it; reading them costs one stat each."""
-    entries = []
-    for directory, subdirs, files in os.walk(root, followlinks=True):
+    them; a dangling link, which they cannot read either, left out): `files.identity`, of
+    each one's path, size and modification time. Any of them changed, a file added or
+    removed, changes it; reading them costs one stat each."""
+    paths = []
+    for directory, subdirs, names in os.walk(root, followlinks=True):
         subdirs.sort()
-        for name in sorted(files):
-            path = Path(directory) / name
-            try:
-                stat = path.stat()
-            except OSError:  # a dangling link: the builder cannot read it either
-                continue
-            entries.append(f"{path.relative_to(root).as_posix()}\t{stat.st_size}\t"
-                           f"{stat.st_mtime_ns}\n")
-    return hashlib.sha1("".join(entries).encode()).hexdigest()[:8]
+        paths += [p for p in (Path(directory) / name for name in sorted(names)) if p.exists()]
+    return files.identity(paths)[:8]
 
 
 def _shipped_raw_tree(name: str, data_dir: str) -> str:

@@ -99,7 +99,7 @@ def scored_words(vocab, text: str, ids: list[int], cut: bool) -> int:
 
 def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     """Counts over the held-out split of a language-modelling task, computed once per
-    source, vocabulary, split and length (a run evaluates many times).
+    source, vocabulary and split (a run evaluates many times).
 
     - ``words``: the words whose tokens the evaluation scores (`scored_words`). Word-level
       perplexity is exp(total token log-loss / words), the number T2T and the Mesh-TF paper
@@ -107,13 +107,13 @@ def heldout_statistics(exp, max_texts: int = 200_000) -> dict:
     - ``unigram_perplexity``: perplexity of the held-out tokens under the (add-one) unigram
       model of at most `max_texts` training texts: the baseline a language model must beat.
     """
-    return _heldout(exp.source, exp.vocab, exp.eval_split, exp.sequence_length, max_texts)
+    return _heldout(exp.source, exp.vocab, exp.eval_split, max_texts)
 
 
 @functools.lru_cache(maxsize=4)
-def _heldout(source, vocab, split: str, length: int, max_texts: int) -> dict:
-    """(Evaluation cuts a text longer than `length` into pieces and scores every token:
-    `data.formats.pieces`; `length` stays in the cache key for the callers.)"""
+def _heldout(source, vocab, split: str, max_texts: int) -> dict:
+    """(Evaluation cuts a text longer than the sequence into pieces and scores every token,
+    `data.formats.pieces`: the counts do not depend on the sequence length.)"""
     train_ids = np.fromiter(itertools.chain.from_iterable(
         vocab.encode(text) + [vocab.eos_id]
         for text in source.texts("train", limit=max_texts)), np.int64)
