@@ -87,6 +87,14 @@ def test_jsonl_is_scored_by_its_fields_not_as_text(lm_dir, tmp_path, capsys):
     assert [r["log_likelihood"] for r in outs[0]] == pytest.approx(
         [r["log_likelihood"] for r in outs[1]], rel=1e-6)
     assert all(0 > c["log_likelihood"] > t["log_likelihood"] for c, t in zip(outs[2], outs[0]))
+    # A completion longer than the sequence: its last 32 tokens, after none of the prompt.
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "in the beginning",
+                                "completion": " and God said" * 40}) + "\n")
+    out = tmp_path / "long.out"
+    assert score(lm_dir, f"--input_file={long}", f"--output_file={out}") == 0
+    row = json.loads(out.read_text())
+    assert row["cut"] and row["tokens"] == 32 and row["log_likelihood"] < 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
     capsys.readouterr()

@@ -45,8 +45,9 @@ def _example(exp: Experiment, line: str, number: int, jsonl: bool) -> dict:
     ``prompt`` and ``completion`` (the completion's log-likelihood given the prompt, as
     lm-evaluation-harness's `loglikelihood`: no EOS; a prompt too long loses its start)."""
     vocab, length = exp.vocab, exp.sequence_length
-    record = _record(line, number) if jsonl else {"text": line}
-    if exp.task.kind == "translation":
+    lm = exp.task.kind != "translation"
+    record = (_record(line, number) if jsonl else {"text": line}) if lm else None
+    if not lm:
         if line.count("\t") != 1:
             raise ConfigError(f"--input_file line {number}: a translation task scores lines "
                               f"'source<TAB>target', this one has {line.count(chr(9))} tabs")
@@ -55,10 +56,11 @@ def _example(exp: Experiment, line: str, number: int, jsonl: bool) -> dict:
         ids, cut = vocab.encode_example(text, length)
         rows = [{"inputs": inputs, "targets": ids}]
     elif "prompt" in record:
-        prompt, text = vocab.encode(record["prompt"]), record["completion"]
-        ids = vocab.encode(text)
-        both = (prompt + ids)[-length:]
-        cut = len(prompt) + len(ids) > length
+        text = record["completion"]
+        prompt, completion = vocab.encode(record["prompt"]), vocab.encode(text)
+        both = (prompt + completion)[-length:]
+        cut = len(both) < len(prompt) + len(completion)
+        ids = completion[-length:]  # what is scored of the completion
         rows = [{"targets": both, "weights": [0] * (len(both) - len(ids)) + [1] * len(ids)}]
     else:
         text = record["text"]
@@ -66,7 +68,7 @@ def _example(exp: Experiment, line: str, number: int, jsonl: bool) -> dict:
         cut = len(ids) > length
         rows = [{"targets": ids[i:i + length]} for i in range(0, len(ids), length)]
     return {"rows": rows, "tokens": len(ids), "cut": cut,
-            "words": scored_words(vocab, text, ids, cut and exp.task.kind == "translation"),
+            "words": scored_words(vocab, text, ids, cut and not lm),
             "unknown_pieces": int(sum(i == vocab.unk_id for i in ids))}
 
 
