@@ -149,3 +149,10 @@ def test_mixture_draws_by_weight_and_resumes_exactly(tmp_path, vocab):
         saved = json.loads((tmp_path / f"state{shards}{workers}").glob("*.json").__next__()
                            .read_text())
         assert set(saved["sources"]) == {"code", "web"}
+
+
+def test_a_split_of_empty_files_says_so(tmp_path, vocab):
+    spec = prepared.Files(train=write_jsonl(tmp_path / "empty.jsonl", []))
+    source = prepared.prepare(spec, spec.make_format(), vocab, str(tmp_path / "data"))
+    with pytest.raises(DataError, match="'train' split of .* has no examples"):
+        source.check_split("train")

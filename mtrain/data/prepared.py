@@ -281,6 +281,9 @@ class PreparedSource:
         self._records = {}
 
     def check_split(self, split: str) -> str:
+        if split in self.info["splits"] and split not in self.splits:
+            raise DataError(f"the {split!r} split of {self.directory} has no examples: its "
+                            f"files hold no records")
         if split not in self.splits:
             raise DataError(f"no {split!r} split in {self.directory} (it has "
                             f"{', '.join(self.splits) or 'none'}): name its files "
