@@ -37,6 +37,7 @@ def read_with(model_dir, mode, tmp_path, *args):
     return code, out.read_text().splitlines() if out.exists() else []
 
 
+@pytest.mark.slow  # (TFDS prepares twice; a user's edited files: test_user_data, fast tier)
 def test_own_lm1b_files_recorded_prepared_again_when_edited_and_not_read_by_readers(
         tmp_path, monkeypatch):
     data = tmp_path / "data"
