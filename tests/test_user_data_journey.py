@@ -6,6 +6,8 @@ dir's vocabulary and no data (nothing prepared, a data source that is gone does 
 import json
 import shutil
 
+import pytest
+
 from mtrain import config
 from mtrain.__main__ import main
 from mtrain.data import make_offline, sources
