@@ -345,19 +345,25 @@ def _data(s: RunConfig, task: tasks_lib.Task, vocab_config, recorded: str | None
     for turn in ("first", "rest"):
         if (jax.process_index() == 0) == (turn == "first"):
             with preparing_data(data_dir):  # one run at a time (on a fresh machine)
-                if task.data is not None:  # a user's files
-                    source, vocab = user_data.prepare_run(
-                        task, vocab_config, data_dir, recorded=recorded, unrecorded=unrecorded,
-                        model_dir=s.model_dir, eval_split=s.eval_split)
-                    continue
-                source = task.source(data_dir, s.data_source)
-                source.check_split(s.eval_split)
-                cached = os.path.join(source.cache_dir(data_dir), task.name,
-                                      f"spm_{vocab_config.size or DEFAULT_SIZE}.model")
-                vocab = vocab_config.choose(recorded, cached, lambda: source.texts("train"),
-                                            f"the {task.name} training split",
-                                            where=s.model_dir, unrecorded=unrecorded)
+                source, vocab = _prepare(s, task, vocab_config, data_dir, recorded,
+                                         unrecorded)
         distributed.sync(f"mtrain_data_prepared_{turn}")
+    return source, vocab
+
+
+def _prepare(s: RunConfig, task: tasks_lib.Task, vocab_config, data_dir: str,
+             recorded: str | None, unrecorded: str | None):
+    if task.data is not None:  # a user's files
+        return user_data.prepare_run(task, vocab_config, data_dir, recorded=recorded,
+                                     unrecorded=unrecorded, model_dir=s.model_dir,
+                                     eval_split=s.eval_split)
+    source = task.source(data_dir, s.data_source)
+    source.check_split(s.eval_split)
+    cached = os.path.join(source.cache_dir(data_dir), task.name,
+                          f"spm_{vocab_config.size or DEFAULT_SIZE}.model")
+    vocab = vocab_config.choose(recorded, cached, lambda: source.texts("train"),
+                                f"the {task.name} training split", where=s.model_dir,
+                                unrecorded=unrecorded)
     return source, vocab
 
 

@@ -4,6 +4,7 @@ resumes, and stop with an error, not a hang, when the other process dies."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -161,3 +162,76 @@ def test_sigterm_to_one_process_saves_the_same_step_on_all_and_exits_0(data_dir,
     steps = os.listdir(tmp_path / "run" / "checkpoints")
     assert len(steps) == 1 and int(steps[0]) >= 2
     assert f"SIGTERM: stopped after step {steps[0]}" in outs[0][1]
+
+
+def mixture(tmp_path) -> list[str]:
+    """The gin of a mixture of two JSONL sources at 0.25 / 0.75 (each word its source's)."""
+    params = []
+    for name, word in (("code", "alpha"), ("web", "omega")):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{word} {i} {word} {i * 7}"}) + "\n"
+                                for i in range(400)))
+        params += [f"{name}/files.train='{path}'", f"{name}/files.validation=0.05"]
+    return ["run.task=@task()", "task.data={'code': @code/files(), 'web': @web/files()}",
+            "task.mixture={'code': 0.25, 'web': 0.75}", "run.eval_split='validation'",
+            f"run.data_dir='{tmp_path / 'data'}'", "run.log_every=1",
+            "run.checkpoint_every=2", "run.eval_every=1000", *params]
+
+
+def wait_for(path, procs, timeout=300):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+        time.sleep(0.05)
+
+
+def launch(processes, model_dir, params, mesh):
+    """`processes` `python -m mtrain` processes of one run on 8 CPU devices in all."""
+    if processes == 2:
+        return start_processes(model_dir, *params, files=[mesh], base=[])
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
+    return [subprocess.Popen([sys.executable, "-m", "mtrain", "--cpu_devices=8", mesh,
+                              *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}"],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)]
+
+
+def finish(procs):
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), outs[0][1][-3000:]
+
+
+@pytest.mark.slow
+def test_a_mixture_killed_at_random_resumes_with_the_rows_of_an_unbroken_run(tmp_path):
+    """A mixture's run killed (SIGKILL) after a checkpoint picked at random, then run again,
+    takes the steps an unbroken run takes: each source's position is in the checkpoint. One
+    process with 2 workers ends bit for bit as an unbroken process; two processes (no
+    workers) within 1e-5, the order of float32 sums in their collectives (see the first
+    test). The realised proportions are in the train log."""
+    params = [*TINY, *mixture(tmp_path), "run.train_steps=8"]
+    mesh = "--gin_param=run.mesh_shape='batch:4;model:2'"
+    finish(launch(1, tmp_path / "unbroken", params, mesh))
+    expected = losses(tmp_path / "unbroken")
+    with open(tmp_path / "unbroken" / "metrics.jsonl") as f:
+        last = [r for r in map(json.loads, f) if "train/loss" in r][-1]
+    assert abs(last["train/mixture/code"] - 0.25) < 0.02, last
+    rng = random.Random(48)
+    for processes, workers in ((1, 2), (2, 0)):
+        model_dir = tmp_path / f"run{processes}"
+        killed_after = rng.choice([2, 4, 6])
+        run = [*params, f"run.data_workers={workers}"]
+        procs = launch(processes, model_dir, run, mesh)
+        wait_for(model_dir / "checkpoints" / str(killed_after) / "data", procs)
+        time.sleep(rng.random())  # somewhere in the steps after it
+        for p in procs:
+            p.kill()
+            p.communicate()
+        finish(launch(processes, model_dir, run, mesh))
+        got = losses(model_dir)
+        assert sorted(got) == list(range(1, 9)), (processes, sorted(got))
+        for step in range(killed_after + 1, 9):
+            if processes == 1:
+                assert got[step] == expected[step], (processes, step)
+            else:
+                assert got[step] == pytest.approx(expected[step], rel=1e-5), (processes, step)

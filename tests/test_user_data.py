@@ -132,6 +132,8 @@ def test_mixture_draws_by_weight_and_resumes_exactly(tmp_path, vocab):
     share = np.mean(firsts == alpha)
     assert len(firsts) >= 2000 and abs(share - 0.25) < 0.02, share
     assert batches.taken()["code"] + batches.taken()["web"] >= len(firsts)
+    fractions = batches.mixture_fractions()  # what the train log reports
+    assert abs(fractions["code"] - 0.25) < 0.02 and abs(sum(fractions.values()) - 1) < 1e-9
     for shards, workers in (((0, 1), 0), ((0, 1), 2), ((1, 2), 0)):
         fresh = mixed(streams, vocab, shard=shards, workers=workers)
         for _ in range(7):
@@ -156,3 +158,37 @@ def test_a_split_of_empty_files_says_so(tmp_path, vocab):
     source = prepared.prepare(spec, spec.make_format(), vocab, str(tmp_path / "data"))
     with pytest.raises(DataError, match="'train' split of .* has no examples"):
         source.check_split("train")
+
+
+def test_an_implausible_share_of_loss_tokens_is_said_when_a_run_starts(tmp_path, vocab,
+                                                                         caplog):
+    """A chat whose every token carries loss (a template marking it all) and one whose
+    assistant says almost nothing: each a warning naming its source; a plausible one
+    none."""
+    from mtrain.data.chat import ChatTemplate
+    from mtrain.data.user_data import UserData
+
+    everything = ChatTemplate("{% for m in messages %}{% generation %}{{ m['content'] }} "
+                              "{% endgeneration %}{% endfor %}", vocab, name="all.jinja")
+    turns = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {% if m['role'] == "
+                         "'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+                         "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}", vocab,
+                         name="turns.jinja")
+    verse = "In the beginning God created the heaven and the earth. "
+    chats = {"all": ([verse, verse], everything), "terse": ([verse * 60, "Yea."], turns),
+             "fair": ([verse, verse], turns)}
+    sources = {}
+    for name, ((asked, said), template) in chats.items():
+        path = write_jsonl(tmp_path / f"{name}.jsonl", [{"messages": [
+            {"role": "user", "content": asked}, {"role": "assistant", "content": said}]}] * 4)
+        spec = prepared.Files(train=path, format="chat")
+        sources[name] = prepared.prepare(spec, spec.make_format(template), vocab,
+                                         str(tmp_path / "data"), name)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mtrain"):
+        UserData(None, sources).check_loss_fraction()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("all: every token of the chats carries loss")
+    assert warnings[1].startswith("terse: only 0.") and "carry loss" in warnings[1]
+    assert sum("carry loss" in r.getMessage() for r in caplog.records) == 4  # 3 counts

@@ -267,6 +267,15 @@ class BatchIterator:
         taken = self._mixture.taken(windows * self.config["window"]).sum(axis=0)
         return {s.name: int(n) for s, n in zip(self._pack.streams, taken)}
 
+    def mixture_fractions(self) -> dict[str, float]:
+        """A mixture's realised proportions: each source's share of the examples this
+        process's lanes have taken (`taken`); empty for one source."""
+        if self._mixture is None:
+            return {}
+        taken = self.taken()
+        total = max(sum(taken.values()), 1)
+        return {name: n / total for name, n in taken.items()}
+
     def state_prefix(self, directory: str | os.PathLike, process=None) -> str:
         """Where a process's state lives: `directory/input_pipeline.process-p-of-P.json`."""
         p, count = process or self.process

@@ -86,8 +86,10 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
         log.info("the checkpoint of step %d is at or past run.train_steps=%d: nothing to "
                  "train, evaluating it", start, config.train_steps)
     guard = FiniteGuard(config.max_nonfinite_steps, last_checkpoint=start or None)
-    log_train = hooks.LogTrain(config.log_every, writer.write, stepper, guard, exp.schedule,
-                               exp.flops_per_step, peak)
+    fractions = getattr(batches, "mixture_fractions", dict)
+    log_train = hooks.LogTrain(
+        config.log_every, writer.write, stepper, guard, exp.schedule, exp.flops_per_step, peak,
+        lambda: {f"train/mixture/{name}": f for name, f in fractions().items()})
     evaluation = hooks.Evaluate(config.eval_every,
                                 lambda params, step: evaluate(exp, params, step, writer),
                                 stepper, after_each=log_train.restart_clock)

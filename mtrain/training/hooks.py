@@ -30,11 +30,14 @@ _STEP_METRICS = ("loss", "cross_entropy", "grad_norm", "num_tokens", "finite")
 class LogTrain(Hook):
     """`write(step, record)` every `every` steps and at the last one. `flops_per_step`: the
     model's FLOPs of one step; `peak_flops`: one device's peak, for the MFU (0: none);
-    `schedule`: the learning rate of an update."""
+    `schedule`: the learning rate of an update; `data_metrics`: the input pipeline's (a
+    mixture's realised proportions)."""
 
     def __init__(self, every: int, write: Callable[[int, dict], None], stepper: Stepper,
-                 guard: FiniteGuard, schedule, flops_per_step: float, peak_flops: float):
+                 guard: FiniteGuard, schedule, flops_per_step: float, peak_flops: float,
+                 data_metrics: Callable[[], dict] = dict):
         self.every, self.write, self.stepper, self.guard = every, write, stepper, guard
+        self.data_metrics = data_metrics
         self.schedule, self.flops_per_step, self.peak_flops = schedule, flops_per_step, peak_flops
         self.pending: list[dict] = []
         self.tick = time.time()
@@ -60,6 +63,7 @@ class LogTrain(Hook):
             **{f"train/{k}": np.mean([m[k] for m in finite]) for k in finite[0]
                if k not in _STEP_METRICS},
             **self.stepper.log_metrics(step.state),
+            **self.data_metrics(),
         })
         self.pending, self.tick = [], time.time()
 
