@@ -61,6 +61,16 @@ def test_a_prompt_holding_id_0_is_continued_after_all_of_it():
     np.testing.assert_array_equal(out[2], [1, 0, 0, 0, 0, 0, 0, 0])
 
 
+def test_rows_read_their_own_start_and_end_at_any_of_their_stop_ids():
+    """A prompt read as it is (a rendered chat) starts its row with its own first id, and a
+    chat's continuation ends at its end-of-turn id as well as at EOS."""
+    out = run(jnp.zeros((3, 8), jnp.int32), jnp.array([0, 0, 0]), start_id=jnp.array([4, 9, 14]),
+              eos_id=jnp.array([[7, 1], [12, 1], [1, 1]]))
+    np.testing.assert_array_equal(out[0], [5, 6, 7, 0, 0, 0, 0, 0])  # after 4; ends at 7
+    np.testing.assert_array_equal(out[1], [10, 11, 12, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(out[2], [15, 2, 3, 4, 5, 6, 7, 8])  # 16 % 16 = 0 -> 2
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
     hot = dict(temperature=5.0)
     assert (run(**hot) == run(**hot)).all()
@@ -156,3 +166,41 @@ def test_the_generator_continues_a_prompt_holding_id_0_as_the_model_does():
                                  np.arange(16)[None] * segments)
             seq.append(int(np.argmax(np.asarray(logits)[0, len(seq)])))
         assert new == seq[len(prompt):], (prompt, new, seq)
+
+
+def test_a_prompt_read_as_it_is_is_continued_as_the_model_reads_it():
+    """`Prompt`s (a conversation rendered with its generation prompt) are read as their ids
+    are, the first one first, with no start id before them, and end at their stop id: the
+    ids the model's argmax gives reading `inputs` as they are, recomputed by teacher-forced
+    passes; a text in the same batch is still read after the start id."""
+    layout = Layout("batch:4;model:2", "batch:batch;heads:model")
+    mesh = layout.make_mesh(jax.devices()[:layout.size])
+    trainer = Trainer(DecoderLM(CONFIG), optimizer.adafactor(1e-3), layout, mesh, 8, 16, seed=3)
+    params = trainer.init_state().params
+    generator = generation.Generator(trainer, Vocab(), DecodingConfig(max_decode_length=6))
+    model = DecoderLM(CONFIG)
+
+    def greedy(read, stops, limit=6):
+        seq = list(read)
+        while len(seq) < len(read) + limit and (len(seq) == len(read) or seq[-1] not in stops):
+            inputs = np.zeros((1, 16), np.int32)
+            inputs[0, :len(seq)] = seq
+            segments = (np.arange(16) < len(seq)).astype(np.int32)[None]
+            logits = model.apply({"params": params}, inputs, segments,
+                                 np.arange(16)[None] * segments, inputs=inputs)
+            seq.append(int(np.argmax(np.asarray(logits)[0, len(seq) - 1])))
+        return seq[len(read):]
+
+    prompts = [generation.Prompt((7, 3, 9), stop=1), generation.Prompt((5,), stop=1)]
+    expected = [greedy(p.ids, (1,)) for p in prompts]
+    # a stop id the model does emit: the first id of the first continuation
+    prompts.append(generation.Prompt((7, 3, 9), stop=expected[0][0]))
+    expected.append(expected[0][:1])
+    prompts.append("3 9")  # read after the start id 0
+    expected.append(greedy((0, 3, 9), (1,)))
+    ids, lengths, starts, stops = generator.encode_batch(prompts)
+    got = generator.continuations(params, ids, lengths, starts, stops)
+    assert got == expected
+    texts = generator(params, prompts)
+    assert texts[2] == ""  # the stop id ended it and is not text
+    assert texts[3] == Vocab().decode(expected[3] + [1])

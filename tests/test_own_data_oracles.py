@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from test_finetune_exact import TORCH_ADAMW, finetune_oracle
-from test_oracles import ORACLES, import_folder
+from test_oracles import ORACLES, import_folder, lm_logits, load
 
 from mtrain.__main__ import main
+from mtrain.data.chat import ChatTemplate
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
 SFT = os.path.join(ORACLES, "sft")
@@ -79,7 +80,6 @@ def test_fine_tuning_on_a_pretokenized_file_takes_torchs_adamw_steps(tmp_path):
             "--gin_param=run.train_steps=3", "--gin_param=run.log_every=1",
             "--gin_param=run.checkpoint_every=3", "--gin_param=run.data_workers=0",
             "--gin_param=run.mesh_shape='batch:2;model:4'",
-            "--gin_param=run.mesh_shape='batch:2;model:4'",
             *[f"--gin_param={p}" for p in TORCH_ADAMW]]
     assert main(args) == 0
     losses = [m["train/loss"] for m in metrics(tmp_path / "m") if "train/loss" in m]
@@ -96,3 +96,35 @@ def test_an_import_combines_with_a_task_file(qwen2, tmp_path):
             "--gin_param=run.sequence_length=32", "--gin_param=run.mesh_shape='batch:8'"]
     assert main(args) == 0
     assert [m for m in metrics(qwen2) if "eval/loss" in m][-1]["eval/num_tokens"] > 1000
+
+
+def test_infer_answers_conversations_as_the_template_renders_them(qwen2, tmp_path):
+    """`--mode=infer` on a JSONL of conversations: each rendered by the import's ChatML
+    template with its generation prompt, read as it is (no start id before it: Qwen has no
+    bos), answered greedily up to <|im_end|> or EOS, and written back with the answer
+    appended. The answers are recomputed here by teacher-forced passes of the same weights
+    (the model's logits are transformers', test_oracles)."""
+    conversations = [[{"role": "system", "content": "Answer in the words of Genesis."},
+                      {"role": "user", "content": "Who made the heaven and the earth?"}],
+                     [{"role": "user", "content": "And the earth was"}]]
+    chats, answers = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
+    chats.write_text("".join(json.dumps({"id": k, "messages": c}) + "\n"
+                             for k, c in enumerate(conversations)))
+    flags = ["--gin_param=run.mesh_shape='batch:4;model:2'", "--gin_param=run.batch_size=4",
+             "--gin_param=run.sequence_length=96", "--gin_param=decoding.max_decode_length=5"]
+    assert main([f"--gin_file={qwen2}/config.gin", "--mode=infer", f"--model_dir={qwen2}",
+                 f"--input_file={chats}", f"--output_file={answers}", *flags]) == 0
+    got = [json.loads(line) for line in answers.read_text().splitlines()]
+    exp, params, vocab = load(qwen2, *[f[len("--gin_param="):] for f in flags])
+    template = ChatTemplate((qwen2 / "chat_template.jinja").read_text(), vocab)
+    assert vocab.piece(template.end_of_turn) == "<|im_end|>"
+    for k, (conversation, answer) in enumerate(zip(conversations, got, strict=True)):
+        ids = template.prompt(conversation)
+        read = len(ids)
+        while len(ids) < read + 5 and ids[-1] not in (template.end_of_turn, vocab.eos_id):
+            logits = np.asarray(lm_logits(exp.trainer.model, {"params": params}, [ids]))[0, -1]
+            ids.append(int(np.argmax(logits[:exp.trainer.classes or len(logits)])))
+        new = ids[read:]
+        new = new[:-1] if new[-1] in (template.end_of_turn, vocab.eos_id) else new
+        assert answer == {"id": k, "messages": conversation + [
+            {"role": "assistant", "content": vocab.decode(new + [vocab.eos_id])}]}

@@ -138,10 +138,14 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
     continuation (the 0s after that are no tokens). Greedy for `temperature` 0, else sampled
     from softmax(logits / temperature) after `filter_logits`, with the key
     ``fold_in(rng, position)``. The model reads `start_id` first
-    (`TransformerConfig.start_id`)."""
+    (`TransformerConfig.start_id`; or [batch] ids, one per row: a prompt read as it is, its
+    first id read first). `eos_id`: an id, or [batch, k] ids each of which ends its row
+    (a chat's end of turn and EOS)."""
     batch, length = prompts.shape
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     stop = jnp.minimum(prompt_lengths + max_decode_len, length)
+    stops = jnp.asarray(eos_id, jnp.int32)
+    stops = stops.reshape(1, 1) if stops.ndim == 0 else stops  # [1 or batch, k]
 
     def cond(state):
         index, _, _, done, _ = state
@@ -158,10 +162,12 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
         prompted = index < prompt_lengths
         token = jnp.where(prompted, prompts[:, index], jnp.where(done, 0, token)).astype(jnp.int32)
         seqs = lax.dynamic_update_slice_in_dim(seqs, token[:, None], index, axis=1)
-        done = done | (~prompted & (token == eos_id)) | (index + 1 >= stop)
+        ended = jnp.any(token[:, None] == stops, axis=-1)
+        done = done | (~prompted & ended) | (index + 1 >= stop)
         return index + 1, token, seqs, done, cache
 
-    state = (jnp.array(0, jnp.int32), jnp.full((batch,), start_id, jnp.int32),
+    starts = jnp.broadcast_to(jnp.asarray(start_id, jnp.int32), (batch,))
+    state = (jnp.array(0, jnp.int32), starts,
              jnp.zeros((batch, length), jnp.int32), stop <= prompt_lengths, cache)
     return lax.while_loop(cond, body, state)[2]
 

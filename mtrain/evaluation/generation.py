@@ -14,6 +14,7 @@ be in it, 0 too) and goes to the loop as a mask of the row's prompt positions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -24,6 +25,16 @@ from mtrain.data.vocabulary import Vocabulary
 from mtrain.evaluation.decoding import sample
 from mtrain.evaluation.translation import BatchedDecoder, DecodingConfig, empty_cache
 from mtrain.training.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A prompt as the ids the model reads as they are, the first one first (a conversation
+    rendered with its template's generation prompt; [BOS] + a prompt's ids), and the id that
+    ends its continuation besides EOS (a chat template's end of turn)."""
+
+    ids: tuple[int, ...]
+    stop: int
 
 
 class Generator(BatchedDecoder):
@@ -49,14 +60,19 @@ class Generator(BatchedDecoder):
                              f"{config.top_k} and {config.top_p}")
         super().__init__(trainer, vocab, config)
         self.seed = seed
-        replicated = NamedSharding(trainer.mesh, PartitionSpec())
+        self.replicated = replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._generate = jax.jit(
             self._generate_fn, in_shardings=(trainer.state_shardings.params, self.sharding,
-                                             self.sharding, replicated),
+                                             self.sharding, replicated, replicated, replicated),
             out_shardings=replicated)
 
-    def _generate_fn(self, params, prompts, prompted, rng):
-        """`prompts` [batch, length] continued; `prompted` is 1 on each row's prompt."""
+    def _replicated(self, x: np.ndarray) -> jax.Array:
+        """A host array every process holds whole, on every device of the mesh."""
+        return jax.make_array_from_callback(x.shape, self.replicated, lambda index: x[index])
+
+    def _generate_fn(self, params, prompts, prompted, starts, stops, rng):
+        """`prompts` [batch, length] continued; `prompted` is 1 on each row's prompt;
+        `starts` [batch] the id each row reads first, `stops` [batch, 2] the ids ending it."""
         model, config = self.trainer.model, self.config
         with self.trainer.layout.activate(self.trainer.mesh):
             cache = empty_cache(model, (), prompts.shape[0], self.length)
@@ -67,42 +83,61 @@ class Generator(BatchedDecoder):
                 return self.real(logits), variables["cache"]
 
             return sample(tokens_to_logits, cache, prompts, self.max_decode_length, rng,
-                          config.temperature, config.top_k, config.top_p, self.vocab.eos_id,
-                          model.config.start_id, prompt_lengths=prompted.sum(axis=1))
+                          config.temperature, config.top_k, config.top_p, stops, starts,
+                          prompt_lengths=prompted.sum(axis=1))
 
-    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, list[int]]:
-        """[batch_size, length] prompt ids (no EOS; cut to leave one position, counted in
-        `truncated`) and each prompt's length."""
-        ids, lengths = np.zeros((self.batch_size, self.length), np.int32), []
+    def encode_batch(self, texts: Sequence[str | Prompt]
+                     ) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
+        """[batch_size, length] prompt ids (cut to leave one position, counted in
+        `truncated`), each prompt's length, the id each row reads first and the [batch_size,
+        2] ids that end it. A text is read after the model's start id, without EOS, as an
+        LM example begins; a `Prompt` is read as its ids are, the first one first."""
+        ids = np.zeros((self.batch_size, self.length), np.int32)
+        eos, lengths = self.vocab.eos_id, []
+        starts = np.full((self.batch_size,), self.trainer.model.config.start_id, np.int32)
+        stops = np.full((self.batch_size, 2), eos, np.int32)
         for row, text in enumerate(texts):
-            tokens = self.vocab.encode(text)
+            if isinstance(text, Prompt):
+                starts[row], tokens = text.ids[0], list(text.ids[1:])
+                stops[row] = (text.stop, eos)
+            else:
+                tokens = self.vocab.encode(text)
             if len(tokens) > self.length - 1:
                 tokens, self.truncated = tokens[:self.length - 1], self.truncated + 1
             ids[row, :len(tokens)] = tokens
             lengths.append(len(tokens))
-        return ids, lengths
+        return ids, lengths, starts, stops
 
-    def continuations(self, params, ids: np.ndarray, lengths: list[int], number: int = 0
-                      ) -> list[list[int]]:
+    def continuations(self, params, ids: np.ndarray, lengths: list[int],
+                      starts: np.ndarray | None = None, stops: np.ndarray | None = None,
+                      number: int = 0) -> list[list[int]]:
         """The ids of each prompt's continuation (`ids` [batch_size, length] holding the
-        prompts of `lengths`), up to and including its EOS if one came. `number`: the
-        batch's, which seeds its sampling (``fold_in(PRNGKey(seed), number)``)."""
+        prompts of `lengths`; `starts` and `stops` as `encode_batch` makes them, by default
+        the model's start id and EOS), up to and including the id that ended it if one came.
+        `number`: the batch's, which seeds its sampling (``fold_in(PRNGKey(seed), number)``)."""
+        if starts is None:
+            starts = np.full((self.batch_size,), self.trainer.model.config.start_id, np.int32)
+        if stops is None:
+            stops = np.full((self.batch_size, 2), self.vocab.eos_id, np.int32)
         prompted = (np.arange(self.length)[None, :] < np.array(
             lengths + [0] * (self.batch_size - len(lengths)))[:, None]).astype(np.int32)
         rng = jax.random.fold_in(jax.random.key(self.seed), number)
-        out = np.asarray(jax.device_get(self._generate(params, self.place(ids),
-                                                       self.place(prompted), rng)))
+        out = np.asarray(jax.device_get(self._generate(
+            params, self.place(ids), self.place(prompted), self._replicated(starts),
+            self._replicated(stops), rng)))
         kept = []
-        for row, n in zip(out, lengths):
+        for row, n, ends in zip(out, lengths, stops):
             new = row[n:min(n + self.max_decode_length, self.length)].tolist()
-            kept.append(new[:new.index(self.vocab.eos_id) + 1] if self.vocab.eos_id in new
-                        else new)
+            end = next((k for k, t in enumerate(new) if t in ends), None)
+            kept.append(new if end is None else new[:end + 1])
         return kept
 
-    def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
-        """The continuations of `texts` (without the prompt), a batch at a time. The k-th
-        batch samples with the key ``fold_in(PRNGKey(seed), k)``: a rerun gives the same."""
+    def batches(self, params, texts: Sequence[str | Prompt]) -> Iterator[list[str]]:
+        """The continuations of `texts` (without the prompt and the id that ended them), a
+        batch at a time. The k-th batch samples with the key ``fold_in(PRNGKey(seed), k)``:
+        a rerun gives the same."""
         for number, start in enumerate(range(0, len(texts), self.batch_size)):
-            ids, lengths = self.encode_batch(texts[start:start + self.batch_size])
-            yield [self.vocab.decode(new + [self.vocab.eos_id])
-                   for new in self.continuations(params, ids, lengths, number)]
+            encoded = self.encode_batch(texts[start:start + self.batch_size])
+            outs = self.continuations(params, *encoded, number=number)
+            yield [self.vocab.decode((new[:-1] if new and new[-1] in ends else new)
+                                     + [self.vocab.eos_id]) for new, ends in zip(outs, encoded[3])]

@@ -1,16 +1,26 @@
 """``--mode=infer``: a file of lines in, their translations (an LM: continuations) out, with
 the latest checkpoint, written as they are made. It reads the model dir's vocabulary and no
-training data (`run.build` prepares none)."""
+training data (`run.build` prepares none).
+
+An LM given a ``.jsonl`` file continues JSON objects instead, as the fine-tuning formats
+read them, and writes them back with what it made: ``{"messages": [...]}`` rendered with
+the model dir's chat template and its generation prompt, answered up to the template's end
+of turn (the answer appended to ``messages`` as an assistant message); ``{"prompt": ...}``
+continued up to EOS (the continuation as ``completion``, replacing any)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
 
 import jax
+from etils import epath
 
+from mtrain.data.chat import ChatTemplate, prompt_completion
+from mtrain.evaluation.generation import Prompt
 from mtrain.io.checkpoints import restore_for_reading
 from mtrain.errors import ConfigError
 from mtrain.modes.experiment import Experiment
@@ -46,6 +56,11 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     stopped half-way keeps the lines it finished; a progress line (lines done, lines/s,
     time left) goes to the log at least every 10 seconds."""
     lines = read_lines(input_file)
+    records = None
+    texts = lines
+    if exp.generator and input_file and ".jsonl" in os.path.basename(input_file):
+        records = [_record(line, n + 1) for n, line in enumerate(lines)]
+        texts = _prompts(exp, records)
     state, step = restore_for_reading(ModelDir(exp.model_dir).checkpoints,
                                       exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(exp.vocab))  # (no data: exp.source None)
@@ -62,7 +77,10 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
     progress = _Progress(len(lines), f"{verb}ed")
     try:
         with progress:
-            for batch in decoder.batches(state.params, lines):
+            for batch in decoder.batches(state.params, texts):
+                if records is not None:
+                    batch = [_answered(r, t) for r, t in
+                             zip(records[progress.done:progress.done + len(batch)], batch)]
                 if writing:
                     out.write("".join(t + "\n" for t in batch))
                     out.flush()
@@ -76,6 +94,59 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
                     decoder.length, verb)
     log.info("%sed %d lines in %.0f s", verb, len(lines), time.time() - progress.started)
     return len(lines)
+
+
+def _record(line: str, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not (isinstance(record.get("messages"), list)
+                                            or isinstance(record.get("prompt"), str)):
+        raise ConfigError(f"--input_file line {number}: a .jsonl file to continue holds JSON "
+                          f"objects with 'messages' (a conversation) or a 'prompt' (a string)")
+    return record
+
+
+def _prompts(exp: Experiment, records: list[dict]) -> list[Prompt]:
+    """What the model reads for each JSONL record: a conversation rendered with the model
+    dir's chat template and its generation prompt, ended at the template's end of turn; a
+    prompt as a prompt/completion example begins ([BOS] + its ids), ended at EOS. Both are
+    read as they are, as the fine-tuning formats read them."""
+    template = None
+    prompts = []
+    for number, record in enumerate(records, 1):
+        where = f"--input_file line {number}"
+        if "messages" in record:
+            if template is None:
+                template = _chat_template(exp, where)
+            ids, stop = template.prompt(record["messages"], where=where), template.end_of_turn
+        else:
+            ids, _ = prompt_completion(exp.vocab, record["prompt"], "")
+            ids, stop = ids[:-1], exp.vocab.eos_id  # without the empty completion's EOS
+        if not ids:
+            raise ConfigError(f"{where}: an empty prompt (nothing for the model to read)")
+        prompts.append(Prompt(tuple(ids), stop))
+    return prompts
+
+
+def _chat_template(exp: Experiment, where: str) -> ChatTemplate:
+    path = ModelDir(exp.model_dir).chat_template
+    if not epath.Path(path).exists():
+        raise ConfigError(f"{where} holds 'messages', but the model dir has no chat template "
+                          f"({path}: --mode=import keeps a model's)")
+    return ChatTemplate(epath.Path(path).read_text(), exp.vocab, name=path)
+
+
+def _answered(record: dict, text: str) -> str:
+    """The JSON line of `record` with its continuation: the conversation with the
+    assistant's answer appended, or the prompt with its `completion`."""
+    if "messages" in record:
+        record = {**record, "messages": record["messages"] + [
+            {"role": "assistant", "content": text}]}
+    else:
+        record = {**record, "completion": text}
+    return json.dumps(record, ensure_ascii=False)
 
 
 class _Progress:
