@@ -34,6 +34,7 @@ def records(model_dir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # (each reader in the fast tier: test_data_files)
 def test_parquet_arrayrecord_and_a_dataset_folder_in_one_mixture(tmp_path, verses):
     from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -66,6 +67,7 @@ def test_parquet_arrayrecord_and_a_dataset_folder_in_one_mixture(tmp_path, verse
     assert prepared == ["books", "hub", "web"]
 
 
+@pytest.mark.slow  # (the shipped task files read TFDS by name in the fast tier: test_tasks)
 def test_a_tfds_dataset_by_name_and_version(tmp_path, verses, capsys):
     """A dataset TFDS prepared (here by its ad hoc builder, as a user's own builder would),
     named with its version and the feature to read; no download, no builder of mtrain's."""

@@ -6,6 +6,7 @@ torch's AdamW steps (finetune.npz)."""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -118,11 +119,15 @@ def test_infer_answers_conversations_as_the_template_renders_them(qwen2, tmp_pat
     exp, params, vocab = load(qwen2, *[f[len("--gin_param="):] for f in flags])
     template = ChatTemplate((qwen2 / "chat_template.jinja").read_text(), vocab)
     assert vocab.piece(template.end_of_turn) == "<|im_end|>"
+    # causal: padding after a sequence changes none of its logits, so one compiled length
+    logits_of = jax.jit(lambda ids: lm_logits(exp.trainer.model, {"params": params}, ids))
     for k, (conversation, answer) in enumerate(zip(conversations, got, strict=True)):
         ids = template.prompt(conversation)
         read = len(ids)
         while len(ids) < read + 5 and ids[-1] not in (template.end_of_turn, vocab.eos_id):
-            logits = np.asarray(lm_logits(exp.trainer.model, {"params": params}, [ids]))[0, -1]
+            padded = np.zeros((1, 96), np.int32)
+            padded[0, :len(ids)] = ids
+            logits = np.asarray(logits_of(padded))[0, len(ids) - 1]
             ids.append(int(np.argmax(logits[:exp.trainer.classes or len(logits)])))
         new = ids[read:]
         new = new[:-1] if new[-1] in (template.end_of_turn, vocab.eos_id) else new
