@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--mode=import: a Hugging Face model folder (config.json, "
                         "model.safetensors or shards with their index, the tokenizer) of a "
                         "LlamaForCausalLM, MixtralForCausalLM or T5ForConditionalGeneration")
+    p.add_argument("--adapter_dir", default=None, metavar="DIR",
+                   help="--mode=import: a PEFT LoRA adapter folder (adapter_config.json, "
+                        "adapter_model.safetensors) of the --input_dir model, imported with it")
     p.add_argument("--checkpoint_step", type=int, default=None, metavar="N",
                    help="--mode=export: the checkpoint to export (default: the newest)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -198,6 +201,8 @@ def main(argv=None) -> int:
         if (args.input_dir is None) != (args.mode != "import"):
             raise UserError("--mode=import needs --input_dir (a Hugging Face model folder)"
                             if args.mode == "import" else "--input_dir goes with --mode=import")
+        if args.adapter_dir is not None and args.mode != "import":
+            raise UserError("--adapter_dir goes with --mode=import")
         if args.mode == "import" and not args.model_dir:
             raise UserError("--mode=import needs --model_dir (a new directory to write)")
         if args.mode == "export":
@@ -264,7 +269,8 @@ def _run(args: argparse.Namespace) -> int:
         imported = None
         if args.mode == "import":
             imported = (args.input_dir, *run_lib.parse_import_config(
-                args.gin_file, args.gin_param, args.input_dir))
+                args.gin_file, args.gin_param, args.input_dir, args.adapter_dir),
+                args.adapter_dir)
         else:
             run_lib.parse_config(args.gin_file, args.gin_param)
         if args.mode == "plan":

@@ -8,6 +8,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     vocabulary.*              VocabularyConfig (size or path: `vocabulary_config`)
     transformer.*             TransformerConfig (the model's hyper-parameters; not vocab_size)
     moe.*                     MoEConfig (its experts, where transformer.moe_every > 0)
+    lora.*                    LoraConfig (low-rank adapters, where lora.rank > 0)
     rope_scaling.*            RopeScaling (rotary frequencies stretched: Llama 3.1's, linear)
     loss.*                    LossConfig
     decoding.*                DecodingConfig
@@ -36,6 +37,7 @@ from mtrain.data.prepared import Files
 from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import DecodingConfig
+from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
 from mtrain.models.positions import RopeScaling
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
@@ -51,6 +53,7 @@ transformer = gin.external_configurable(TransformerConfig, "transformer",
                                         denylist=["vocab_size", "moe", "rope_scaling",
                                                   "real_vocab_size"])
 moe = gin.external_configurable(MoEConfig, "moe")
+lora = gin.external_configurable(LoraConfig, "lora")
 rope_scaling = gin.external_configurable(RopeScaling, "rope_scaling")
 loss = gin.external_configurable(LossConfig, "loss")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
@@ -94,8 +97,9 @@ def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:
         mine = bound(name, None)
         if mine is not None and _normal(mine) != _normal(value):
             field = settings.source.get(name, "its architecture")
-            raise ConfigError(f"{name}={mine!r} in the gin config contradicts config.json's "
-                              f"{field}={value!r}; leave it out (the import sets it)")
+            whose = field if field.endswith(".json") else f"config.json's {field}"
+            raise ConfigError(f"{name}={mine!r} in the gin config contradicts {whose} "
+                              f"({value!r}); leave it out (the import sets it)")
         bindings.append(f"{name} = {value!r}")
     for name, value in settings.defaults.items():
         if bound(name, None) is None:
@@ -129,8 +133,10 @@ def model_config(vocab_size: int, real_vocab_size: int = 0) -> TransformerConfig
     ``rope_scaling.*``) for a vocabulary dimension of `vocab_size` rows, of which the first
     `real_vocab_size` are real (0: all). Raises ValueError for settings that do not make a
     model, or ``moe.*`` settings without experts to apply to."""
+    adapters = lora()
     model = transformer(vocab_size=vocab_size, rope_scaling=rope_scaling(),
-                        real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0)
+                        real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0,
+                        lora=adapters if adapters.rank else None)
     if not model.moe_every:
         if gin.get_bindings("moe"):
             raise ValueError(f"moe.{sorted(gin.get_bindings('moe'))[0]} is set, but "

@@ -42,7 +42,7 @@ from mtrain.io.metrics import log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import check_reachable
 from mtrain.modes.evaluate import evaluate_checkpoint
-from mtrain.huggingface import families
+from mtrain.huggingface import adapters, families
 from mtrain.huggingface.vocabulary import folder_vocabulary
 from mtrain.modes import convert
 from mtrain.modes.experiment import Experiment, RunConfig
@@ -62,9 +62,11 @@ NO_DATA = ("plan", "import", "export")  # the modes that build the model without
 READERS = ("infer", "score")
 
 
-def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str):
+def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str,
+                        adapter_dir: str | None = None):
     """Parses the gin config of ``--mode=import`` from the Hugging Face folder `input_dir`
-    (`config.parse_import`); returns (its `families.Settings`, its vocabulary)."""
+    (`config.parse_import`), with the ``lora.*`` settings of the PEFT adapter folder
+    `adapter_dir` if given; returns (its `families.Settings`, its vocabulary)."""
     config.parse(gin_files, gin_params)
     if config.bound("vocabulary.path", None) is not None:
         raise ConfigError("vocabulary.path is set, but an import's vocabulary is the model's "
@@ -81,6 +83,12 @@ def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: 
         settings, architecture={**settings.architecture, **vocabulary},
         source={**settings.source, "vocabulary.size": "tokenizer's pieces",
                 "vocabulary.model_size": "vocab_size"})
+    if adapter_dir is not None:
+        check_reachable(adapter_dir, "--adapter_dir")
+        lora = adapters.read_config(adapter_dir)
+        settings = dataclasses.replace(
+            settings, architecture={**settings.architecture, **lora},
+            source={**settings.source, **{name: f"{adapters.CONFIG}" for name in lora}})
     config.parse_import(gin_files, gin_params, settings)
     return settings, vocab
 
@@ -136,8 +144,8 @@ def run(input_file: str | None = None, output_file: str | None = None,
     if mode == "score":
         return score(exp, input_file, output_file, output_dir)
     if mode == "import":
-        input_dir, hf_settings, vocab = imported
-        return convert.import_model(exp, input_dir, hf_settings, vocab)
+        input_dir, hf_settings, vocab, adapter_dir = imported
+        return convert.import_model(exp, input_dir, hf_settings, vocab, adapter_dir)
     if mode == "export":
         return convert.export_model(exp, output_dir, model_size=config.vocabulary_config().model_size,
                                     **export_options)

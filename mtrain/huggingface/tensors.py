@@ -67,6 +67,16 @@ class Folder:
             if self._tensors.get(tensor, (None,))[0] != os.path.join(path, name):
                 raise TensorFileError(f"{index} puts {tensor} in {name}, which does not hold it")
 
+    def add(self, path: str, file: str) -> "Folder":
+        """Also the tensors of `file` in the folder `path` (a PEFT adapter's
+        ``adapter_model.safetensors`` beside its base's)."""
+        full = os.path.join(path, file)
+        if not os.path.exists(full):
+            raise TensorFileError(f"{path} has no {file}")
+        for tensor, entry in _header(full).items():
+            self._tensors[tensor] = (full, *entry)
+        return self
+
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 

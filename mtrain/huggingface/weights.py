@@ -322,3 +322,47 @@ def _scanned(c, params: dict[str, Source], stacks) -> dict[str, Source]:
         else:
             out[path] = source
     return out | {path: Stacked(parts) for path, parts in stacked.items()}
+
+
+# A PEFT adapter's tensors: the base model's module path under ``base_model.model.``, its
+# ``weight`` replaced by ``lora_A.weight`` [rank, in] and ``lora_B.weight`` [out, rank].
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_name(weight: str, which: str) -> str:
+    """The PEFT tensor of LoRA matrix `which` ('A' or 'B') of the base tensor `weight`."""
+    return f"{PEFT_PREFIX}{weight.removesuffix('.weight')}.lora_{which}.weight"
+
+
+def adapters(params: dict[str, Source], lora) -> dict[str, Source]:
+    """The adapters (`models.lora`: ``<path>_lora_a``, ``<path>_lora_b``) of the
+    projections among `params` that `lora` (a `LoraConfig`) targets, each made of its PEFT
+    tensors: with W = B A in torch's [out, in], mtrain's a = A^T and b = B^T, split into
+    heads as the weight is (times the weight's factor: the queries' attention scale)."""
+    out = {}
+    for path, source in params.items():
+        if lora.targets_path(path) and _projection(source):
+            out[f"{path}_lora_a"], out[f"{path}_lora_b"] = _lora(source, lora.rank)
+    return out
+
+
+def _projection(source: Source) -> bool:
+    if isinstance(source, Stacked):
+        return _projection(source.parts[0])
+    return isinstance(source, (HeadsIn, HeadsOut)) or (
+        isinstance(source, Transposed) and source.rows is None)
+
+
+def _lora(source: Source, r: int) -> tuple[Source, Source]:
+    if isinstance(source, Stacked):
+        pairs = [_lora(part, r) for part in source.parts]
+        return Stacked([a for a, _ in pairs]), Stacked([b for _, b in pairs])
+    a, b = peft_name(source.name, "A"), peft_name(source.name, "B")
+    if isinstance(source, HeadsIn):  # [d, h, k]: A [r, d], B [h x k, r]
+        d, h, k = source.shape
+        return Transposed(a, (d, r)), HeadsIn(b, (r, h, k), source.scale)
+    if isinstance(source, HeadsOut):  # [h, k, d]: A [r, h x k], B [d, r]
+        h, k, d = source.shape
+        return HeadsOut(a, (h, k, r)), Transposed(b, (r, d))
+    i, o = source.shape  # Transposed [in, out]: A [r, in], B [out, r]
+    return Transposed(a, (i, r)), Transposed(b, (r, o))

@@ -52,7 +52,7 @@ class Block(nn.Module):
                 c.norm_scale_offset, window)
             return layers.MultiHeadAttention(
                 c.num_heads, c.d_kv, c.dropout_rate, c.dtype, c.attention, c.flash_kernel,
-                c.flash_max_segments, c.num_kv_heads, rotary, options, name=name)
+                c.flash_max_segments, c.num_kv_heads, rotary, options, c.lora, name=name)
 
         def sublayer(name, y):
             return norm(f"post_{name}_norm")(y) if c.post_norms else y
@@ -69,10 +69,10 @@ class Block(nn.Module):
         if self.moe:
             real = None if mask is None or mask.query is None else mask.query > 0
             y = MoeFeedForward(c.moe, c.moe.expert_d_ff, c.dropout_rate, c.dtype,
-                               c.mlp_activations, name="mlp")(y, deterministic, real)
+                               c.mlp_activations, c.lora, name="mlp")(y, deterministic, real)
         else:
             y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, c.mlp_activations,
-                                      name="mlp")(y, deterministic)
+                                      c.lora, name="mlp")(y, deterministic)
         x = x + drop(sublayer("mlp", y), deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from mtrain.parallel.layout import constrain, use_parameter
 from mtrain.models import attention, kernels
+from mtrain.models.lora import LoraConfig, project
 from mtrain.models import positions as positions_lib
 
 Dtype = Any
@@ -98,6 +99,7 @@ class DenseReluDense(nn.Module):
     dropout_rate: float = 0.0
     dtype: Dtype = jnp.float32
     activations: tuple[str, ...] = ("relu",)
+    lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
 
     @nn.compact
     def __call__(self, x, deterministic: bool):
@@ -105,15 +107,18 @@ class DenseReluDense(nn.Module):
         dt = self.dtype
         h = None
         for i, name in enumerate(self.activations):
-            wi = param(self, "wi" if len(self.activations) == 1 else f"wi_{i}",
-                       normal(d_model**-0.5), (d_model, self.d_ff), ("d_model", "d_ff"), dt)
-            a = ACTIVATIONS[name](jnp.einsum("bld,df->blf", x, wi))
+            wname = "wi" if len(self.activations) == 1 else f"wi_{i}"
+            names = ("d_model", "d_ff")
+            wi = param(self, wname, normal(d_model**-0.5), (d_model, self.d_ff), names, dt)
+            a = ACTIVATIONS[name](project(self, wname, "bld,df->blf", x, wi, names, self.lora,
+                                          deterministic))
             h = a if h is None else h * a
         h = constrain(h, ("batch", "length", "d_ff"))
         wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"),
                    dt)
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        y = jnp.einsum("blf,fd->bld", h, wo)
+        y = project(self, "wo", "blf,fd->bld", h, wo, ("d_ff", "d_model"), self.lora,
+                    deterministic)
         return constrain(y, ("batch", "length", "d_model"))
 
 
@@ -173,6 +178,7 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: int = 0
     rotary_frequencies: tuple[float, ...] | None = None
     options: AttentionOptions = None  # None: AttentionOptions()
+    lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
 
     def _path(self, deterministic: bool, single_query: bool = False,
               bias: bool = False) -> str:
@@ -201,9 +207,12 @@ class MultiHeadAttention(nn.Module):
         wv = param(self, "v", normal(d_model**-0.5), (d_model, g, k), kv_weights, dt)
         wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model),
                    ("heads", "d_kv", "d_model"), dt)
-        q = jnp.einsum("bld,dhk->blhk", x, wq)
-        key = jnp.einsum("bmd,dhk->bmhk", memory, wk)
-        value = jnp.einsum("bmd,dhk->bmhk", memory, wv)
+        lora = self.lora
+        q = project(self, "q", "bld,dhk->blhk", x, wq, ("d_model", "heads", "d_kv"), lora,
+                    deterministic)
+        key = project(self, "k", "bmd,dhk->bmhk", memory, wk, kv_weights, lora, deterministic)
+        value = project(self, "v", "bmd,dhk->bmhk", memory, wv, kv_weights, lora,
+                        deterministic)
         if o.bias:
             zeros = nn.initializers.zeros
             q = q + param(self, "q_bias", zeros, (h, k), ("heads", "d_kv"), dt)
@@ -241,7 +250,8 @@ class MultiHeadAttention(nn.Module):
                                       lambda w: drop(w, deterministic=deterministic), bias,
                                       o.scale)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
-        y = jnp.einsum("blhk,hkd->bld", out, wo)
+        y = project(self, "o", "blhk,hkd->bld", out, wo, ("heads", "d_kv", "d_model"), lora,
+                    deterministic)
         return constrain(y, ("batch", "length", "d_model"))
 
     def _cached(self, key, value, index, window: int = 0):

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.models import layers
+from mtrain.models.lora import LoraConfig, project
 from mtrain.models.base import shape_field
 from mtrain.parallel.layout import constrain
 
@@ -150,6 +151,7 @@ class MoeFeedForward(nn.Module):
     dropout_rate: float = 0.0
     dtype: Any = jnp.float32
     activations: tuple[str, ...] = ("relu",)
+    lora: LoraConfig | None = None  # each expert's adapters where it targets them (`lora`)
 
     @nn.compact
     def __call__(self, x, deterministic: bool, nonpadding=None):
@@ -180,16 +182,19 @@ class MoeFeedForward(nn.Module):
         inputs = constrain(constrain(inputs, unsplit), (*slots, "d_model"))
         h = None
         for i, name in enumerate(self.activations):
-            wi = layers.param(self, "wi" if len(self.activations) == 1 else f"wi_{i}",
-                              layers.normal(d**-0.5), (e, d, f), ("experts", "d_model", "d_ff"),
-                              dt)
-            a = layers.ACTIVATIONS[name](jnp.einsum("egcd,edf->egcf", inputs, wi))
+            wname, names = "wi" if len(self.activations) == 1 else f"wi_{i}", \
+                ("experts", "d_model", "d_ff")
+            wi = layers.param(self, wname, layers.normal(d**-0.5), (e, d, f), names, dt)
+            a = layers.ACTIVATIONS[name](project(self, wname, "egcd,edf->egcf", inputs, wi,
+                                                 names, self.lora, deterministic))
             h = a if h is None else h * a
         h = constrain(h, (*slots, "d_ff"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         wo = layers.param(self, "wo", layers.normal(f**-0.5), (e, f, d),
                           ("experts", "d_ff", "d_model"), dt)
-        out = constrain(jnp.einsum("egcf,efd->egcd", h, wo), (*slots, "d_model"))
+        out = constrain(project(self, "wo", "egcf,efd->egcd", h, wo,
+                                ("experts", "d_ff", "d_model"), self.lora, deterministic),
+                        (*slots, "d_model"))
         out = constrain(out, unsplit)
         y = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out)
         y = constrain(y, ("batch", "group", "d_model")).reshape(b, length, d)

@@ -12,6 +12,7 @@ from mtrain.models import attention, layers
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
 from mtrain.models.blocks import REMAT_POLICIES, period
+from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
 from mtrain.models.positions import RopeScaling
 
@@ -87,6 +88,9 @@ class TransformerConfig:
     # rows past it, mtrain's padding of vocab_size to a multiple of 128, are left out of
     # every softmax. 0: all of them.
     real_vocab_size: int = 0
+    # Low-rank adapters on the projections it targets (`lora.LoraConfig`, gin's lora.*;
+    # None or rank 0: none).
+    lora: LoraConfig | None = shape_field(None)
 
     @property
     def dtype(self):
@@ -96,6 +100,8 @@ class TransformerConfig:
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
         object.__setattr__(self, "attention_windows", tuple(self.attention_windows))
         object.__setattr__(self, "rope_scaling", self.rope_scaling or RopeScaling())
+        if self.lora is not None and not self.lora.rank:
+            object.__setattr__(self, "lora", None)
         if any(not isinstance(w, int) or w < 0 for w in self.attention_windows):
             raise ValueError(f"transformer.attention_windows must be windows of at least 1 "
                              f"position, or 0 for a full layer, got {self.attention_windows}")

@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mtrain.errors import ConfigError
-from mtrain.huggingface import families, tensors, weights
+from mtrain.huggingface import adapters, families, tensors, weights
 from mtrain.huggingface.vocabulary import chat_template, write_tokenizer
 from mtrain.io.checkpoints import Checkpoints, restore_for_reading
 from mtrain.io.model_dir import ModelDir
@@ -74,14 +74,20 @@ def check_new_dir(path: str, what: str) -> None:
         raise ConfigError(f"{what} {path} is not empty; name a new directory")
 
 
-def import_model(exp: Experiment, input_dir: str, settings: families.Settings, vocab) -> dict:
+def import_model(exp: Experiment, input_dir: str, settings: families.Settings, vocab,
+                 adapter_dir: str | None = None) -> dict:
     """Writes the model dir of `exp` from the Hugging Face folder `input_dir` (`settings`
-    of its config.json, `vocab` its tokenizer); returns what it did."""
+    of its config.json, `vocab` its tokenizer), with the PEFT LoRA adapter of
+    `adapter_dir` if given (its settings already in the gin config: `adapters`); returns
+    what it did."""
     start = time.time()
     model_dir = exp.model_dir
     folder = tensors.Folder(input_dir)
     c = exp.model_config
     sources = weights.parameters(settings.family, c, settings.vocab_size)
+    if adapter_dir is not None:
+        folder.add(adapter_dir, adapters.WEIGHTS)
+        sources |= weights.adapters(sources, c.lora)
     params = exp.trainer.abstract_state.params
     shardings = _paths(exp.trainer.state_shardings.params)
     wanted = _paths(params)
@@ -89,7 +95,7 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
         odd = sorted(set(wanted) ^ set(sources))
         raise ConfigError(f"the model's parameters do not match {settings.family}'s tensors "
                           f"({odd[0]}): a setting of the gin config changes the model")
-    _check_tensors(folder, sources, settings.family)
+    _check_tensors(folder, sources, settings.family, adapter_dir)
     template = chat_template(input_dir)
     check_new_dir(model_dir, "the model dir")
     with writing(model_dir, ".importing", "the model dir") as work:
@@ -101,6 +107,8 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
                 lambda index, s=source, shape=leaf.shape: s.read(
                     folder, weights.ranges(index, shape)).astype(np.float32))
         imported = {"from": os.path.abspath(input_dir), "architecture": settings.family}
+        if adapter_dir is not None:
+            imported["adapter"] = os.path.abspath(adapter_dir)
         meta = {"model": exp.model_meta(vocab), "imported": imported}
         checkpoints = Checkpoints(ModelDir(work).checkpoints, async_save=False)
         try:
@@ -119,13 +127,24 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
     return {"parameters": count, "seconds": time.time() - start}
 
 
-def _check_tensors(folder: tensors.Folder, sources: dict, family: str) -> None:
+def _check_tensors(folder: tensors.Folder, sources: dict, family: str,
+                   adapter_dir: str | None = None) -> None:
     """Every tensor the model reads is in `folder` with its shape, and `folder` holds no
-    other (a config.json that does not describe these weights)."""
+    other (a config.json that does not describe these weights; an adapter of another base
+    or of other modules than its config says)."""
     needed = {}
     for source in sources.values():
         needed.update(dict(source.tensors()))
     for name, shape in needed.items():
+        if adapter_dir is not None and name.startswith(weights.PEFT_PREFIX):
+            if name not in folder:
+                raise ConfigError(f"the adapter in {adapter_dir} has no tensor {name}, which "
+                                  f"its {adapters.CONFIG} asks for")
+            if tuple(folder.shape(name)) != tuple(shape):
+                raise ConfigError(f"the adapter in {adapter_dir} is not of this base model: "
+                                  f"its {name} is {list(folder.shape(name))}, the base's "
+                                  f"projection makes it {list(shape)}")
+            continue
         if name not in folder:
             raise ConfigError(f"{folder.path} has no tensor {name}, which config.json's "
                               f"{family} needs")
@@ -133,6 +152,10 @@ def _check_tensors(folder: tensors.Folder, sources: dict, family: str) -> None:
             raise ConfigError(f"tensor {name} in {folder.path} has shape "
                               f"{list(folder.shape(name))}; config.json makes it {list(shape)}")
     for name in folder.names():
+        if adapter_dir is not None and name.startswith(weights.PEFT_PREFIX) \
+                and name not in needed:
+            raise ConfigError(f"the adapter in {adapter_dir} holds tensor {name}, which its "
+                              f"{adapters.CONFIG} does not ask for")
         if name not in needed and name not in _IGNORED and not name.endswith(_IGNORED_SUFFIXES) \
                 and name != "lm_head.weight":  # (a tied model may keep a copy of its table)
             raise ConfigError(f"{folder.path} holds tensor {name}, which config.json's "

@@ -1,0 +1,109 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a model's projections, as PEFT applies them.
+
+A projection ``y = einsum(spec, x, w)`` whose parameter path matches `LoraConfig.targets`
+gains two parameters beside ``w``: ``<w>_lora_a`` [its input dimensions..., lora_rank] and
+``<w>_lora_b`` [lora_rank, its output dimensions...] (an expert's weight [experts, ...]:
+each expert its own, ``experts`` leading both), and computes
+
+    y = einsum(spec, x, w) + scale * einsum(einsum(dropout(x), a), b)
+
+with scale = alpha / rank (rsLoRA: alpha / sqrt(rank)). The adapter is applied factored,
+never merged into ``w``: the base weight's gradient (x^T dy, as large as the weight) is not
+needed to train the adapters, and where ``w`` is frozen XLA never forms it. ``a`` starts as
+PEFT's (kaiming-uniform, U(-1/sqrt(fan_in), 1/sqrt(fan_in))) and ``b`` at zero, so that an
+adapted model starts as its base. The adapters' dimensions carry the weight's names and
+``lora_rank``: the layout rules split them as they split the weight (the ``b`` of a
+``d_ff:model`` weight splits on d_ff), and ``lora_rank`` like any dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# PEFT's "all-linear" minus the output layer: every attention and feed-forward projection
+# (experts' included).
+DEFAULT_TARGETS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")
+RANK = "lora_rank"
+SUFFIXES = ("_lora_a", "_lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """gin's ``lora.*``. `targets`: parameter names (``'q'``, ``'wo'``) or regular
+    expressions matched against a parameter's whole path (``'layer_[0-3]/mlp/wo'``);
+    `dropout` on the adapters' input; `rslora`: scale by alpha / sqrt(rank)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    dropout: float = 0.0
+    rslora: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be positive (0: no adapters), got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        for t in self.targets:
+            try:
+                re.compile(t)
+            except re.error as e:
+                raise ValueError(f"lora.targets: {t!r} is not a regular expression: {e}") \
+                    from None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def targets_path(self, path: str) -> bool:
+        """Whether the parameter at `path` ("layer_0/self_attention/q") is adapted."""
+        name = path.rsplit("/", 1)[-1]
+        return any(re.fullmatch(t, name) or re.fullmatch(t, path) for t in self.targets)
+
+
+def is_adapter(path: str) -> bool:
+    return path.endswith(SUFFIXES)
+
+
+def _parameter_path(module: nn.Module, name: str) -> str:
+    return "/".join((*module.scope.path, name))
+
+
+def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...],
+            lora: LoraConfig | None, deterministic: bool = True):
+    """``einsum(spec, x, w)`` (``w`` the parameter `name` of `module`, of logical `names`),
+    with its adapter where `lora` targets it (module doc)."""
+    from mtrain.models.layers import param  # (layers uses this module)
+
+    y = jnp.einsum(spec, x, w)
+    if not lora or not lora.rank or not lora.targets_path(_parameter_path(module, name)):
+        return y
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    r = "r" if "r" not in spec else next(c for c in "zyxwvutsq" if c not in spec)
+    lead = [c for c in ws if c in xs and c in out]  # experts: in the input, weight and output
+    contracted = [c for c in ws if c in xs and c not in out]
+    made = [c for c in ws if c not in xs]
+    name_of = dict(zip(ws, names))
+    a_letters, b_letters = [*lead, *contracted, r], [*lead, r, *made]
+    fan_in = math.prod(w.shape[ws.index(c)] for c in contracted)
+    bound = fan_in ** -0.5
+    a = param(module, f"{name}_lora_a",
+              lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -bound, bound),
+              tuple(w.shape[ws.index(c)] if c != r else lora.rank for c in a_letters),
+              tuple(name_of.get(c, RANK) for c in a_letters), w.dtype)
+    b = param(module, f"{name}_lora_b", nn.initializers.zeros,
+              tuple(w.shape[ws.index(c)] if c != r else lora.rank for c in b_letters),
+              tuple(name_of.get(c, RANK) for c in b_letters), w.dtype)
+    if lora.dropout:
+        x = nn.Dropout(lora.dropout)(x, deterministic=deterministic)
+    hidden = "".join(c for c in xs if c in out) + r
+    low = jnp.einsum(f"{xs},{''.join(a_letters)}->{hidden}", x, a)
+    return y + lora.scale * jnp.einsum(f"{hidden},{''.join(b_letters)}->{out}", low, b)

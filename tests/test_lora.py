@@ -1,0 +1,105 @@
+"""Low-rank adapters (`models.lora`): a PEFT adapter imported onto its base gives what
+`peft` computed (../shared/oracles/lora_llama_gqa) on every layout, the adapters are laid out
+by their dimension names (``lora_rank`` among them), and an adapter that does not fit its
+base is refused in one line."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from test_oracles import ORACLES, import_folder, lm_logits, load
+
+from mtrain.__main__ import main
+from mtrain.parallel.layout_syntax import LayoutError
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
+ADAPTER = os.path.join(ORACLES, "lora_llama_gqa")
+ATOL = 1e-4  # float32 logits against torch's (test_oracles: the reference moves by ~2e-6)
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("lora") / "m"
+    import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir, f"--adapter_dir={ADAPTER}")
+    return model_dir
+
+
+def oracle():
+    return dict(np.load(os.path.join(ADAPTER, "oracle.npz")))
+
+
+@pytest.mark.parametrize("layout", [
+    (),
+    ("run.mesh_shape='batch:4;model:2'",
+     "run.layout_rules='batch:batch;heads:model;kv_heads:model;d_ff:model;vocab:model'"),
+    ("run.mesh_shape='batch:4;model:2'", "run.layout_rules='batch:batch;lora_rank:model'"),
+    ("run.mesh_shape='batch:4;model:2'",
+     "run.layout_rules='batch:batch;d_ff:model;heads:model;vocab:model'",
+     "run.parameter_layout_rules='d_model:batch'"),
+], ids=["one_device", "model_parallel", "lora_rank_split", "fsdp"])
+def test_an_imported_peft_adapter_gives_peft_logits(adapted, layout):
+    exp, params, _ = load(adapted, *layout)
+    got = lm_logits(exp.trainer.model, {"params": params}, oracle()["input_ids"])
+    np.testing.assert_allclose(got, oracle()["logits"], atol=ATOL, rtol=0)
+
+
+def test_adapters_are_named_parameters_the_rules_lay_out(adapted):
+    mesh = "run.mesh_shape='batch:4;model:2'"
+    exp, params, _ = load(adapted, mesh, "run.layout_rules='batch:batch;d_ff:model'")
+    names, shardings = exp.trainer.param_names["layer_0"], exp.trainer.state_shardings.params
+    assert tuple(names["mlp"]["wi_0_lora_a"]) == ("d_model", "lora_rank")
+    assert tuple(names["mlp"]["wi_0_lora_b"]) == ("lora_rank", "d_ff")
+    assert tuple(names["self_attention"]["o_lora_a"]) == ("heads", "d_kv", "lora_rank")
+    # the adapters of a d_ff:model weight split as it does
+    assert tuple(shardings["layer_0"]["mlp"]["wi_0_lora_b"].spec) == (None, "model")
+    assert tuple(shardings["layer_0"]["mlp"]["wo_lora_a"].spec) == ("model", None)
+    exp, params, _ = load(adapted, mesh, "run.layout_rules='batch:batch;lora_rank:model'")
+    shardings = exp.trainer.state_shardings.params["layer_0"]
+    assert tuple(shardings["self_attention"]["q_lora_a"].spec) == (None, "model")
+    assert tuple(shardings["mlp"]["wo_lora_b"].spec) == ("model", None)
+    # a mesh dimension splits one dimension of a tensor: lora_rank and d_ff both on model
+    # would split wi_0_lora_b twice
+    with pytest.raises(LayoutError, match="wi_0_lora_b .*'lora_rank' and 'd_ff' are both"):
+        load(adapted, mesh, "run.layout_rules='batch:batch;d_ff:model;lora_rank:model'")
+
+
+def test_scoring_with_the_adapter_gives_peft_text_scores(adapted, tmp_path):
+    want = oracle()
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(str(t) + "\n" for t in want["texts"]))
+    out = tmp_path / "scores.jsonl"
+    assert main([f"--gin_file={adapted}/config.gin", f"--model_dir={adapted}", "--mode=score",
+                 f"--input_file={texts}", f"--output_file={out}",
+                 f"--output_dir={tmp_path / 'metrics'}",
+                 "--gin_param=run.mesh_shape='batch:4;model:2'"]) == 0
+    got = [json.loads(line)["log_likelihood"] for line in out.read_text().splitlines()]
+    offsets, flat = want["text_logprobs_offsets"], want["text_logprobs_flat"]
+    expected = [flat[a:b].sum() for a, b in zip(offsets[:-1], offsets[1:])]
+    np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
+
+
+def test_an_adapter_that_does_not_fit_is_one_line(tmp_path, capsys):
+    other = tmp_path / "other_base"  # an adapter of another base: its projections' shapes
+    shutil.copytree(ADAPTER, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    wrong = dict(config, target_modules=["q_proj", "lm_head"])
+    # (qwen3's queries are 4 heads of 32 on d_model 64, llama_gqa's 4 of 16)
+    cases = {"another base": (os.path.join(ORACLES, "qwen3"), ADAPTER, "is not of this base"),
+             "a module it cannot adapt": (os.path.join(ORACLES, "llama_gqa"), wrong,
+                                          "adapts lm_head, which is not"),
+             "DoRA": (os.path.join(ORACLES, "llama_gqa"), dict(config, use_dora=True),
+                      "asks for DoRA")}
+    for name, (base, adapter, message) in cases.items():
+        if isinstance(adapter, dict):
+            (other / "adapter_config.json").write_text(json.dumps(adapter))
+            adapter = other
+        capsys.readouterr()
+        model_dir = tmp_path / name.replace(" ", "_")
+        assert main(["--mode=import", f"--input_dir={base}", f"--adapter_dir={adapter}",
+                     f"--model_dir={model_dir}"]) == 2, name
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) <= 3 and message in lines[-1], (name, lines)
+        assert not model_dir.exists()
