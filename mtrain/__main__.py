@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adapter_dir", default=None, metavar="DIR",
                    help="--mode=import: a PEFT LoRA adapter folder (adapter_config.json, "
                         "adapter_model.safetensors) of the --input_dir model, imported with it")
+    p.add_argument("--adapter", action="store_true",
+                   help="--mode=export of a LoRA model: its adapter alone, as a PEFT folder "
+                        "(adapter_config.json, adapter_model.safetensors); without it, the "
+                        "model with its adapters merged into its weights")
     p.add_argument("--checkpoint_step", type=int, default=None, metavar="N",
                    help="--mode=export: the checkpoint to export (default: the newest)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -210,8 +214,8 @@ def main(argv=None) -> int:
                 raise UserError("--mode=export needs --model_dir and --output_dir (the "
                                 "Hugging Face folder to write)")
         elif args.mode != "import" and (args.checkpoint_step is not None
-                                        or args.dtype != "float32"):
-            raise UserError("--checkpoint_step and --dtype go with --mode=export")
+                                        or args.dtype != "float32" or args.adapter):
+            raise UserError("--checkpoint_step, --dtype and --adapter go with --mode=export")
         if not (args.gin_file or args.gin_param or args.mode in ("import", "export")):
             raise UserError("nothing to run: give a --gin_file (the quickstart's is "
                             "--gin_file=quickstart.gin; see --help)")
@@ -296,7 +300,8 @@ def _run(args: argparse.Namespace) -> int:
         if imported:
             kwargs["imported"] = imported
         if args.mode == "export":
-            kwargs["export_options"] = {"step": args.checkpoint_step, "dtype": args.dtype}
+            kwargs["export_options"] = {"step": args.checkpoint_step, "dtype": args.dtype,
+                                        "adapter": args.adapter}
         if args.restart:
             kwargs["restart"] = True
         if args.mode == "plan":

@@ -37,6 +37,7 @@ from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
 from mtrain.io.checkpoints import require_checkpoints
+from mtrain.training import freezing
 from mtrain.io.lock import check_data_dir, check_model_dir_free, preparing_data
 from mtrain.io.metrics import log
 from mtrain.io.model_dir import ModelDir
@@ -329,10 +330,15 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
     if model.features != features:
         raise ConfigError(f"run.model {type(model).__name__} takes {model.features}, but "
                           f"task {s.task!r} gives {features}")
+    trainable = freezing.trainable(s.trainable, model_config.lora is not None)
     trainer = Trainer(model, opt, layout, mesh, s.batch_size, s.sequence_length, seed=s.seed,
-                      loss_config=config.loss(), num_microbatches=s.num_microbatches)
+                      loss_config=config.loss(), num_microbatches=s.num_microbatches,
+                      trainable=trainable)
     stepper = trainer
     if s.data_parallel == "sgp":
+        if trainer.frozen:
+            raise ConfigError("run.data_parallel='sgp' trains every parameter: it takes no "
+                              "frozen ones (run.trainable, LoRA)")
         try:
             stepper = SGPTrainer(trainer, overlap=s.sgp_overlap,
                                  average_every=s.sgp_average_every)

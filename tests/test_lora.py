@@ -7,12 +7,14 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
 from test_oracles import ORACLES, import_folder, lm_logits, load
 
 from mtrain.__main__ import main
+from mtrain.huggingface.adapters import WEIGHTS
 from mtrain.parallel.layout_syntax import LayoutError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
@@ -103,3 +105,74 @@ def test_an_adapter_that_does_not_fit_is_one_line(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) <= 3 and message in lines[-1], (name, lines)
         assert not model_dir.exists()
+
+
+def flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}/")
+        else:
+            out[f"{prefix}{key}"] = np.asarray(value)
+    return out
+
+
+def test_lora_training_moves_the_adapters_alone(tmp_path):
+    """A LoRA run on an import without adapters: fresh ones (B at zero, so that the model
+    starts as its base: step 0's logits are the base's), the base weights bit for bit as
+    imported after the steps, optimizer state for the adapters alone."""
+    from model_dirs import saved_state
+
+    model_dir = tmp_path / "m"
+    import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
+    mesh = "run.mesh_shape='batch:4;model:2'"
+    exp, base_params, _ = load(model_dir, mesh)
+    want = np.asarray(lm_logits(exp.trainer.model, {"params": base_params},
+                                oracle()["input_ids"]))
+    exp, params, _ = load(model_dir, mesh, "lora.rank=4", "lora.alpha=8.0")
+    got = lm_logits(exp.trainer.model, {"params": params}, oracle()["input_ids"])
+    np.testing.assert_array_equal(got, want)  # B = 0: the base, exactly
+    train = [f"--gin_file={model_dir}/config.gin", f"--model_dir={model_dir}",
+             f"--gin_param={mesh}", "--gin_param=lora.rank=4", "--gin_param=lora.alpha=8.0",
+             "--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=32",
+             "--gin_param=run.train_steps=4", "--gin_param=run.checkpoint_every=4",
+             "--gin_param=run.log_every=1", "--gin_param=run.data_workers=0",
+             "--gin_param=learning_rate_schedule.warmup_steps=1",
+             f"--gin_param=run.data_dir='{tmp_path / 'data'}'"]
+    assert main(train) == 0
+    before, after = saved_state(model_dir, 0), saved_state(model_dir, 4)
+    base, trained = flat(before["params"]), flat(after["params"])
+    assert set(trained) - set(base) == {p for p in trained if p.endswith(("_lora_a", "_lora_b"))}
+    for path, value in base.items():
+        np.testing.assert_array_equal(trained[path], value, err_msg=path)
+    assert all(np.abs(v).max() > 0 for p, v in trained.items() if p.endswith("_lora_b"))
+    # optimizer state: the adapters' alone (and scalars: the step count)
+    state = [(jax.tree_util.keystr(p), leaf) for p, leaf in
+             jax.tree_util.tree_leaves_with_path(after["opt_state"]) if np.ndim(leaf)]
+    assert state and all("_lora_" in p for p, _ in state), [p for p, _ in state][:5]
+
+
+def test_exported_adapter_and_merged_model_are_peft_s(adapted, tmp_path):
+    """--mode=export --adapter writes the adapter as peft saved it (every tensor equal);
+    without --adapter the merged weights, which give peft's merged logits once imported."""
+    from mtrain.huggingface.tensors import Folder
+
+    out = tmp_path / "adapter"
+    assert main(["--mode=export", f"--model_dir={adapted}", f"--output_dir={out}",
+                 "--adapter"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    theirs = json.loads((open(os.path.join(ADAPTER, "adapter_config.json")).read()))
+    for key in ("r", "lora_alpha", "use_rslora", "peft_type"):
+        assert config[key] == theirs[key], key
+    assert sorted(config["target_modules"]) == sorted(theirs["target_modules"])
+    mine, peft = Folder(str(out), WEIGHTS), Folder(ADAPTER, WEIGHTS)
+    assert mine.names() == peft.names()
+    for name in peft.names():  # float32 copied and transposed: exactly
+        np.testing.assert_array_equal(mine.read(name), peft.read(name), err_msg=name)
+
+    merged = tmp_path / "merged"
+    assert main(["--mode=export", f"--model_dir={adapted}", f"--output_dir={merged}"]) == 0
+    import_folder(merged, tmp_path / "merged_import")
+    exp, params, _ = load(tmp_path / "merged_import")
+    got = lm_logits(exp.trainer.model, {"params": params}, oracle()["input_ids"])
+    np.testing.assert_allclose(got, oracle()["merged_logits"], atol=ATOL, rtol=0)

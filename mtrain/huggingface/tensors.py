@@ -44,20 +44,22 @@ class TensorFileError(UserError):
 class Folder:
     """The tensors of a Hugging Face model folder (`path`), by name."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, single: str = SINGLE):
+        """`single`: the name of an unsharded folder's one file (a PEFT adapter's
+        ``adapter_model.safetensors``)."""
         self.path = path
         index = os.path.join(path, INDEX)
-        if os.path.exists(index):
+        if single == SINGLE and os.path.exists(index):
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise TensorFileError(f"{index} cannot be read: {_reason(e)}") from None
             files = sorted(set(weight_map.values()))
-        elif os.path.exists(os.path.join(path, SINGLE)):
-            weight_map, files = None, [SINGLE]
+        elif os.path.exists(os.path.join(path, single)):
+            weight_map, files = None, [single]
         else:
-            raise TensorFileError(f"{path} has no {SINGLE} nor {INDEX}: not a Hugging Face "
+            raise TensorFileError(f"{path} has no {single} nor {INDEX}: not a Hugging Face "
                                   f"model folder with safetensors weights")
         self._tensors: dict[str, tuple[str, np.dtype, tuple[int, ...], int]] = {}
         for name in files:
@@ -148,7 +150,7 @@ def _header(file: str) -> dict[str, tuple[np.dtype, tuple[int, ...], int]]:
 
 def write_folder(path: str, entries: Iterable[tuple[str, tuple[int, ...]]], dtype,
                  produce: Callable[[], Iterable[tuple[str, np.ndarray]]],
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+                 max_shard_bytes: int = MAX_SHARD_BYTES, single: str = SINGLE) -> list[str]:
     """Writes tensors of `dtype` (numpy or ml_dtypes) into `path` as ``model.safetensors``,
     or as shards ``model-0000k-of-0000n.safetensors`` of at most `max_shard_bytes` (a larger
     tensor alone in its shard) with the index file. `entries` are (name, shape) in order;
@@ -164,7 +166,7 @@ def write_folder(path: str, entries: Iterable[tuple[str, tuple[int, ...]]], dtyp
             size = 0
         shards[-1].append((name, shape))
         size += nbytes
-    names = ([SINGLE] if len(shards) == 1 else
+    names = ([single] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     tensors = iter(produce())
     for file, shard in zip(names, shards):

@@ -39,6 +39,7 @@ from etils import epath
 from mtrain.io import checksums
 from mtrain.parallel import distributed
 from mtrain.errors import IncompatibleRun, UserError
+from mtrain.models.lora import is_adapter
 from mtrain.io.compatibility import ADVICE, check_compatible
 from mtrain.io.textfiles import is_remote
 
@@ -180,8 +181,15 @@ class Checkpoints:
 
     def is_imported(self, step: int) -> bool:
         """Whether checkpoint `step` holds imported parameters alone (`save_imported`)."""
-        saved = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return bool(saved["meta"].get("imported"))
+        return bool(self._meta(step).get("imported"))
+
+    def has_adapters(self, step: int) -> bool:
+        """Whether checkpoint `step` holds LoRA adapters (`models.lora`)."""
+        return "lora.rank" in self._meta(step).get("model", {})
+
+    def _meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
 
     @contextlib.contextmanager
     def _failing_save(self, step: int):
@@ -219,6 +227,12 @@ class Checkpoints:
         imported = bool(saved.get("imported"))  # parameters alone: no run, state or data
         check_compatible(saved, meta, where, resume=iterator is not None, advice=advice)
         target = {"params": abstract_state.params} if imported else abstract_state
+        # A base imported without adapters, for a model with them: its parameters, and
+        # zero adapters (the base's function; training makes fresh ones:
+        # `has_adapters`).
+        fresh_adapters = imported and "lora.rank" not in saved.get("model", {})
+        if fresh_adapters:
+            target = {"params": _without(abstract_state.params, is_adapter)}
         items = {"state": ocp.args.StandardRestore(target)}
         if iterator is not None and not imported:
             items["data"] = DataIteratorRestore(iterator)
@@ -244,7 +258,10 @@ class Checkpoints:
         if bad := checksums.not_finite(state):
             raise DamagedCheckpoint(where, f"{_array(bad[0])} holds values that are not finite")
         if imported:  # (the optimizer state stays abstract: `is_imported` says to make one)
-            return abstract_state.replace(params=state["params"])
+            params = state["params"]
+            if fresh_adapters:
+                params = _merged(jax.tree.map(_zeros, abstract_state.params), params)
+            return abstract_state.replace(params=params)
         return state
 
     def restore_intact(self, abstract_state, iterator, meta: dict, set_aside: bool = True,
@@ -333,6 +350,29 @@ def restore_for_reading(directory: str, abstract_state, meta: dict, step: int | 
         return checkpoints.restore(step, abstract_state, None, meta, advice), step
     finally:
         checkpoints.close()
+
+
+def _without(tree: dict, leave_out, prefix: str = "") -> dict:
+    """A nested dict without the leaves whose paths `leave_out` takes."""
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out[key] = _without(value, leave_out, f"{path}/")
+        elif not leave_out(path):
+            out[key] = value
+    return out
+
+
+def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    return jax.jit(lambda: jax.numpy.zeros(leaf.shape, leaf.dtype),
+                   out_shardings=leaf.sharding)()
+
+
+def _merged(tree: dict, part: dict) -> dict:
+    """`tree` with the leaves of `part` in place of its own."""
+    return {key: (_merged(value, part[key]) if isinstance(value, dict) else part[key])
+            if key in part else value for key, value in tree.items()}
 
 
 _UNVERIFIED: set[str] = set()  # the directories whose checkpoints without checksums were reported

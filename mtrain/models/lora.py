@@ -26,6 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtrain.models.base import shape_field
+
 # PEFT's "all-linear" minus the output layer: every attention and feed-forward projection
 # (experts' included).
 DEFAULT_TARGETS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")
@@ -39,9 +41,9 @@ class LoraConfig:
     expressions matched against a parameter's whole path (``'layer_[0-3]/mlp/wo'``);
     `dropout` on the adapters' input; `rslora`: scale by alpha / sqrt(rank)."""
 
-    rank: int = 0
+    rank: int = shape_field(0)
     alpha: float = 16.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] = shape_field(DEFAULT_TARGETS)
     dropout: float = 0.0
     rslora: bool = False
 

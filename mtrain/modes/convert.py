@@ -167,10 +167,12 @@ DTYPES = {"float32": np.float32, "bfloat16": tensors.DTYPES["BF16"], "float16": 
 
 def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
                  model_size: int | None = None,
-                 max_shard_bytes: int = tensors.MAX_SHARD_BYTES) -> dict:
+                 max_shard_bytes: int = tensors.MAX_SHARD_BYTES, adapter: bool = False) -> dict:
     """Writes checkpoint `step` (None: the newest) of `exp`'s model dir as a Hugging Face
     folder `output_dir` of `dtype` weights (`model_size`: ``vocabulary.model_size``, the
-    rows of its vocabulary dimension if more than the pieces); returns what it wrote."""
+    rows of its vocabulary dimension if more than the pieces); returns what it wrote. A
+    LoRA model's adapters are merged into its weights (W + scale x A B), or with `adapter`
+    written alone as a PEFT adapter folder."""
     start = time.time()
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -183,9 +185,18 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
     config = families.hf_config(exp.model_config, rows, vocab.eos_id, vocab.bos_id)
     family = config["architectures"][0]
     sources = weights.parameters(family, exp.model_config, rows)
+    lora = exp.model_config.lora
+    if adapter and lora is None:
+        raise ConfigError(f"--adapter: {exp.model_dir} has no LoRA adapters (lora.rank is 0)")
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(vocab), step)
     params = _paths(state.params)
+    if adapter:
+        return _export_adapter(exp, output_dir, dtype, sources, params, step, start)
+    merged = {name: name for name in sources}
+    if lora is not None:  # each adapted weight merged as it is gathered
+        merged = {name: (name, f"{name}_lora_a", f"{name}_lora_b") if f"{name}_lora_a" in params
+                  else name for name in sources}
     template_file = model_dir.chat_template
     template = None
     if os.path.isfile(template_file):
@@ -197,7 +208,7 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
 
         def produce():
             for name, source in sources.items():
-                value = np.asarray(multihost_utils.process_allgather(params[name], tiled=True))
+                value = _gathered(params, merged[name], lora)
                 yield from source.to_hf(value)
 
         written = []
@@ -216,4 +227,47 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
                 pass
     log.info("exported step %d of %s as %s (%s, %d tensors) to %s in %.1f s", step,
              exp.model_dir, family, dtype, len(entries), output_dir, time.time() - start)
+    return {"step": step, "files": sorted(written), "seconds": time.time() - start}
+
+
+def _gathered(params: dict, what, lora) -> np.ndarray:
+    """The whole parameter `what` (a path), or (path, its adapters' paths): the weight with
+    its adapter merged, W + scale x A B (`models.lora`)."""
+    gather = lambda path: np.asarray(  # noqa: E731
+        multihost_utils.process_allgather(params[path], tiled=True))
+    if isinstance(what, str):
+        return gather(what)
+    w, a, b = (gather(path) for path in what)
+    lead = a.ndim + b.ndim - 2 - w.ndim  # experts, scanned layers: their own adapters
+    letters = "abcdefghijklmnop"
+    head, ins, outs = (letters[:lead], letters[lead:a.ndim - 1],
+                       letters[a.ndim - 1:a.ndim - 1 + b.ndim - 1 - lead])
+    delta = np.einsum(f"{head}{ins}z,{head}z{outs}->{head}{ins}{outs}", a, b)
+    return w + np.float32(lora.scale) * delta
+
+
+def _export_adapter(exp: Experiment, output_dir: str, dtype: str, sources: dict,
+                    params: dict, step: int, start: float) -> dict:
+    """Writes the adapters of `params` as a PEFT adapter folder (`huggingface.adapters`)."""
+    lora = exp.model_config.lora
+    adapted = weights.adapters(sources, lora)
+    entries = [t for source in adapted.values() for t in source.tensors()]
+    modules = sorted({name.split(".")[-3] for name, _ in entries})  # q_proj, w1, ...
+
+    def produce():
+        for name, source in adapted.items():
+            yield from source.to_hf(_gathered(params, name, lora))
+
+    with writing(output_dir, ".exporting", "--output_dir") as work:
+        written = []
+        if jax.process_index() == 0:
+            written = tensors.write_folder(work, entries, DTYPES[dtype], produce,
+                                           single=adapters.WEIGHTS)
+            adapters.write_config(work, lora, os.path.abspath(exp.model_dir), modules)
+            written.append(adapters.CONFIG)
+        else:
+            for _ in produce():
+                pass
+    log.info("exported the LoRA adapter of step %d of %s (%d tensors, %s) to %s in %.1f s",
+             step, exp.model_dir, len(entries), dtype, output_dir, time.time() - start)
     return {"step": step, "files": sorted(written), "seconds": time.time() - start}

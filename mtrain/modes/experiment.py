@@ -73,6 +73,11 @@ class RunConfig:
     thread of this process; None: a quarter of the host's cores, at most 8); the batches
     are the same for any number.
 
+    Fine-tuning: `trainable`, a regular expression of parameter paths
+    ("layer_[0-3]/.*|final_norm/scale"), trains those alone; the others are frozen: no
+    gradient, no optimizer state (`training.freezing`). A model with LoRA adapters
+    (``lora.rank``) trains its adapters alone unless `trainable` says otherwise.
+
     `model` and `optimizer` are gin references: ``model(config)`` of the ``transformer.*``
     settings builds the model (None: `@DecoderLM` for LM tasks, `@EncoderDecoder` for
     translation), ``optimizer(schedule)`` the optax optimizer (None: `@adafactor`), wrapped
@@ -107,6 +112,7 @@ class RunConfig:
     sgp_overlap: int = 0
     sgp_average_every: int = 0
     data_workers: int | None = None
+    trainable: str | None = None
     model: Callable | None = None
     optimizer: Callable | None = None
 

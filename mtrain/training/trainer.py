@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain.models import moe
-from mtrain.training import losses
+from mtrain.training import freezing, losses
 from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
 from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
@@ -79,11 +79,14 @@ class Trainer:
         seed: int = 0,
         loss_config: LossConfig | None = None,
         num_microbatches: int = 1,
+        trainable: freezing.Predicate | None = None,
     ):
         """`num_microbatches` > 1 accumulates the gradient over that many slices of the
         batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
         activation memory. `optimizer` is told which parameters are a scanned stack's
-        (`optimizer.for_parameters`), so that its per-tensor statistics are each layer's."""
+        (`optimizer.for_parameters`), so that its per-tensor statistics are each layer's.
+        `trainable` (a predicate of a parameter's path, `freezing`): the parameters that
+        train, the others frozen (no gradient, no optimizer state); None: all."""
         self.model, self.layout, self.mesh = model, layout, mesh
         # Whether the model's kernels want each batch's packing (`models.base`).
         self.uses_packing = bool(getattr(model, "uses_packing", False))
@@ -100,12 +103,20 @@ class Trainer:
         boxed = jax.eval_shape(self._init_variables, init_key)
         self.param_names = param_names = nn.get_partition_spec(boxed)["params"]
         abstract_params = nn.unbox(boxed)["params"]
+        self.trainable = trainable or (lambda path: True)
+        self.frozen = trainable is not None
+        if self.frozen and not any(map(trainable, freezing.paths(abstract_params))):
+            raise ConfigError("no parameter of the model trains (run.trainable, or the LoRA "
+                              "targets, match none)")
+        # What the optimizer sees: the trainable parameters (all of them, unless frozen).
+        self.trained_names = freezing.select(param_names, self.trainable)
+        trained = freezing.select(abstract_params, self.trainable)
         self.given_optimizer = optimizer  # (for `with_layout`)
-        self.optimizer = optimizer_lib.for_parameters(optimizer, param_names)
+        self.optimizer = optimizer_lib.for_parameters(optimizer, self.trained_names)
         # Parameters and optimizer state are stored by the parameter layout rules too.
         param_shardings = tree_shardings(layout, mesh, param_names, abstract_params, True)
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        opt_names = optimizer_lib.state_names(abstract_opt, abstract_params, param_names)
+        abstract_opt = jax.eval_shape(self.optimizer.init, trained)
+        opt_names = optimizer_lib.state_names(abstract_opt, trained, self.trained_names)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.state_shardings = TrainState(
             step=replicated,
@@ -183,9 +194,15 @@ class Trainer:
 
     def _start_fn(self, params):
         """Step 0 at `params`, with the optimizer's state initialised from them."""
-        return TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params)
-        )
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=self.optimizer.init(self.split(params)[0]))
+
+    def split(self, params) -> tuple[Any, Any]:
+        """(the trainable parameters, the frozen ones) of `params` (`freezing`)."""
+        if not self.frozen:
+            return params, {}
+        return (freezing.select(params, self.trainable),
+                freezing.select(params, lambda path: not self.trainable(path)))
 
     def _losses(self, params, batch, deterministic, rngs=None):
         """(loss, xent, weights, logits) per token; see `losses.cross_entropy`."""
@@ -230,10 +247,13 @@ class Trainer:
             loss = loss + tokens * stats.pop("aux_loss")
         return loss, xent, tokens, {k: v * tokens for k, v in stats.items()}
 
-    def _gradients(self, params, batch: Batch, rngs, normalize: bool):
+    def _gradients(self, params, batch: Batch, rngs, normalize: bool, frozen=None):
         """(gradient, loss, cross-entropy, tokens, statistics) of `batch`: of the mean token
-        loss with `normalize` (statistics: means), else of the sums (to add up)."""
+        loss with `normalize` (statistics: means), else of the sums (to add up). `params`
+        are the trainable parameters, `frozen` the others (none: `params` are all)."""
         def loss_fn(params):
+            if frozen:
+                params = freezing.merge(frozen, params)
             loss, xent, tokens, stats = self._loss_sums(params, batch, rngs)
             scale = 1.0 / jnp.maximum(tokens, 1.0) if normalize else 1.0
             stats = {k: v * scale for k, v in stats.items()}
@@ -244,17 +264,19 @@ class Trainer:
         # device keeps (and accumulates over microbatches) only its shard of the sum.
         grads = jax.tree_util.tree_map(
             lambda names, g: constrain(g, logical_names(names, g.ndim), "gradient", parameter=True),
-            self.param_names, grads, is_leaf=is_names)
+            self.trained_names, grads, is_leaf=is_names)
         return grads, loss, xent, tokens, stats
 
-    def gradients(self, params, batch: Batch, dropout_key):
+    def gradients(self, params, batch: Batch, dropout_key, frozen=None):
         """The gradient of the mean token loss of `batch` (and the loss, cross-entropy, token
         count and the model's statistics: `_loss_sums`), accumulated over `num_microbatches`
         slices of it, one at a time. Microbatch j holds rows j, j + k, j + 2k, ... so that
-        every device keeps working on its own rows."""
+        every device keeps working on its own rows. With `frozen` parameters, `params` are
+        the trainable ones (`split`), and the gradient is theirs."""
         k = self.num_microbatches
         if k == 1:
-            return self._gradients(params, batch, {"dropout": dropout_key}, normalize=True)
+            return self._gradients(params, batch, {"dropout": dropout_key}, normalize=True,
+                                   frozen=frozen)
         micro = {name: constrain(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
                                  (None, *BATCH_NAMES))
                  for name, x in batch.items()}
@@ -263,11 +285,12 @@ class Trainer:
         def step(total, inputs):
             i, microbatch = inputs
             out = self._gradients(params, microbatch,
-                                  {"dropout": jax.random.fold_in(dropout_key, i)}, False)
+                                  {"dropout": jax.random.fold_in(dropout_key, i)}, False,
+                                  frozen)
             return jax.tree_util.tree_map(jnp.add, total, out), None
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
-            lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False), params,
+            lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False, frozen), params,
             jax.tree_util.tree_map(lambda x: x[0], micro)))
         (grads, loss, xent, tokens, stats), _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
         # The mean over the batch's tokens, however it was sliced.
@@ -278,9 +301,13 @@ class Trainer:
     def _train_step_fn(self, state: TrainState, batch: Batch):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
-            grads, loss, xent, tokens, stats = self.gradients(state.params, batch, dropout_key)
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            trained, frozen = self.split(state.params)
+            grads, loss, xent, tokens, stats = self.gradients(trained, batch, dropout_key,
+                                                              frozen)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
+            params = optax.apply_updates(trained, updates)
+            if frozen:
+                params = freezing.merge(state.params, params)
         metrics = step_metrics(grads, loss, xent, tokens, stats)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -322,7 +349,8 @@ class Trainer:
         return Trainer(self.model, self.given_optimizer, layout,
                        layout.make_mesh(jax.devices()[:layout.size]), *self.batch_shape,
                        seed=self.seed, loss_config=self.loss_config,
-                       num_microbatches=self.num_microbatches)
+                       num_microbatches=self.num_microbatches,
+                       trainable=self.trainable if self.frozen else None)
 
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shards."""
