@@ -35,9 +35,11 @@ def oracle():
 
 @pytest.mark.parametrize("layout", [
     (),
-    ("run.mesh_shape='batch:4;model:2'",
-     "run.layout_rules='batch:batch;heads:model;kv_heads:model;d_ff:model;vocab:model'"),
-    ("run.mesh_shape='batch:4;model:2'", "run.layout_rules='batch:batch;lora_rank:model'"),
+    pytest.param(("run.mesh_shape='batch:4;model:2'",
+                  "run.layout_rules='batch:batch;heads:model;kv_heads:model;d_ff:model;"
+                  "vocab:model'"), marks=pytest.mark.slow),  # (fsdp below splits them too)
+    pytest.param(("run.mesh_shape='batch:4;model:2'",
+                  "run.layout_rules='batch:batch;lora_rank:model'"), marks=pytest.mark.slow),
     ("run.mesh_shape='batch:4;model:2'",
      "run.layout_rules='batch:batch;d_ff:model;heads:model;vocab:model'",
      "run.parameter_layout_rules='d_model:batch'"),
@@ -117,11 +119,11 @@ def flat(tree, prefix=""):
     return out
 
 
-def test_lora_training_moves_the_adapters_alone(tmp_path):
+def test_lora_training_moves_the_adapters_alone(tmp_path, capsys):
     """A LoRA run on an import without adapters: fresh ones (B at zero, so that the model
     starts as its base: step 0's logits are the base's), the base weights bit for bit as
     imported after the steps, optimizer state for the adapters alone."""
-    from model_dirs import saved_state
+    from model_dirs import digest, saved_state
 
     model_dir = tmp_path / "m"
     import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
@@ -139,6 +141,15 @@ def test_lora_training_moves_the_adapters_alone(tmp_path):
              "--gin_param=run.log_every=1", "--gin_param=run.data_workers=0",
              "--gin_param=learning_rate_schedule.warmup_steps=1",
              f"--gin_param=run.data_dir='{tmp_path / 'data'}'"]
+    capsys.readouterr()
+    unchanged = digest(model_dir)
+    for bad, message in (("lora.targets=('qq',)", "no parameter of the model trains"),
+                         ("run.trainable='layer_[0'", "run.trainable='layer_[0' is not a "
+                                                      "regular expression")):
+        assert main([*train, f"--gin_param={bad}"]) == 2, bad
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) <= 3 and message in lines[-1], lines
+        assert digest(model_dir) == unchanged
     assert main(train) == 0
     before, after = saved_state(model_dir, 0), saved_state(model_dir, 4)
     base, trained = flat(before["params"]), flat(after["params"])

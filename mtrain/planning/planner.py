@@ -40,6 +40,7 @@ from mtrain.planning.hlo_cost import hlo_cost
 from mtrain.parallel.layout import Layout, LayoutError, is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
 from mtrain.parallel.targets import GB, TARGETS, GiB, Target
+from mtrain.training import freezing
 from mtrain.training.trainer import Trainer
 
 
@@ -139,16 +140,30 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     hbm = traffic / target.hbm_bandwidth
     comm = sum(s.bytes_sent for s in comms.values()) / target.interconnect_bandwidth
     step = max(compute, hbm) + comm
-    largest = max(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x, s in
-                  zip(jax.tree_util.tree_leaves(abstract.params),
-                      jax.tree_util.tree_leaves(shardings.params)))
+    # What the optimizer sees: the trainable parameters (frozen ones have no gradient, no
+    # update, and no weight-gradient matmul: 4, not 6, FLOPs per weight and token).
+    paths = freezing.leaf_paths(abstract.params)
+    trained = [(x, s) for path, x, s in zip(
+        paths, jax.tree_util.tree_leaves(abstract.params),
+        jax.tree_util.tree_leaves(shardings.params)) if trainer.trainable(path)]
+    largest = max(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                  for x, s in trained)
+    gradient_bytes = sum(math.prod(s.shard_shape(x.shape)) * 4 for x, s in trained)
+    moe = getattr(model.config, "moe", None)
+    active = moe.top_k / moe.num_experts if moe else 1.0  # of an expert's weights, per token
+    frozen_matmul = sum(
+        x.size * (active if "experts" in names else 1.0) for path, x, names in zip(
+            paths, jax.tree_util.tree_leaves(abstract.params),
+            jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names))
+        if not trainer.trainable(path) and x.ndim >= 2 and not path.endswith("embedding"))
+    executed = analytic - 2 * frozen_matmul * batch * length
     estimate = None
     if isinstance(model.config, TransformerConfig):  # the step model knows Transformers
         kind = "translation" if "inputs" in model.features else "lm"
         estimate = step_model.estimate(
             model.config, kind, layout, batch, length, trainer.num_microbatches,
-            trainer.loss_chunks, param_bytes + opt_bytes + batch_bytes, param_bytes, largest,
-            analytic, target)
+            trainer.loss_chunks, param_bytes + opt_bytes + batch_bytes, gradient_bytes,
+            largest, executed, target)
     basis = "XLA:CPU buffer assignment"
     xla_total = total
     if target.device == "GPU" and estimate:  # where XLA:CPU was measured to be far off
@@ -175,7 +190,7 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
         collectives={k: dataclasses.asdict(v) for k, v in comms.items()},
         compute_seconds=compute, memory_seconds=hbm, communication_seconds=comm,
         step_seconds=step, tokens_per_second=batch * length / step,
-        mfu=analytic / (step * target.peak_flops * n),
+        mfu=executed / (step * target.peak_flops * n),  # (frozen weights: 4 per token)
     )
 
 

@@ -43,6 +43,15 @@ def paths(tree, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def leaf_paths(tree) -> list[str]:
+    """The paths of a nested dict's leaves in jax's order (`jax.tree_util.tree_leaves`:
+    keys sorted), to zip with its leaves."""
+    import jax
+
+    return ["/".join(str(k.key) for k in path)
+            for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
 def select(tree, keep: Predicate, prefix: str = "") -> dict:
     """The part of `tree` whose leaves' paths `keep` takes (same nesting; empty dicts
     left out)."""
@@ -59,9 +68,10 @@ def select(tree, keep: Predicate, prefix: str = "") -> dict:
 
 
 def merge(tree, part) -> dict:
-    """`tree` with the leaves of `part` in place of its own."""
+    """`tree` with the leaves of `part` in place of its own (or beside them: the two
+    parts of `select` make the whole again)."""
     out = dict(tree)
     for key, value in part.items():
-        out[key] = merge(tree[key], value) if isinstance(value, dict) else value
+        out[key] = merge(tree.get(key, {}), value) if isinstance(value, dict) else value
     return out
 
