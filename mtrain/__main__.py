@@ -259,6 +259,7 @@ def main(argv=None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from mtrain import config as config_lib
     from mtrain import run as run_lib  # imports jax: only after the flags set in main
     from mtrain.io.metrics import setup_logging
 
@@ -272,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
                                 f"give the run's --gin_file")
         imported = None
         if args.mode == "import":
-            imported = (args.input_dir, *run_lib.parse_import_config(
+            imported = (args.input_dir, *config_lib.parse_import_config(
                 args.gin_file, args.gin_param, args.input_dir, args.adapter_dir),
                 args.adapter_dir)
         else:

@@ -37,6 +37,9 @@ from mtrain.data.prepared import Files
 from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import DecodingConfig
+from mtrain.huggingface import adapters, families
+from mtrain.huggingface.vocabulary import folder_vocabulary
+from mtrain.io.textfiles import check_reachable
 from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
 from mtrain.models.positions import RopeScaling
@@ -97,9 +100,9 @@ def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:
         mine = bound(name, None)
         if mine is not None and _normal(mine) != _normal(value):
             field = settings.source.get(name, "its architecture")
-            whose = field if field.endswith(".json") else f"config.json's {field}"
-            raise ConfigError(f"{name}={mine!r} in the gin config contradicts {whose} "
-                              f"({value!r}); leave it out (the import sets it)")
+            whose = field if ".json's " in field else f"config.json's {field}"
+            raise ConfigError(f"{name}={mine!r} in the gin config contradicts {whose}="
+                              f"{value!r}; leave it out (the import sets it)")
         bindings.append(f"{name} = {value!r}")
     for name, value in settings.defaults.items():
         if bound(name, None) is None:
@@ -133,10 +136,10 @@ def model_config(vocab_size: int, real_vocab_size: int = 0) -> TransformerConfig
     ``rope_scaling.*``) for a vocabulary dimension of `vocab_size` rows, of which the first
     `real_vocab_size` are real (0: all). Raises ValueError for settings that do not make a
     model, or ``moe.*`` settings without experts to apply to."""
-    adapters = lora()
+    adapter = lora()
     model = transformer(vocab_size=vocab_size, rope_scaling=rope_scaling(),
                         real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0,
-                        lora=adapters if adapters.rank else None)
+                        lora=adapter if adapter.rank else None)
     if not model.moe_every:
         if gin.get_bindings("moe"):
             raise ValueError(f"moe.{sorted(gin.get_bindings('moe'))[0]} is set, but "
@@ -171,3 +174,35 @@ def settings(configurable) -> dict:
 def operative() -> str:
     """The gin settings the run used (for <model_dir>/config.gin)."""
     return gin.operative_config_str()
+
+
+def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str,
+                        adapter_dir: str | None = None):
+    """Parses the gin config of ``--mode=import`` from the Hugging Face folder `input_dir`
+    (`config.parse_import`), with the ``lora.*`` settings of the PEFT adapter folder
+    `adapter_dir` if given; returns (its `families.Settings`, its vocabulary)."""
+    parse(gin_files, gin_params)
+    if bound("vocabulary.path", None) is not None:
+        raise ConfigError("vocabulary.path is set, but an import's vocabulary is the model's "
+                          "own tokenizer; leave it out")
+    check_reachable(input_dir, "--input_dir")
+    if not os.path.isdir(input_dir):
+        raise ConfigError(f"--input_dir {input_dir} is not a directory: name a Hugging Face "
+                          f"model folder (config.json, *.safetensors, its tokenizer)")
+    settings = families.settings(families.read_config(input_dir))
+    vocab = folder_vocabulary(input_dir, settings)
+    vocabulary = {"vocabulary.size": vocab.vocab_size,
+                  "vocabulary.model_size": settings.vocab_size}
+    settings = dataclasses.replace(
+        settings, architecture={**settings.architecture, **vocabulary},
+        source={**settings.source, "vocabulary.size": "tokenizer's pieces",
+                "vocabulary.model_size": "vocab_size"})
+    if adapter_dir is not None:
+        check_reachable(adapter_dir, "--adapter_dir")
+        peft = adapters.read_config(adapter_dir)
+        settings = dataclasses.replace(
+            settings, architecture={**settings.architecture, **peft},
+            source={**settings.source, **{name: f"{adapters.CONFIG}'s {field}" for name, field
+                                          in adapters.FIELDS.items()}})
+    parse_import(gin_files, gin_params, settings)
+    return settings, vocab

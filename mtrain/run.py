@@ -43,8 +43,6 @@ from mtrain.io.metrics import log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import check_reachable
 from mtrain.modes.evaluate import evaluate_checkpoint
-from mtrain.huggingface import adapters, families
-from mtrain.huggingface.vocabulary import folder_vocabulary
 from mtrain.modes import convert
 from mtrain.modes.experiment import Experiment, RunConfig
 from mtrain.modes.infer import check_output_file, infer
@@ -63,37 +61,6 @@ NO_DATA = ("plan", "import", "export")  # the modes that build the model without
 READERS = ("infer", "score")
 
 
-def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str,
-                        adapter_dir: str | None = None):
-    """Parses the gin config of ``--mode=import`` from the Hugging Face folder `input_dir`
-    (`config.parse_import`), with the ``lora.*`` settings of the PEFT adapter folder
-    `adapter_dir` if given; returns (its `families.Settings`, its vocabulary)."""
-    config.parse(gin_files, gin_params)
-    if config.bound("vocabulary.path", None) is not None:
-        raise ConfigError("vocabulary.path is set, but an import's vocabulary is the model's "
-                          "own tokenizer; leave it out")
-    check_reachable(input_dir, "--input_dir")
-    if not os.path.isdir(input_dir):
-        raise ConfigError(f"--input_dir {input_dir} is not a directory: name a Hugging Face "
-                          f"model folder (config.json, *.safetensors, its tokenizer)")
-    settings = families.settings(families.read_config(input_dir))
-    vocab = folder_vocabulary(input_dir, settings)
-    vocabulary = {"vocabulary.size": vocab.vocab_size,
-                  "vocabulary.model_size": settings.vocab_size}
-    settings = dataclasses.replace(
-        settings, architecture={**settings.architecture, **vocabulary},
-        source={**settings.source, "vocabulary.size": "tokenizer's pieces",
-                "vocabulary.model_size": "vocab_size"})
-    if adapter_dir is not None:
-        check_reachable(adapter_dir, "--adapter_dir")
-        lora = adapters.read_config(adapter_dir)
-        settings = dataclasses.replace(
-            settings, architecture={**settings.architecture, **lora},
-            source={**settings.source, **{name: f"{adapters.CONFIG}" for name in lora}})
-    config.parse_import(gin_files, gin_params, settings)
-    return settings, vocab
-
-
 def run(input_file: str | None = None, output_file: str | None = None,
         plan_options: dict | None = None, restart: bool = False,
         output_dir: str | None = None, imported=None, export_options: dict | None = None,
@@ -106,7 +73,7 @@ def run(input_file: str | None = None, output_file: str | None = None,
     settings (e.g. model_dir from the command line) say. Eval and score write what they
     measure to `output_dir`, else into the model dir if it can be written. ``'import'``
     writes the model dir from a Hugging Face folder (`imported`: (input dir, its settings,
-    its vocabulary), after `parse_import_config`); ``'export'`` writes a checkpoint of it
+    its vocabulary), after `config.parse_import_config`); ``'export'`` writes a checkpoint of it
     to the folder `output_dir` (`export_options`: step, dtype)."""
     settings = config.run_config(**overrides)
     mode, model_dir = settings.mode, settings.model_dir

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from conftest import no_compilation_cache, split_import_times
-from mtrain.planning import planner
+from mtrain.planning import auto_layout, planner
 from mtrain import run as run_lib
 from mtrain.__main__ import main
 from mtrain.parallel.layout import Layout
@@ -420,10 +420,10 @@ def test_experts_in_the_step_model_and_the_layout_search():
             TARGETS["h100"]).saved_activation_bytes
 
     assert saved() < saved(capacity_factor_train=1.0) < saved(capacity_factor_train=2.0)
-    layouts = planner.candidate_layouts(8, experts=True)
+    layouts = auto_layout.candidate_layouts(8, experts=True)
     assert ("batch:8", "batch:batch;experts:batch", "") in layouts
     assert ("batch:2;model:4", "batch:batch;d_ff:model;heads:model;experts:model", "") in layouts
-    assert not any("experts" in rules for _, rules, _ in planner.candidate_layouts(8))
+    assert not any("experts" in rules for _, rules, _ in auto_layout.candidate_layouts(8))
 
 
 @pytest.mark.slow

@@ -21,6 +21,9 @@ WEIGHTS = "adapter_model.safetensors"
 MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "wi_0",
            "up_proj": "wi_1", "down_proj": "wo", "w1": "wi_0", "w3": "wi_1", "w2": "wo",
            **{n: n for n in ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")}}
+# gin's lora.* settings and the adapter_config.json fields they come from
+FIELDS = {"lora.rank": "r", "lora.alpha": "lora_alpha", "lora.targets": "target_modules",
+          "lora.rslora": "use_rslora"}
 _UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_pattern)",
                 "alpha_pattern": "per-module alphas (alpha_pattern)",
                 "layers_to_transform": "adapters on some layers only (layers_to_transform)",

@@ -19,26 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtrain.parallel.layout import constrain, use_parameter
+from mtrain.parallel.layout import constrain
 from mtrain.models import attention, kernels
 from mtrain.models.lora import LoraConfig, project
+from mtrain.models.parameters import normal, param  # noqa: F401 (layers.param, layers.normal)
 from mtrain.models import positions as positions_lib
 
 Dtype = Any
-
-
-def normal(stddev: float):
-    return nn.initializers.normal(stddev=stddev)
-
-
-def param(module: nn.Module, name: str, init, shape: tuple[int, ...], names: tuple[str, ...],
-          dtype: Dtype = jnp.float32):
-    """A float32 parameter that carries its logical dimension names, as the computation
-    uses it: cast to `dtype` and laid out by the layout rules. Where parameter layout rules
-    store it split further (fully sharded data parallelism), this is where it is gathered,
-    in `dtype`."""
-    value = module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
-    return use_parameter(value.astype(dtype), tuple(names), f"parameter {name}")
 
 
 class RMSNorm(nn.Module):

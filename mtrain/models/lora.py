@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.models.base import shape_field
+from mtrain.models.parameters import param
 
 # PEFT's "all-linear" minus the output layer: every attention and feed-forward projection
 # (experts' included).
@@ -82,8 +83,6 @@ def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...
             lora: LoraConfig | None, deterministic: bool = True):
     """``einsum(spec, x, w)`` (``w`` the parameter `name` of `module`, of logical `names`),
     with its adapter where `lora` targets it (module doc)."""
-    from mtrain.models.layers import param  # (layers uses this module)
-
     y = jnp.einsum(spec, x, w)
     if not lora or not lora.rank or not lora.targets_path(_parameter_path(module, name)):
         return y

@@ -13,6 +13,7 @@ import jax
 from mtrain.errors import ConfigError
 from mtrain.modes.experiment import Experiment
 from mtrain.parallel.targets import TARGETS
+from mtrain.planning import auto_layout as auto_layout_lib
 from mtrain.planning import planner
 
 log = logging.getLogger("mtrain")
@@ -59,7 +60,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
         if devices > jax.device_count():
             raise ConfigError(f"--auto_layout for {devices} devices, but only "
                               f"{jax.device_count()} are available to compile for")
-        results = planner.auto_layout(
+        results = auto_layout_lib.auto_layout(
             exp.trainer.with_layout, devices, target_spec,
             progress=lambda message: log.info("auto-layout %s", message),
             experts=bool(getattr(exp.model_config, "moe_every", 0)))
@@ -69,7 +70,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
                                   "rejected": c.rejected,
                                   "plan": c.plan.to_dict() if c.plan else None}
                                  for c in results]}
-        text = planner.format_auto_layout(results, devices, target, top)
+        text = auto_layout_lib.format_auto_layout(results, devices, target, top)
     else:
         compiled = exp.stepper.compile_train_step() if exp.stepper is not exp.trainer else None
         result = planner.plan(exp.trainer, target_spec, compiled=compiled)

@@ -21,15 +21,14 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
 The program is compiled by XLA:CPU, so it is the program a TPU or GPU would run up to the
 backend's own fusion and scheduling choices: memory and time are estimates, good for
 ranking layouts and catching what cannot fit, not for quoting to three digits.
-`auto_layout` compiles every legal mesh and layout for a number of devices and ranks those
-that fit by estimated step time.
+`planning.auto_layout` compiles every legal mesh and layout for a number of devices and
+ranks those that fit by estimated step time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +36,14 @@ from jax.sharding import NamedSharding
 
 from mtrain.planning import step_model
 from mtrain.planning.hlo_cost import hlo_cost
-from mtrain.parallel.layout import Layout, LayoutError, is_names, logical_names
+from mtrain.parallel.layout import is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
 from mtrain.parallel.targets import GB, TARGETS, GiB, Target
 from mtrain.training import freezing
 from mtrain.training.trainer import Trainer
 
 
-def _bytes(tree, shardings) -> int:
+def sharded_bytes(tree, shardings) -> int:
     """Bytes per device of a tree of abstract arrays laid out by `shardings`."""
     total = 0
     for leaf, sharding in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings)):
@@ -124,8 +123,8 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
     comms = hlo.collectives
     batch, length = trainer.batch_shape
-    param_bytes = _bytes(abstract.params, shardings.params)
-    opt_bytes = _bytes(abstract.opt_state, shardings.opt_state)
+    param_bytes = sharded_bytes(abstract.params, shardings.params)
+    opt_bytes = sharded_bytes(abstract.opt_state, shardings.opt_state)
     batch_bytes = memory.argument_size_in_bytes - param_bytes - opt_bytes - 4  # 4: the step
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
              - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
@@ -194,108 +193,16 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     )
 
 
-# ---- automatic layout ----
-
-# Candidate layout rules per mesh: the Mesh-TF paper's (split d_ff, heads and vocab over
-# `model`), the same with the vocabulary replicated, and d_model split instead; on 3-D meshes
-# the paper's plus d_model over a third dimension (2-D weight sharding). Where the layout
-# rules leave d_model whole, each is also tried with the parameters' d_model split over
-# `batch` (fully sharded data parallelism).
-_MODEL_RULES = ("batch:batch;d_ff:model;heads:model;vocab:model",
-                "batch:batch;d_ff:model;heads:model",
-                "batch:batch;d_model:model")
-_3D_RULES = ("batch:batch;d_ff:model;heads:model;vocab:model;d_model:embed",)
-_FSDP_RULES = "d_model:batch"
-
-
-def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
-    """Ordered factorizations of n into `parts` factors, each > 1."""
-    if parts == 1:
-        return [(n,)] if n > 1 else []
-    return [(d, *rest) for d in range(2, n + 1) if n % d == 0
-            for rest in _factorizations(n // d, parts - 1)]
-
-
-def candidate_layouts(num_devices: int, experts: bool = False) -> list[tuple[str, str, str]]:
-    """(mesh shape, layout rules, parameter layout rules) candidates for `num_devices`
-    devices: pure data and pure model parallelism, every 2-D batch x model mesh with each of
-    the model rules, every 3-D batch x model x embed mesh, and each of those whose layout
-    rules leave d_model whole once more with FSDP's parameter rules. With `experts` (a
-    mixture of experts), each also with the experts split over `batch` (expert
-    parallelism) and, where it has a `model` dimension, over `model`."""
-    if num_devices == 1:
-        return [("", "", "")]
-    out = [(f"batch:{num_devices}", "batch:batch"),
-           (f"model:{num_devices}", _MODEL_RULES[0].replace("batch:batch;", ""))]
-    for b, m in _factorizations(num_devices, 2):
-        out += [(f"batch:{b};model:{m}", rules) for rules in _MODEL_RULES]
-    for b, m, e in _factorizations(num_devices, 3):
-        out += [(f"batch:{b};model:{m};embed:{e}", rules) for rules in _3D_RULES]
-    if experts:
-        out += [(mesh, f"{rules};experts:{dim}") for mesh, rules in list(out)
-                for dim in ("batch", "model") if f"{dim}:" in mesh]
-    fsdp = [(mesh, rules, _FSDP_RULES) for mesh, rules in out
-            if mesh.startswith("batch:") and "d_model:" not in rules]
-    return [(mesh, rules, "") for mesh, rules in out] + fsdp
-
-
-@dataclasses.dataclass
-class Candidate:
-    mesh_shape: str
-    layout_rules: str
-    parameter_layout_rules: str = ""
-    plan: Plan | None = None
-    rejected: str = ""  # why it was not compiled or does not fit
-
-
-def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, target: Target,
-                progress: Callable[[str], None] = lambda message: None,
-                experts: bool = False) -> list[Candidate]:
-    """Every candidate layout for `num_devices` (`experts`: of a mixture of experts, see
-    `candidate_layouts`), best first: those that fit ranked by estimated step time, then
-    those that do not fit (least memory first), then the illegal ones. A candidate whose
-    parameters and optimizer state alone overflow the target is not compiled."""
-    results = []
-    candidates = candidate_layouts(num_devices, experts)
-    for i, (mesh_shape, rules, parameter_rules) in enumerate(candidates):
-        c = Candidate(mesh_shape, rules, parameter_rules)
-        results.append(c)
-        try:
-            trainer = make_trainer(Layout(mesh_shape, rules, parameter_rules))
-            state = _bytes(trainer.abstract_state, trainer.state_shardings)
-            if state > target.hbm_bytes:
-                c.rejected = (f"does not fit: parameters and optimizer state alone take "
-                              f"{state / GiB:.1f} GiB per device")
-                continue
-            c.plan = plan(trainer, target)
-            if not c.plan.fits:
-                c.rejected = f"does not fit: {c.plan.total_bytes / GiB:.1f} GiB per device"
-        except LayoutError as e:
-            c.rejected = "illegal: " + str(e).split(" — ")[0]
-        progress(f"[{i + 1}/{len(candidates)}] {mesh_shape or '(one device)'} {rules}"
-                 + (f" parameters {parameter_rules}" if parameter_rules else "") + ": "
-                 + (c.rejected or f"{c.plan.step_seconds:.3g} s per step"))
-
-    def rank(c: Candidate):
-        if c.plan is None:
-            return (2, math.inf, 0)
-        if not c.plan.fits:
-            return (1, c.plan.total_bytes, 0)
-        return (0, c.plan.step_seconds, c.plan.total_bytes)
-
-    return sorted(results, key=rank)
-
-
 # ---- reports ----
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
 
 
-def _seconds(s: float) -> str:
+def seconds_text(s: float) -> str:
     if s >= 1:
         return f"{s:.2f} s"
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
@@ -307,14 +214,14 @@ def _step_model_lines(p: Plan) -> list[str]:
         return []
     m = p.step_model
     return [
-        f"  XLA:CPU total     {_size(p.xla_total_bytes):>12}   (CPU kernels and buffer "
+        f"  XLA:CPU total     {size_text(p.xla_total_bytes):>12}   (CPU kernels and buffer "
         f"assignment; the GPU's differ: step model below)",
-        f"  saved activations {_size(m['saved_activation_bytes']):>12}   ({m['attention']} "
+        f"  saved activations {size_text(m['saved_activation_bytes']):>12}   ({m['attention']} "
         f"attention; the larger of these two is held)",
-        f"  gradients         {_size(m['gradient_bytes']):>12}",
-        f"  layer working set {_size(m['working_bytes']):>12}   (one layer's backward)",
-        f"  loss logits       {_size(m['logits_bytes']):>12}",
-        f"  optimizer update  {_size(m['update_bytes']):>12}   (the largest parameter's)",
+        f"  gradients         {size_text(m['gradient_bytes']):>12}",
+        f"  layer working set {size_text(m['working_bytes']):>12}   (one layer's backward)",
+        f"  loss logits       {size_text(m['logits_bytes']):>12}",
+        f"  optimizer update  {size_text(m['update_bytes']):>12}   (the largest parameter's)",
     ]
 
 
@@ -333,13 +240,13 @@ def format_plan(p: Plan, describe: str = "") -> str:
         *([f"  active per token: {p.active_parameters:,} (its top-k experts of all)"]
           if p.active_parameters != p.analytic_parameters else []),
         "memory per device:",
-        f"  parameters        {_size(p.parameter_bytes):>12}" + (
-            f"   (experts' weights {_size(p.expert_bytes)})" if p.expert_bytes else ""),
-        f"  optimizer state   {_size(p.optimizer_bytes):>12}",
-        f"  batch             {_size(p.batch_bytes):>12}",
-        f"  XLA temporaries   {_size(p.temp_bytes):>12}   (activations, gradients, scratch)",
+        f"  parameters        {size_text(p.parameter_bytes):>12}" + (
+            f"   (experts' weights {size_text(p.expert_bytes)})" if p.expert_bytes else ""),
+        f"  optimizer state   {size_text(p.optimizer_bytes):>12}",
+        f"  batch             {size_text(p.batch_bytes):>12}",
+        f"  XLA temporaries   {size_text(p.temp_bytes):>12}   (activations, gradients, scratch)",
         *_step_model_lines(p),
-        f"  total             {_size(p.total_bytes):>12}   of {_size(p.hbm_bytes)} on {p.target} "
+        f"  total             {size_text(p.total_bytes):>12}   of {size_text(p.hbm_bytes)} on {p.target} "
         f"({p.memory_basis})",
         "FLOPs per step:",
         f"  XLA, per device   {p.xla_flops:.3e}   (x {p.num_devices} devices = "
@@ -352,8 +259,8 @@ def format_plan(p: Plan, describe: str = "") -> str:
     for kind, s in p.collectives.items():
         if s["count"]:
             shaped = s["parameter_shaped_bytes"]
-            lines.append(f"  {kind:<19}{s['count']:>4} ops {_size(s['bytes_sent']):>12}"
-                         + (f"   ({_size(shaped)} parameter-shaped: gradients, weights)"
+            lines.append(f"  {kind:<19}{s['count']:>4} ops {size_text(s['bytes_sent']):>12}"
+                         + (f"   ({size_text(shaped)} parameter-shaped: gradients, weights)"
                             if shaped else "   (activations)"))
     if not any(s["count"] for s in p.collectives.values()):
         lines.append("  none")
@@ -361,46 +268,17 @@ def format_plan(p: Plan, describe: str = "") -> str:
         f"roofline on {p.target} ({t.device}: {t.peak_flops / 1e12:.1f} TFLOP/s bf16, "
         f"{t.hbm_bandwidth / GB:.0f} GB/s HBM, {t.interconnect_bandwidth / GB:.0f} GB/s "
         f"interconnect):",
-        f"  compute {_seconds(p.compute_seconds)}" + (
+        f"  compute {seconds_text(p.compute_seconds)}" + (
             "" if p.memory_basis.startswith("XLA") else
             f" (at {100 * p.step_model['efficiency']:.0f}% of peak, as measured for a "
-            f"strong JAX baseline; + {_seconds(p.step_model['attention_traffic_seconds'])} "
+            f"strong JAX baseline; + {seconds_text(p.step_model['attention_traffic_seconds'])} "
             f"of attention matrices through HBM)") +
-        f", memory {_seconds(p.memory_seconds)}, "
-        f"collectives {_seconds(p.communication_seconds)}",
-        f"  step ~{_seconds(p.step_seconds)}, {p.tokens_per_second:,.0f} tokens/s, "
+        f", memory {seconds_text(p.memory_seconds)}, "
+        f"collectives {seconds_text(p.communication_seconds)}",
+        f"  step ~{seconds_text(p.step_seconds)}, {p.tokens_per_second:,.0f} tokens/s, "
         f"MFU {'at most ' if p.memory_basis.startswith('XLA') else '~'}{100 * p.mfu:.0f}%",
         ("verdict: FITS" if p.fits else "verdict: DOES NOT FIT") +
-        f" in {p.target} memory: {_size(p.total_bytes)} of {_size(p.hbm_bytes)} per device "
+        f" in {p.target} memory: {size_text(p.total_bytes)} of {size_text(p.hbm_bytes)} per device "
         f"({100 * p.total_bytes / p.hbm_bytes:.0f}%)",
     ]
     return "\n".join(lines)
-
-
-def format_auto_layout(results: list[Candidate], num_devices: int, target: str,
-                       top: int = 5) -> str:
-    fitting = [c for c in results if c.plan and c.plan.fits]
-    compiled = sum(c.plan is not None for c in results)
-    lines = [f"auto-layout for {num_devices} devices on {target}: {len(results)} candidates, "
-             f"{compiled} compiled, {len(fitting)} fit"]
-    if not fitting:
-        lines.append("none fits; the closest:")
-    shown = (fitting or [c for c in results if c.plan])[:top]
-    for rank, c in enumerate(shown, 1):
-        p = c.plan
-        lines += [
-            f"#{rank}  step ~{_seconds(p.step_seconds)}  {_size(p.total_bytes)} per device  "
-            f"MFU <= {100 * p.mfu:.0f}%  (compute {_seconds(p.compute_seconds)}, memory "
-            f"{_seconds(p.memory_seconds)}, collectives {_seconds(p.communication_seconds)})",
-            *("    " + line for line in p.gin_lines().splitlines()),
-        ]
-    rejected = [c for c in results if c.plan is None]
-    if rejected:
-        lines.append(f"not compiled ({len(rejected)}):")
-        lines += [f"  {c.mesh_shape} {c.layout_rules}"
-                  + (f" parameters {c.parameter_layout_rules}" if c.parameter_layout_rules else "")
-                  + f": {c.rejected}" for c in rejected[:8]]
-        if len(rejected) > 8:
-            lines.append(f"  ... and {len(rejected) - 8} more")
-    return "\n".join(lines)
-

@@ -67,6 +67,11 @@ def select(tree, keep: Predicate, prefix: str = "") -> dict:
     return out
 
 
+def split(tree, keep: Predicate) -> tuple[dict, dict]:
+    """(the part of `tree` that `keep` takes, the rest)."""
+    return select(tree, keep), select(tree, lambda path: not keep(path))
+
+
 def merge(tree, part) -> dict:
     """`tree` with the leaves of `part` in place of its own (or beside them: the two
     parts of `select` make the whole again)."""

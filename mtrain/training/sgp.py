@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mtrain.parallel import pushsum
 from mtrain.parallel.layout import Layout
 from mtrain.parallel.replica import replicate
-from mtrain.training.trainer import Trainer, TrainState, step_metrics, with_shardings
+from mtrain.training.state import TrainState, step_metrics, with_shardings
+from mtrain.training.trainer import Trainer
 
 
 @flax.struct.dataclass

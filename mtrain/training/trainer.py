@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,33 +35,10 @@ from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
 from mtrain.training.losses import LossConfig
 from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
 from mtrain.training.placement import PlacedBatch, local_rows
+from mtrain.training.state import TrainState, step_metrics, with_shardings
 
 Batch = dict[str, Any]
 BATCH_NAMES = ("batch", "length")
-
-
-def with_shardings(abstract: Any, shardings: Any) -> Any:
-    """A tree of shapes (e.g. from `jax.eval_shape`) with each leaf's sharding attached."""
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any
-    opt_state: Any
-
-
-def step_metrics(grads, loss, xent, tokens, extra=None) -> dict:
-    """A train step's metrics: loss, cross-entropy, tokens, gradient norm, and `finite`: 0
-    when the loss or a gradient is not finite (wrap the optimizer in optax.apply_if_finite
-    to skip such updates, as run.py does); and `extra`, the model's own (a mixture of
-    experts' statistics, `moe.summary`)."""
-    grad_norm = optax.tree.norm(grads)
-    return {**(extra or {}), "loss": loss, "cross_entropy": xent, "num_tokens": tokens,
-            "grad_norm": grad_norm,
-            "finite": (jnp.isfinite(loss) & jnp.isfinite(grad_norm)).astype(jnp.float32)}
 
 
 class Trainer:
@@ -199,10 +175,7 @@ class Trainer:
 
     def split(self, params) -> tuple[Any, Any]:
         """(the trainable parameters, the frozen ones) of `params` (`freezing`)."""
-        if not self.frozen:
-            return params, {}
-        return (freezing.select(params, self.trainable),
-                freezing.select(params, lambda path: not self.trainable(path)))
+        return freezing.split(params, self.trainable) if self.frozen else (params, {})
 
     def _losses(self, params, batch, deterministic, rngs=None):
         """(loss, xent, weights, logits) per token; see `losses.cross_entropy`."""
