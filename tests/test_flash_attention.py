@@ -341,6 +341,7 @@ def test_layout_unused_when_nothing_splits_batch_or_heads():
                                **TOL)
 
 
+@pytest.mark.slow  # (flash in the fast tier: the kernels and meshes above; SGP: test_sgp)
 def test_flash_inside_sgp_replicas():
     """SGP runs each replica's step in a shard_map manual over the data axis; the kernel's
     own shard_map then splits the remaining axes."""

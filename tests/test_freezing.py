@@ -46,8 +46,11 @@ def test_lora_layouts_and_microbatches_never_change_the_losses(slow):
     test_trainer's tolerance (float32 sums in another order)."""
     reference, first, state = train(trainer_of())
     assert reference[-1] < reference[0]
-    layouts = [("batch:8", "batch:batch", "d_model:batch")] if slow else [
-        ("batch:4;model:2", "batch:batch;" + SPLIT),
+    for path, value in freezing.paths(first).items():  # the base as it was; adapters moved
+        assert np.array_equal(freezing.paths(state.params)[path], value) != is_adapter(path), \
+            path
+    layouts = [("batch:4;model:2", "batch:batch;" + SPLIT),
+               ("batch:8", "batch:batch", "d_model:batch")] if slow else [
         ("batch:4;model:2", "batch:batch;lora_rank:model")]
     for args in layouts:
         losses, _, _ = train(trainer_of(*args))

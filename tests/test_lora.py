@@ -119,6 +119,7 @@ def flat(tree, prefix=""):
     return out
 
 
+@pytest.mark.slow  # (the trainer's side in the fast tier: test_freezing)
 def test_lora_training_moves_the_adapters_alone(tmp_path, capsys):
     """A LoRA run on an import without adapters: fresh ones (B at zero, so that the model
     starts as its base: step 0's logits are the base's), the base weights bit for bit as

@@ -177,6 +177,7 @@ def run_plan(*args, python_flags=()):
     return proc
 
 
+@pytest.mark.slow  # (test_paper_configs compiles it on 512 devices too)
 def test_cli_plans_the_largest_paper_lm_on_its_512_cores():
     # A process of its own: the plan simulates the 512 devices it needs.
     proc = run_plan("--gin_file=paper/lm_size_5.gin", "--target=tpu-v2", "--format=json",

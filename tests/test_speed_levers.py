@@ -199,6 +199,7 @@ def test_automatic_loss_chunks():
         LossConfig(chunks=3).num_chunks(32, 2**30)
 
 
+@pytest.mark.slow  # (the fast tier: test_model_families' dot_product path, grouped and biased)
 def test_dot_product_attention_matches_the_einsum_path(reference):
     fused = dataclasses.replace(CONFIG, attention="dot_product")
     np.testing.assert_allclose(train_losses(trainer(fused)), reference, rtol=1e-5)
