@@ -198,6 +198,7 @@ def test_cli_plans_the_largest_paper_lm_on_its_512_cores():
     assert report["collectives"]["all-reduce"]["count"] > 0
 
 
+@pytest.mark.slow  # (the step model's figures in the fast tier: test_step_model_*)
 def test_the_1b_preset_fits_an_h100_at_16_x_2048():
     """Issue 17's target: at most 40 GiB on one device, bf16, remat dots, flash attention."""
     proc = run_plan("--gin_file=tasks/lm1b.gin", "--gin_file=models/lm_1b.gin",

@@ -79,6 +79,7 @@ def test_sgp_starts_in_consensus_and_averages_to_the_trainer_layout():
     assert float(sgp.consensus_distance(stacked)["max"]) == 0.0
 
 
+@pytest.mark.slow  # (the fast tier trains SGP: test_overlap_sgp_converges and the state tests)
 def test_the_sgp_step_all_reduces_no_parameters():
     # Its collectives: a collective-permute per hop (the planner counts the one that runs per
     # step) of the parameters, and all-reduces of scalars only, where data parallelism
