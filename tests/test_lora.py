@@ -210,3 +210,30 @@ def test_a_lora_run_resumes_bit_for_bit(tmp_path):
                          f"--gin_param=run.data_dir='{tmp_path / 'data'}'"]) == 0
         runs[name] = saved_state(model_dir, 4)
     jax.tree_util.tree_map(np.testing.assert_array_equal, runs["once"], runs["twice"])
+
+
+@pytest.mark.slow
+def test_a_killed_lora_run_resumes_as_an_unbroken_one(tmp_path):
+    """`python -m mtrain` with adapters, killed (SIGKILL) once its checkpoint of step 2 is
+    written, then the same command: step 6 as an unbroken run's, bit for bit."""
+    from model_dirs import saved_state
+    from test_user_paths import killed_when, mtrain
+
+    home = tmp_path / "home"
+    home.mkdir()
+    import_folder(os.path.join(ORACLES, "llama_gqa"), tmp_path / "base")
+    params = ["run.mesh_shape='batch:4;model:2'", "lora.rank=4", "lora.dropout=0.1",
+              "run.batch_size=8", "run.sequence_length=32", "run.train_steps=6",
+              "run.checkpoint_every=2", "run.data_workers=0"]
+    states = {}
+    for name in ("unbroken", "killed"):
+        model_dir = tmp_path / name
+        shutil.copytree(tmp_path / "base", model_dir)
+        files = [f"--gin_file={model_dir}/config.gin"]
+        if name == "killed":
+            killed_when(model_dir / "checkpoints" / "2" / "meta", home, files, params, model_dir)
+            assert "6" not in os.listdir(model_dir / "checkpoints")
+        proc = mtrain(home, files, params, model_dir)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        states[name] = saved_state(model_dir, 6)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, states["unbroken"], states["killed"])
