@@ -237,3 +237,25 @@ def test_a_killed_lora_run_resumes_as_an_unbroken_one(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         states[name] = saved_state(model_dir, 6)
     jax.tree_util.tree_map(np.testing.assert_array_equal, states["unbroken"], states["killed"])
+
+
+@pytest.mark.slow
+def test_infer_with_the_adapter_continues_as_its_logits_say(adapted, tmp_path):
+    """The decoding path (a key/value cache filled through adapted projections) gives the
+    greedy continuation the adapted model's teacher-forced logits give."""
+    prompt = str(oracle()["texts"][0])
+    lines, out = tmp_path / "prompt.txt", tmp_path / "out.txt"
+    lines.write_text(prompt + "\n")
+    mesh = "run.mesh_shape='batch:4;model:2'"
+    assert main([f"--gin_file={adapted}/config.gin", f"--model_dir={adapted}", "--mode=infer",
+                 f"--input_file={lines}", f"--output_file={out}", f"--gin_param={mesh}",
+                 "--gin_param=decoding.max_decode_length=6"]) == 0
+    exp, params, vocab = load(adapted, mesh)
+    logits_of = jax.jit(lambda ids: lm_logits(exp.trainer.model, {"params": params}, ids))
+    ids = [exp.trainer.model.config.start_id, *vocab.encode(prompt)]
+    read = len(ids)
+    while len(ids) < read + 6 and ids[-1] != vocab.eos_id:
+        padded = np.zeros((1, 64), np.int32)
+        padded[0, :len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(logits_of(padded))[0, len(ids) - 1])))
+    assert out.read_text().splitlines() == [vocab.decode(ids[read:] + [vocab.eos_id])]
