@@ -123,6 +123,7 @@ def test_the_layout_of_an_import_changes_no_logit(tmp_path, family, name):
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # (20 s: the full suite reads bfloat16 and sharded folders; the fast tier writes bfloat16 in the export test)
 def test_bfloat16_and_sharded_copies_import_as_the_original(imports, tmp_path):
     for family in ("llama_gqa", "t5_1_1", "mixtral", "gemma3"):  # (the conversions' kinds)
         original = params_of(imports / family)
