@@ -161,6 +161,7 @@ SENTENCES = ["In the beginning God created the heaven and the earth.", "And God 
              "Let there be light: and there was light.", "Amen.", "The LORD is my shepherd."]
 
 
+@pytest.mark.slow  # (12 s; sharded decoding in the fast tier: test_generation's layouts)
 def test_sharded_beam_search_decodes_as_on_one_device(joint_vocab):
     one, params = make_translator("", "", joint_vocab, beam_size=3)
     mesh, mesh_params = make_translator("batch:2;model:4", "batch:batch;d_ff:model;heads:model",

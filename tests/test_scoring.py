@@ -140,6 +140,7 @@ def test_translation_scores_the_target_given_the_source(data_dir, tmp_path, caps
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # (the readers' own vocabulary in the fast tier: test_user_data_journey)
 def test_a_model_dir_uses_the_vocabulary_its_checkpoints_were_trained_with(
         tmp_path, monkeypatch, capsys):
     from model_dirs import digest
