@@ -204,9 +204,9 @@ def _ragged(o, name, i):
     return o[f"{name}_flat"][offsets[i]:offsets[i + 1]]
 
 
-# (fast: sentencepiece both ways, Qwen's rows past its tokenizer; a continuation holding
-# id 0 in the full suite, and in test_generation's fast tier)
-@pytest.mark.parametrize("family", tiered("llama_gqa", "t5_1_1", "qwen2"))
+# (fast: Llama's sentencepiece, Qwen's rows past its tokenizer; T5 and a continuation
+# holding id 0 in the full suite, and T5's logits in test_oracles' fast tier)
+@pytest.mark.parametrize("family", tiered("llama_gqa", "qwen2"))
 def test_tokenizer_infer_score_eval_and_plan_through_the_command_line(imports, tmp_path,
                                                                        data_dir, family):
     """The folder's tokenizer gives the oracle's ids; --mode=infer continues (translates)
