@@ -13,7 +13,8 @@ from test_trainer import B, CONFIG, L, packed_batches
 from mtrain.models.lora import LoraConfig, is_adapter
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.parallel.layout import Layout
-from mtrain.training import freezing, optimizer
+from mtrain.models import parameters
+from mtrain.training import optimizer
 from mtrain.training.trainer import Trainer
 
 LORA = dataclasses.replace(CONFIG, lora=LoraConfig(rank=4, alpha=8.0, dropout=0.1))
@@ -47,8 +48,8 @@ def test_lora_layouts_and_microbatches_never_change_the_losses(slow):
     order)."""
     reference, first, state = train(trainer_of())
     assert reference[-1] < reference[0]
-    for path, value in freezing.paths(first).items():  # the base as it was; adapters moved
-        assert np.array_equal(freezing.paths(state.params)[path], value) != is_adapter(path), \
+    for path, value in parameters.paths(first).items():  # the base as it was; adapters moved
+        assert np.array_equal(parameters.paths(state.params)[path], value) != is_adapter(path), \
             path
     if not slow:  # (the fast tier: the adapters alone move, on one device)
         return
@@ -69,7 +70,7 @@ def test_frozen_parameters_keep_their_values_and_have_no_optimizer_state():
     keep = lambda path: path in ("softmax", "final_norm/scale")  # noqa: E731
     trainer = trainer_of(config=CONFIG, trainable=keep)
     _, first, state = train(trainer)
-    before, after = freezing.paths(first), freezing.paths(state.params)
+    before, after = parameters.paths(first), parameters.paths(state.params)
     for path, value in before.items():
         moved = not np.array_equal(after[path], value)
         assert moved == keep(path), path

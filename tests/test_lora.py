@@ -15,6 +15,7 @@ from test_oracles import ORACLES, import_folder, lm_logits, load
 
 from mtrain.__main__ import main
 from mtrain.huggingface.adapters import WEIGHTS
+from mtrain.models import parameters
 from mtrain.parallel.layout_syntax import LayoutError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
@@ -109,16 +110,6 @@ def test_an_adapter_that_does_not_fit_is_one_line(tmp_path, capsys):
         assert not model_dir.exists()
 
 
-def flat(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}/")
-        else:
-            out[f"{prefix}{key}"] = np.asarray(value)
-    return out
-
-
 @pytest.mark.slow  # (the trainer's side in the fast tier: test_freezing)
 def test_lora_training_moves_the_adapters_alone(tmp_path, capsys):
     """A LoRA run on an import without adapters: fresh ones (B at zero, so that the model
@@ -153,7 +144,7 @@ def test_lora_training_moves_the_adapters_alone(tmp_path, capsys):
         assert digest(model_dir) == unchanged
     assert main(train) == 0
     before, after = saved_state(model_dir, 0), saved_state(model_dir, 4)
-    base, trained = flat(before["params"]), flat(after["params"])
+    base, trained = parameters.paths(before["params"]), parameters.paths(after["params"])
     assert set(trained) - set(base) == {p for p in trained if p.endswith(("_lora_a", "_lora_b"))}
     for path, value in base.items():
         np.testing.assert_array_equal(trained[path], value, err_msg=path)

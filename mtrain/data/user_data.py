@@ -87,6 +87,12 @@ def _template(path: str, vocab) -> ChatTemplate:
     return ChatTemplate(epath.Path(path).read_text(), vocab, name=path)
 
 
+def model_dir_template(model_dir: str, vocab) -> ChatTemplate | None:
+    """The chat template of `model_dir` (an import keeps its folder's), if it has one."""
+    path = ModelDir(model_dir).chat_template
+    return _template(path, vocab) if epath.Path(path).exists() else None
+
+
 def prepare_task(task, vocab, data_dir: str, template=None,
                  splits: dict | None = None) -> UserData:
     """Every source of `task` prepared with `vocab` (`template`: the chat template of the
@@ -117,9 +123,7 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
     vocab = vocab_config.choose(recorded, cached, lambda: texts(task),
                                 f"the {task.name} training files", where=model_dir,
                                 unrecorded=unrecorded)
-    template_file = ModelDir(model_dir).chat_template if model_dir else None
-    template = (_template(template_file, vocab)
-                if template_file and epath.Path(template_file).exists() else None)
+    template = model_dir_template(model_dir, vocab) if model_dir else None
     source = prepare_task(task, vocab, data_dir, template, splits)
     source.check_split(eval_split)
     return source, vocab

@@ -94,8 +94,7 @@ class Generator(BatchedDecoder):
         LM example begins; a `Prompt` is read as its ids are, the first one first."""
         ids = np.zeros((self.batch_size, self.length), np.int32)
         eos, lengths = self.vocab.eos_id, []
-        starts = np.full((self.batch_size,), self.trainer.model.config.start_id, np.int32)
-        stops = np.full((self.batch_size, 2), eos, np.int32)
+        starts, stops = self._text_rows()
         for row, text in enumerate(texts):
             if isinstance(text, Prompt):
                 starts[row], tokens = text.ids[0], list(text.ids[1:])
@@ -108,6 +107,11 @@ class Generator(BatchedDecoder):
             lengths.append(len(tokens))
         return ids, lengths, starts, stops
 
+    def _text_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The start ids and stop ids of a batch of texts: the model's start id, and EOS."""
+        return (np.full((self.batch_size,), self.trainer.model.config.start_id, np.int32),
+                np.full((self.batch_size, 2), self.vocab.eos_id, np.int32))
+
     def continuations(self, params, ids: np.ndarray, lengths: list[int],
                       starts: np.ndarray | None = None, stops: np.ndarray | None = None,
                       number: int = 0) -> list[list[int]]:
@@ -115,10 +119,8 @@ class Generator(BatchedDecoder):
         prompts of `lengths`; `starts` and `stops` as `encode_batch` makes them, by default
         the model's start id and EOS), up to and including the id that ended it if one came.
         `number`: the batch's, which seeds its sampling (``fold_in(PRNGKey(seed), number)``)."""
-        if starts is None:
-            starts = np.full((self.batch_size,), self.trainer.model.config.start_id, np.int32)
-        if stops is None:
-            stops = np.full((self.batch_size, 2), self.vocab.eos_id, np.int32)
+        if starts is None or stops is None:
+            starts, stops = self._text_rows()
         prompted = (np.arange(self.length)[None, :] < np.array(
             lengths + [0] * (self.batch_size - len(lengths)))[:, None]).astype(np.int32)
         rng = jax.random.fold_in(jax.random.key(self.seed), number)

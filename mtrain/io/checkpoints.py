@@ -39,6 +39,7 @@ from etils import epath
 from mtrain.io import checksums
 from mtrain.parallel import distributed
 from mtrain.errors import IncompatibleRun, UserError
+from mtrain.models import parameters
 from mtrain.models.lora import is_adapter
 from mtrain.io.compatibility import ADVICE, check_compatible
 from mtrain.io.textfiles import is_remote
@@ -232,7 +233,8 @@ class Checkpoints:
         # `has_adapters`).
         fresh_adapters = imported and "lora.rank" not in saved.get("model", {})
         if fresh_adapters:
-            target = {"params": _without(abstract_state.params, is_adapter)}
+            target = {"params": parameters.select(abstract_state.params,
+                                                    lambda path: not is_adapter(path))}
         items = {"state": ocp.args.StandardRestore(target)}
         if iterator is not None and not imported:
             items["data"] = DataIteratorRestore(iterator)
@@ -260,7 +262,7 @@ class Checkpoints:
         if imported:  # (the optimizer state stays abstract: `is_imported` says to make one)
             params = state["params"]
             if fresh_adapters:
-                params = _merged(jax.tree.map(_zeros, abstract_state.params), params)
+                params = parameters.merge(jax.tree.map(_zeros, abstract_state.params), params)
             return abstract_state.replace(params=params)
         return state
 
@@ -352,27 +354,9 @@ def restore_for_reading(directory: str, abstract_state, meta: dict, step: int | 
         checkpoints.close()
 
 
-def _without(tree: dict, leave_out, prefix: str = "") -> dict:
-    """A nested dict without the leaves whose paths `leave_out` takes."""
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out[key] = _without(value, leave_out, f"{path}/")
-        elif not leave_out(path):
-            out[key] = value
-    return out
-
-
 def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.jit(lambda: jax.numpy.zeros(leaf.shape, leaf.dtype),
                    out_shardings=leaf.sharding)()
-
-
-def _merged(tree: dict, part: dict) -> dict:
-    """`tree` with the leaves of `part` in place of its own."""
-    return {key: (_merged(value, part[key]) if isinstance(value, dict) else part[key])
-            if key in part else value for key, value in tree.items()}
 
 
 _UNVERIFIED: set[str] = set()  # the directories whose checkpoints without checksums were reported

@@ -108,3 +108,17 @@ def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...
     hidden = "".join(c for c in xs if c in out) + r
     low = jnp.einsum(f"{xs},{''.join(a_letters)}->{hidden}", x, a)
     return y + lora.scale * jnp.einsum(f"{hidden},{''.join(b_letters)}->{out}", low, b)
+
+
+def merged(w, a, b, scale: float):
+    """The weight `w` with its adapter (`a`, `b`, as `project` makes them) merged in, as
+    numpy arrays: w + scale x a b (the leading dimensions both adapters share with the
+    weight, experts' or a scanned stack's layers, taken pairwise)."""
+    import numpy as np
+
+    lead = a.ndim + b.ndim - 2 - w.ndim
+    letters = "abcdefghijklmnop"
+    head, ins = letters[:lead], letters[lead:a.ndim - 1]
+    outs = letters[a.ndim - 1:w.ndim]
+    delta = np.einsum(f"{head}{ins}z,{head}z{outs}->{head}{ins}{outs}", a, b)
+    return w + np.float32(scale) * delta

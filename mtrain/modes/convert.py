@@ -39,6 +39,8 @@ from mtrain.io.checkpoints import Checkpoints, restore_for_reading
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
 from mtrain.io.work_dirs import writing
+from mtrain.models import parameters
+from mtrain.models.lora import merged
 from mtrain.modes.experiment import Experiment
 from mtrain.data.vocabulary import load_vocabulary
 
@@ -48,11 +50,6 @@ log = logging.getLogger("mtrain")
 # table in each stack, and the rotary frequencies older Llama checkpoints saved.
 _IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _paths(tree) -> dict[str, object]:
-    return {"/".join(str(k.key) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _unflatten(flat: dict[str, object]) -> dict:
@@ -89,8 +86,8 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
         folder.add(adapter_dir, adapters.WEIGHTS)
         sources |= weights.adapters(sources, c.lora)
     params = exp.trainer.abstract_state.params
-    shardings = _paths(exp.trainer.state_shardings.params)
-    wanted = _paths(params)
+    shardings = parameters.paths(exp.trainer.state_shardings.params)
+    wanted = parameters.paths(params)
     if sorted(wanted) != sorted(sources):
         odd = sorted(set(wanted) ^ set(sources))
         raise ConfigError(f"the model's parameters do not match {settings.family}'s tensors "
@@ -190,13 +187,9 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
         raise ConfigError(f"--adapter: {exp.model_dir} has no LoRA adapters (lora.rank is 0)")
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(vocab), step)
-    params = _paths(state.params)
+    params = parameters.paths(state.params)
     if adapter:
         return _export_adapter(exp, output_dir, dtype, sources, params, step, start)
-    merged = {name: name for name in sources}
-    if lora is not None:  # each adapted weight merged as it is gathered
-        merged = {name: (name, f"{name}_lora_a", f"{name}_lora_b") if f"{name}_lora_a" in params
-                  else name for name in sources}
     template_file = model_dir.chat_template
     template = None
     if os.path.isfile(template_file):
@@ -208,7 +201,7 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
 
         def produce():
             for name, source in sources.items():
-                value = _gathered(params, merged[name], lora)
+                value = _gathered(params, name, lora)  # (adapters merged in)
                 yield from source.to_hf(value)
 
         written = []
@@ -230,20 +223,15 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
     return {"step": step, "files": sorted(written), "seconds": time.time() - start}
 
 
-def _gathered(params: dict, what, lora) -> np.ndarray:
-    """The whole parameter `what` (a path), or (path, its adapters' paths): the weight with
-    its adapter merged, W + scale x A B (`models.lora`)."""
+def _gathered(params: dict, name: str, lora) -> np.ndarray:
+    """The whole parameter `name`; a weight with an adapter with it merged in, W + scale x
+    A B (`models.lora`)."""
     gather = lambda path: np.asarray(  # noqa: E731
         multihost_utils.process_allgather(params[path], tiled=True))
-    if isinstance(what, str):
-        return gather(what)
-    w, a, b = (gather(path) for path in what)
-    lead = a.ndim + b.ndim - 2 - w.ndim  # experts, scanned layers: their own adapters
-    letters = "abcdefghijklmnop"
-    head, ins, outs = (letters[:lead], letters[lead:a.ndim - 1],
-                       letters[a.ndim - 1:a.ndim - 1 + b.ndim - 1 - lead])
-    delta = np.einsum(f"{head}{ins}z,{head}z{outs}->{head}{ins}{outs}", a, b)
-    return w + np.float32(lora.scale) * delta
+    if f"{name}_lora_a" not in params:
+        return gather(name)
+    return merged(gather(name), gather(f"{name}_lora_a"), gather(f"{name}_lora_b"),
+                  lora.scale)
 
 
 def _export_adapter(exp: Experiment, output_dir: str, dtype: str, sources: dict,

@@ -17,9 +17,9 @@ import threading
 import time
 
 import jax
-from etils import epath
 
 from mtrain.data.chat import ChatTemplate, prompt_completion
+from mtrain.data.user_data import model_dir_template
 from mtrain.evaluation.generation import Prompt
 from mtrain.io.checkpoints import restore_for_reading
 from mtrain.errors import ConfigError
@@ -131,11 +131,12 @@ def _prompts(exp: Experiment, records: list[dict]) -> list[Prompt]:
 
 
 def _chat_template(exp: Experiment, where: str) -> ChatTemplate:
-    path = ModelDir(exp.model_dir).chat_template
-    if not epath.Path(path).exists():
+    template = model_dir_template(exp.model_dir, exp.vocab)
+    if template is None:
         raise ConfigError(f"{where} holds 'messages', but the model dir has no chat template "
-                          f"({path}: --mode=import keeps a model's)")
-    return ChatTemplate(epath.Path(path).read_text(), exp.vocab, name=path)
+                          f"({ModelDir(exp.model_dir).chat_template}: --mode=import keeps a "
+                          f"model's)")
+    return template
 
 
 def _answered(record: dict, text: str) -> str:

@@ -37,8 +37,8 @@ from mtrain.io.textfiles import check_writable, write_atomically
 from mtrain.modes.experiment import Experiment
 from mtrain.parallel import targets
 from mtrain.training import hooks
+from mtrain.models import parameters
 from mtrain.models.lora import is_adapter
-from mtrain.training import freezing
 from mtrain.training.loop import Diverged, FiniteGuard, train_loop
 
 log = logging.getLogger("mtrain")
@@ -137,7 +137,7 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
             fresh = exp.trainer.init_state()
             params = state.params
             if not checkpoints.has_adapters(step):  # a base alone: fresh adapters on it
-                params = freezing.merge(params, freezing.select(fresh.params, is_adapter))
+                params = parameters.merge(params, parameters.select(fresh.params, is_adapter))
             return fresh.replace(params=params), step
         log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
         return state, step

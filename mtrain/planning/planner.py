@@ -39,7 +39,7 @@ from mtrain.planning.hlo_cost import hlo_cost
 from mtrain.parallel.layout import is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
 from mtrain.parallel.targets import GB, TARGETS, GiB, Target
-from mtrain.training import freezing
+from mtrain.models import parameters
 from mtrain.training.trainer import Trainer
 
 
@@ -106,11 +106,17 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     # A parameter's shapes: whole, its stored shard, and (under parameter layout rules) its
-    # shard as the layout rules lay it out for use, which is what is gathered.
+    # shard as the layout rules lay it out for use, which is what is gathered. What the
+    # optimizer sees: the trainable parameters (a frozen one has no gradient, no update, and
+    # no weight-gradient matmul: 4, not 6, FLOPs per weight and token; an expert's weights
+    # by their share of the tokens).
+    moe = getattr(trainer.model.config, "moe", None)
+    active = moe.top_k / moe.num_experts if moe else 1.0
     parameter_shapes, expert_bytes = set(), 0
-    for leaf, s, names in zip(jax.tree_util.tree_leaves(abstract.params),
-                              jax.tree_util.tree_leaves(shardings.params),
-                              jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names)):
+    largest = gradient_bytes = frozen_matmul = 0
+    for (path, leaf), s, names in zip(
+            parameters.paths(abstract.params).items(), jax.tree_util.tree_leaves(shardings.params),
+            jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names)):
         used = NamedSharding(s.mesh, layout.partition_spec(logical_names(names, leaf.ndim),
                                                            leaf.shape))
         shapes = {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape)),
@@ -118,8 +124,14 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
         # A scanned stack's parameter [layers, ...] moves a layer at a time in the loop.
         parameter_shapes |= shapes | ({x[1:] for x in shapes} if names and names[0] == "layers"
                                       else set())
+        shard = math.prod(s.shard_shape(leaf.shape))
         if names and "experts" in names:  # the experts' weights, per device
-            expert_bytes += math.prod(s.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+            expert_bytes += shard * jnp.dtype(leaf.dtype).itemsize
+        if trainer.trainable(path):
+            largest = max(largest, shard * jnp.dtype(leaf.dtype).itemsize)
+            gradient_bytes += shard * 4
+        elif leaf.ndim >= 2 and not path.endswith("embedding"):
+            frozen_matmul += leaf.size * (active if "experts" in names else 1.0)
     hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
     comms = hlo.collectives
     batch, length = trainer.batch_shape
@@ -139,22 +151,6 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     hbm = traffic / target.hbm_bandwidth
     comm = sum(s.bytes_sent for s in comms.values()) / target.interconnect_bandwidth
     step = max(compute, hbm) + comm
-    # What the optimizer sees: the trainable parameters (frozen ones have no gradient, no
-    # update, and no weight-gradient matmul: 4, not 6, FLOPs per weight and token).
-    paths = freezing.leaf_paths(abstract.params)
-    trained = [(x, s) for path, x, s in zip(
-        paths, jax.tree_util.tree_leaves(abstract.params),
-        jax.tree_util.tree_leaves(shardings.params)) if trainer.trainable(path)]
-    largest = max(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-                  for x, s in trained)
-    gradient_bytes = sum(math.prod(s.shard_shape(x.shape)) * 4 for x, s in trained)
-    moe = getattr(model.config, "moe", None)
-    active = moe.top_k / moe.num_experts if moe else 1.0  # of an expert's weights, per token
-    frozen_matmul = sum(
-        x.size * (active if "experts" in names else 1.0) for path, x, names in zip(
-            paths, jax.tree_util.tree_leaves(abstract.params),
-            jax.tree_util.tree_leaves(trainer.param_names, is_leaf=is_names))
-        if not trainer.trainable(path) and x.ndim >= 2 and not path.endswith("embedding"))
     executed = analytic - 2 * frozen_matmul * batch * length
     estimate = None
     if isinstance(model.config, TransformerConfig):  # the step model knows Transformers

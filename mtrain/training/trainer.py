@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtrain.models import moe
+from mtrain.models import moe, parameters
 from mtrain.training import freezing, losses
 from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
@@ -81,12 +81,12 @@ class Trainer:
         abstract_params = nn.unbox(boxed)["params"]
         self.trainable = trainable or (lambda path: True)
         self.frozen = trainable is not None
-        if self.frozen and not any(map(trainable, freezing.paths(abstract_params))):
+        if self.frozen and not any(map(trainable, parameters.paths(abstract_params))):
             raise ConfigError("no parameter of the model trains (run.trainable, or the LoRA "
                               "targets, match none)")
         # What the optimizer sees: the trainable parameters (all of them, unless frozen).
-        self.trained_names = freezing.select(param_names, self.trainable)
-        trained = freezing.select(abstract_params, self.trainable)
+        self.trained_names = parameters.select(param_names, self.trainable)
+        trained = parameters.select(abstract_params, self.trainable)
         self.given_optimizer = optimizer  # (for `with_layout`)
         self.optimizer = optimizer_lib.for_parameters(optimizer, self.trained_names)
         # Parameters and optimizer state are stored by the parameter layout rules too.
@@ -226,7 +226,7 @@ class Trainer:
         are the trainable parameters, `frozen` the others (none: `params` are all)."""
         def loss_fn(params):
             if frozen:
-                params = freezing.merge(frozen, params)
+                params = parameters.merge(frozen, params)
             loss, xent, tokens, stats = self._loss_sums(params, batch, rngs)
             scale = 1.0 / jnp.maximum(tokens, 1.0) if normalize else 1.0
             stats = {k: v * scale for k, v in stats.items()}
@@ -280,7 +280,7 @@ class Trainer:
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
             params = optax.apply_updates(trained, updates)
             if frozen:
-                params = freezing.merge(state.params, params)
+                params = parameters.merge(state.params, params)
         metrics = step_metrics(grads, loss, xent, tokens, stats)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
