@@ -11,6 +11,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     lora.*                    LoraConfig (low-rank adapters, where lora.rank > 0)
     rope_scaling.*            RopeScaling (rotary frequencies stretched: Llama 3.1's, linear)
     loss.*                    LossConfig
+    dpo.*                     DpoConfig (a task of preference pairs)
     decoding.*                DecodingConfig
     adafactor.*               optimizer.adafactor (the default run.optimizer)
     adamw.*                   optimizer.adamw (``run.optimizer = @adamw``)
@@ -46,6 +47,7 @@ from mtrain.models.positions import RopeScaling
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.modes.experiment import RunConfig
 from mtrain.training import optimizer
+from mtrain.training.dpo import DpoConfig
 from mtrain.training.losses import LossConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -59,6 +61,7 @@ moe = gin.external_configurable(MoEConfig, "moe")
 lora = gin.external_configurable(LoraConfig, "lora")
 rope_scaling = gin.external_configurable(RopeScaling, "rope_scaling")
 loss = gin.external_configurable(LossConfig, "loss")
+dpo = gin.external_configurable(DpoConfig, "dpo")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
 adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
 adamw = gin.external_configurable(optimizer.adamw, "adamw")

@@ -300,12 +300,12 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
     trainable = freezing.trainable(s.trainable, model_config.lora is not None)
     trainer = Trainer(model, opt, layout, mesh, s.batch_size, s.sequence_length, seed=s.seed,
                       loss_config=config.loss(), num_microbatches=s.num_microbatches,
-                      trainable=trainable)
+                      trainable=trainable, dpo=config.dpo() if task.preference else None)
     stepper = trainer
     if s.data_parallel == "sgp":
-        if trainer.frozen:
-            raise ConfigError("run.data_parallel='sgp' trains every parameter: it takes no "
-                              "frozen ones (run.trainable, LoRA)")
+        if trainer.frozen or trainer.dpo:
+            raise ConfigError("run.data_parallel='sgp' trains every parameter on a token "
+                              "loss: it takes no frozen ones (run.trainable, LoRA) nor DPO")
         try:
             stepper = SGPTrainer(trainer, overlap=s.sgp_overlap,
                                  average_every=s.sgp_average_every)

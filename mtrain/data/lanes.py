@@ -68,6 +68,8 @@ class PackWindow:
         self.start_id, self.with_inputs = start_id, with_inputs
         self.offsets = np.cumsum([0] + [len(s.records) for s in self.streams])
         self.keys = ["targets"] if self.streams[0].format.kind == "lm" else ["inputs", "targets"]
+        # preference pairs (`formats.Preference`): a task's sources are all pairs or none
+        self.paired = bool(getattr(self.streams[0].format, "paired", False))
 
     @property
     def size(self) -> int:
@@ -83,7 +85,7 @@ class PackWindow:
             keys, example = formats.pieces(
                 stream.format.encode(examples, self.vocab), self.length,
                 reads_first=stream.format.reads_first, start_id=self.start_id,
-                with_inputs=self.with_inputs)
+                with_inputs=self.with_inputs, paired=self.paired)
             parts.append(keys)
             where.append(mine[example])
         keys = formats.concat(parts) if len(parts) > 1 else parts[0]
@@ -92,7 +94,11 @@ class PackWindow:
         arrays = [a for key in self.keys for a in keys[key]]
         aligned = [k for k in (READ_INPUTS, LOSS_WEIGHTS) if k in keys]
         packed = packing.pack_arrays(arrays, self.length, tuple(keys[k][0] for k in aligned))
-        return dict(zip(batch_keys(self.keys) + aligned, packed))
+        rows = dict(zip(batch_keys(self.keys) + aligned, packed))
+        if self.paired:
+            rows["targets_segment_ids"], rows["targets_positions"] = formats.split_pairs(
+                rows["targets_segment_ids"], rows[LOSS_WEIGHTS])
+        return rows
 
 
 class Mixture:

@@ -4,6 +4,7 @@
     files.validation = 0.01                      # files too, or a held-out fraction of train
     files.format = 'chat'                        # text | text_file | translation |
                                                  # pretokenized | chat | prompt_completion
+                                                 # | preference (DPO's pairs)
 
 `Files` names the data: each split's files (or a folder laid out as a Hugging Face dataset
 saves it, read without the hub: `files.hf_dataset_splits`), the format of its records
@@ -39,11 +40,13 @@ from etils import epath
 from mtrain.data import files as files_lib
 from mtrain.data import formats
 from mtrain.errors import DataError
+from mtrain.models.base import READ_INPUTS
 
 log = logging.getLogger("mtrain")
 VERSION = 1  # of the prepared files' layout
 BLOCK = 1024  # records encoded at once
-FORMATS = ("text", "text_file", "translation", "pretokenized", "chat", "prompt_completion")
+FORMATS = ("text", "text_file", "translation", "pretokenized", "chat", "prompt_completion",
+           "preference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,9 @@ class Files:
                                             c.get("completion", "completion"))
         if self.format == "chat":
             return formats.Chat(template, c.get("messages", "messages"))
+        if self.format == "preference":
+            return formats.Preference(c.get("prompt", "prompt"), c.get("chosen", "chosen"),
+                                      c.get("rejected", "rejected"), template)
         raise DataError(f"files.format={self.format!r}; use one of {', '.join(FORMATS)}")
 
     def reader_kind(self) -> str | None:
@@ -173,7 +179,7 @@ def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> 
                     c = counts[into[i]]
                     c["examples"] += 1
                     c["tokens"] += len(example[0][-1])
-                    c["loss_tokens"] += int(example[1].sum()) if example[1] is not None else \
+                    c["loss_tokens"] += int((example[1] > 0).sum()) if example[1] is not None else \
                         len(example[0][-1])
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -259,8 +265,13 @@ class Stored(formats.Format):
     def reads_first(self):
         return self.inner.reads_first
 
+    @property
+    def paired(self):
+        return getattr(self.inner, "paired", False)
+
     def encode(self, records, vocab, where=()) -> formats.Encoded:
         keys = ["inputs", "targets"] if self.inner.kind == "translation" else ["targets"]
+        keys += [READ_INPUTS] if self.paired else []
         out = {k: formats.flat([r[0][i] for r in records]) for i, k in enumerate(keys)}
         weights = None
         if records and records[0][1] is not None:

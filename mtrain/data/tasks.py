@@ -45,6 +45,11 @@ class Task:
     mixture: dict[str, float] | None = None  # their weights (None: one source)
     vocabulary_size: int | None = None  # the vocabulary to train where none is given
 
+    @property
+    def preference(self) -> bool:
+        """Whether the task's examples are preference pairs (trained with DPO)."""
+        return any(f.format == "preference" for f in (self.data or {}).values())
+
     def source(self, data_dir: str, data_source: str | None = None) -> sources.TextSource:
         if self.data is not None:
             raise ConfigError(f"task {self.name!r} reads files (task.data), not a corpus")
@@ -162,6 +167,9 @@ def task(data, name: str | None = None, mixture: dict[str, float] | None = None,
     kinds = {"translation" if f.format == "translation" else "lm" for f in named.values()}
     if len(kinds) > 1:
         raise ConfigError("a mixture mixes translation pairs with language-model formats")
+    if len({f.format == "preference" for f in named.values()}) > 1:
+        raise ConfigError("a mixture mixes preference pairs (DPO) with examples of another "
+                          "format")
     return Task(name or "_".join(named), kinds.pop(), None, {}, eval_split or "validation",
                 tuple(metrics) if metrics is not None else ("perplexity",),
                 description="files: " + ", ".join(named), data=named, mixture=mixture,

@@ -17,27 +17,19 @@ from mtrain.evaluation.bleu import corpus_bleu
 from mtrain.io.metrics import MetricsWriter, log
 from mtrain.io.model_dir import decodes_file
 from mtrain.io.textfiles import write_atomically
+from mtrain.training import dpo
 
 
 def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
     """Token-level loss, perplexity and accuracy over the whole held-out split, and for
-    language models the word-level perplexity and the unigram baseline."""
-    totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0}
-
-    def add(sums):  # in float64 on the host: token counts stay exact past 2**24
-        sums = jax.device_get(sums)
-        return {k: totals[k] + float(sums[k]) for k in totals}
-
-    # At most two batches in flight, as in training: the host prepares and places the next
-    # batch while the devices evaluate the previous one, then fetches the previous sums.
-    previous = None
-    for batch in exp.eval_batches():
-        sums = exp.trainer.eval_step(params, exp.trainer.place_batch(batch))
-        if previous is not None:
-            totals = add(previous)
-        previous = sums
-    if previous is not None:
-        totals = add(previous)
+    language models the word-level perplexity and the unigram baseline; of preference
+    pairs, DPO's loss and rewards (`dpo_results`)."""
+    if exp.trainer.dpo:
+        results = dpo_results({"loss_sum": 0.0, "num_pairs": 0.0, "num_tokens": 0.0,
+                               **_sums(exp, params)})
+        writer.write(step, results)
+        return results
+    totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0, **_sums(exp, params)}
     n = max(totals["num_tokens"], 1.0)
     loss = totals["xent_sum"] / n
     results = {
@@ -55,6 +47,36 @@ def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
         results.update(bleu(exp, params, step, writer.directory))
     writer.write(step, results)
     return results
+
+
+def dpo_results(totals: dict) -> dict:
+    """DPO's eval/loss and the means of its statistics (`training.dpo.METRICS`) over the
+    held-out pairs."""
+    n = max(totals["num_pairs"], 1.0)
+    return {"eval/loss": totals["loss_sum"] / n,
+            **{f"eval/{k}": v / n for k, v in totals.items() if k in dpo.METRICS},
+            "eval/num_pairs": totals["num_pairs"], "eval/num_tokens": totals["num_tokens"]}
+
+
+def _sums(exp, params) -> dict:
+    """The eval step's sums over the held-out split."""
+    totals = None
+
+    def add(sums):  # in float64 on the host: token counts stay exact past 2**24
+        sums = jax.device_get(sums)
+        return {k: (totals or {}).get(k, 0.0) + float(sums[k]) for k in sums}
+
+    # At most two batches in flight, as in training: the host prepares and places the next
+    # batch while the devices evaluate the previous one, then fetches the previous sums.
+    previous = None
+    for batch in exp.eval_batches():
+        sums = exp.trainer.eval_step(params, exp.trainer.place_batch(batch))
+        if previous is not None:
+            totals = add(previous)
+        previous = sums
+    if previous is not None:
+        totals = add(previous)
+    return totals or {}
 
 
 def bleu(exp, params, step: int, directory: str | None) -> dict:

@@ -64,6 +64,9 @@ def train(exp: Experiment, restart: bool = False) -> dict:
             batches = exp.train_batches()
             with _closing(batches.close):  # the input pipeline's workers
                 state, start = _restore_or_init(exp, checkpoints, batches, initial)
+                if exp.trainer.reference_shardings is not None:  # DPO's frozen copy
+                    exp.trainer.set_reference(state.params if start == 0 else
+                                              _base_params(exp, checkpoints))
                 if jax.process_index() == 0:
                     write_atomically(model_dir.config, exp.config_text)
                     if not epath.Path(model_dir.vocabulary).exists():
@@ -134,11 +137,7 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
         if checkpoints.is_imported(step):  # a published model's parameters (--mode=import)
             log.info("starting from the imported parameters of step %d in %s (a fresh "
                      "optimizer state)", step, checkpoints.directory)
-            fresh = exp.trainer.init_state()
-            params = state.params
-            if not checkpoints.has_adapters(step):  # a base alone: fresh adapters on it
-                params = parameters.merge(params, parameters.select(fresh.params, is_adapter))
-            return fresh.replace(params=params), step
+            return _from_import(exp, checkpoints, step, state.params), step
         log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
         return state, step
     set_aside = checkpoints.set_aside()
@@ -153,6 +152,27 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
         log.info("starting from the parameters of step %d of %s", step, where)
         state = state.replace(params=params)
     return state, 0
+
+
+def _from_import(exp: Experiment, checkpoints: Checkpoints, step: int, params):
+    """A fresh state at the `params` of the imported checkpoint `step` (with fresh
+    adapters where it has none)."""
+    fresh = exp.trainer.init_state()
+    if not checkpoints.has_adapters(step):  # a base alone: fresh adapters on it
+        params = parameters.merge(params, parameters.select(fresh.params, is_adapter))
+    return fresh.replace(params=params)
+
+
+def _base_params(exp: Experiment, checkpoints: Checkpoints):
+    """The parameters a resumed run started from (DPO's reference): the model dir's import,
+    else `init_from`'s, else the initialisation of its seed."""
+    if 0 in checkpoints.all_steps() and checkpoints.is_imported(0):
+        state = checkpoints.restore(0, exp.trainer.sharded_abstract_state(), None,
+                                    exp.checkpoint_meta())
+        return _from_import(exp, checkpoints, 0, state.params).params
+    if exp.config.init_from:
+        return _params_from(exp)[0]
+    return exp.trainer.init_state().params
 
 
 def _params_from(exp: Experiment):

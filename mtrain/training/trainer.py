@@ -16,6 +16,7 @@ steps compile once per value, like once per shape. The trainer knows no kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -27,6 +28,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain.models import moe, parameters
+from mtrain.models.lora import is_adapter
+from mtrain.training import dpo as dpo_lib
 from mtrain.training import freezing, losses
 from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
@@ -56,13 +59,18 @@ class Trainer:
         loss_config: LossConfig | None = None,
         num_microbatches: int = 1,
         trainable: freezing.Predicate | None = None,
+        dpo: dpo_lib.DpoConfig | None = None,
     ):
         """`num_microbatches` > 1 accumulates the gradient over that many slices of the
         batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
         activation memory. `optimizer` is told which parameters are a scanned stack's
         (`optimizer.for_parameters`), so that its per-tensor statistics are each layer's.
         `trainable` (a predicate of a parameter's path, `freezing`): the parameters that
-        train, the others frozen (no gradient, no optimizer state); None: all."""
+        train, the others frozen (no gradient, no optimizer state); None: all. `dpo`: the
+        batches are preference pairs, and the objective is DPO's (`training.dpo`) against
+        a reference model: with LoRA adapters alone training, the model without them (the
+        frozen base, no second copy); else the parameters the run started from, which
+        `set_reference` gives (a frozen copy)."""
         self.model, self.layout, self.mesh = model, layout, mesh
         # Whether the model's kernels want each batch's packing (`models.base`).
         self.uses_packing = bool(getattr(model, "uses_packing", False))
@@ -86,6 +94,15 @@ class Trainer:
                               "targets, match none)")
         # What the optimizer sees: the trainable parameters (all of them, unless frozen).
         self.trained_names = parameters.select(param_names, self.trainable)
+        self.dpo = dpo
+        # DPO's reference: the model without its adapters (where only adapters train), else
+        # a copy of the starting parameters (`set_reference`), laid out as the parameters.
+        lora = getattr(model.config, "lora", None)
+        self.reference_is_base = bool(dpo and lora and self.frozen and all(
+            is_adapter(p) for p in parameters.paths(abstract_params) if self.trainable(p)))
+        self.reference_model = (model.clone(config=dataclasses.replace(model.config, lora=None))
+                                if self.reference_is_base else model)
+        self.reference = None
         trained = parameters.select(abstract_params, self.trainable)
         self.given_optimizer = optimizer  # (for `with_layout`)
         self.optimizer = optimizer_lib.for_parameters(optimizer, self.trained_names)
@@ -114,15 +131,19 @@ class Trainer:
             lambda params: self._start_fn(jax.tree.map(
                 lambda p, a: p.astype(a.dtype), params, self.abstract_state.params)),
             in_shardings=(param_shardings,), out_shardings=self.state_shardings)
+        # (the reference's parameters, where DPO keeps a copy; else nothing: None)
+        self.reference_shardings = (param_shardings if dpo and not self.reference_is_base
+                                    else None)
         self._train_step = jax.jit(
             self._train_step_fn,
-            in_shardings=(self.state_shardings, self.batch_sharding),
+            in_shardings=(self.state_shardings, self.batch_sharding, self.reference_shardings),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
         self._eval_step = jax.jit(
             self._eval_step_fn,
-            in_shardings=(self.state_shardings.params, self.batch_sharding),
+            in_shardings=(self.state_shardings.params, self.batch_sharding,
+                          self.reference_shardings),
             out_shardings=replicated,
         )
         self._token_log_likelihoods = jax.jit(
@@ -138,18 +159,20 @@ class Trainer:
         return {name: ids for name in batch_keys(self.model.features)}
 
     def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False,
-               stats=False):
+               stats=False, model=None):
         """The model's logits for a packed batch (its `features`, each with segment ids and
         positions); with `return_hidden` its final hidden states and output kernel. The
         batch's packing, if it carries one, is the model's `current_packing()`. With
-        `stats`, ``(out, statistics)``: its experts' (`moe.summary`; {} without)."""
+        `stats`, ``(out, statistics)``: its experts' (`moe.summary`; {} without).
+        `model`: another than the trainer's (DPO's reference)."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
         if READ_INPUTS in batch:  # the tokens read before the targets, as the data gives
             kwargs["inputs"] = batch[READ_INPUTS]
         with packed_rows(getattr(batch, "packing", None)):
-            out = self.model.apply({"params": params}, *args, deterministic=deterministic,
-                                   rngs=rngs, mutable=[moe.STATS] if stats else False, **kwargs)
+            out = (model or self.model).apply(
+                {"params": params}, *args, deterministic=deterministic, rngs=rngs,
+                mutable=[moe.STATS] if stats else False, **kwargs)
         if not stats:
             return out
         out, variables = out
@@ -198,12 +221,14 @@ class Trainer:
         """The model's real vocabulary rows (its config's `real_vocab_size`; 0: all)."""
         return getattr(self.model.config, "real_vocab_size", 0)
 
-    def _loss_sums(self, params, batch, rngs):
-        """(loss, cross-entropy, tokens, statistics) summed over the training `batch`'s
-        tokens: with `loss_chunks` > 1 the logits are made a slice at a time (the
-        cross-entropy then carries no gradient). A mixture of experts' auxiliary losses
-        (``aux_loss``, a mean) count once per token, and its statistics are summed x tokens
-        too, so that all add up over microbatches."""
+    def _loss_sums(self, params, batch, rngs, reference=None):
+        """(loss, cross-entropy, count, tokens, statistics) summed over the training
+        `batch`'s tokens (count: the tokens): with `loss_chunks` > 1 the logits are made a
+        slice at a time (the cross-entropy then carries no gradient). A mixture of experts'
+        auxiliary losses (``aux_loss``, a mean) count once per token, and its statistics are
+        summed x tokens too, so that all add up over microbatches. With DPO, `_dpo_sums`."""
+        if self.dpo:
+            return self._dpo_sums(params, batch, rngs, reference)
         weights = losses.loss_weights(batch)
         tokens = weights.sum().astype(jnp.float32)
         c, chunks = self.loss_config, self.loss_chunks
@@ -218,38 +243,74 @@ class Trainer:
                 label_smoothing=c.label_smoothing, classes=self.classes)
         if "aux_loss" in stats:
             loss = loss + tokens * stats.pop("aux_loss")
-        return loss, xent, tokens, {k: v * tokens for k, v in stats.items()}
+        return loss, xent, tokens, tokens, {k: v * tokens for k, v in stats.items()}
 
-    def _gradients(self, params, batch: Batch, rngs, normalize: bool, frozen=None):
-        """(gradient, loss, cross-entropy, tokens, statistics) of `batch`: of the mean token
-        loss with `normalize` (statistics: means), else of the sums (to add up). `params`
-        are the trainable parameters, `frozen` the others (none: `params` are all)."""
+    def _token_logps(self, params, batch, deterministic, rngs=None, model=None):
+        """(log p of each target [batch, length], the experts' statistics)."""
+        logits, stats = self._apply(params, batch, deterministic, rngs, stats=True, model=model)
+        _, xent = losses.cross_entropy(logits, batch["targets"], losses.loss_weights(batch),
+                                       classes=self.classes)
+        return -xent, stats
+
+    def _reference_params(self, params, reference):
+        """The reference model's parameters: `params` without the adapters, or the copy."""
+        if self.reference_is_base:
+            return parameters.select(params, lambda path: not is_adapter(path))
+        return reference
+
+    def _dpo_sums(self, params, batch, rngs, reference):
+        """DPO's (loss, minus the chosen completions' log-probability, pairs, tokens,
+        statistics) summed over the pairs of `batch` (`training.dpo`); the reference's
+        log-probabilities carry no gradient. A mixture of experts' auxiliary losses count
+        once per pair."""
+        policy_logps, stats = self._token_logps(params, batch, False, rngs)
+        reference_logps, _ = self._token_logps(
+            jax.lax.stop_gradient(self._reference_params(params, reference)), batch, True,
+            model=self.reference_model)
+        policy, counts = dpo_lib.pair_sums(policy_logps, batch)
+        reference, _ = dpo_lib.pair_sums(jax.lax.stop_gradient(reference_logps), batch)
+        loss, metrics, pairs = dpo_lib.losses(policy, reference, counts, self.dpo)
+        if "aux_loss" in stats:
+            loss = loss + pairs * stats.pop("aux_loss")
+        tokens = losses.loss_weights(batch).sum().astype(jnp.float32)
+        stats = {**{k: v * pairs for k, v in stats.items()}, **metrics}
+        return loss, -metrics["logps_chosen"], pairs, tokens, stats
+
+    def _gradients(self, params, batch: Batch, rngs, normalize: bool, frozen=None,
+                   reference=None):
+        """(gradient, loss, cross-entropy, count, tokens, statistics) of `batch`: of the
+        mean loss (per token; DPO's per pair: `count` of them) with `normalize`
+        (statistics: means), else of the sums (to add up). `params` are the trainable
+        parameters, `frozen` the others (none: `params` are all); `reference` DPO's copy."""
         def loss_fn(params):
             if frozen:
                 params = parameters.merge(frozen, params)
-            loss, xent, tokens, stats = self._loss_sums(params, batch, rngs)
-            scale = 1.0 / jnp.maximum(tokens, 1.0) if normalize else 1.0
+            loss, xent, count, tokens, stats = self._loss_sums(params, batch, rngs, reference)
+            scale = 1.0 / jnp.maximum(count, 1.0) if normalize else 1.0
             stats = {k: v * scale for k, v in stats.items()}
-            return loss * scale, (xent * scale, tokens, stats)
+            return loss * scale, (xent * scale, count, tokens, stats)
 
-        (loss, (xent, tokens, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, (xent, count, tokens, stats)), grads = jax.value_and_grad(
+            loss_fn, has_aux=True)(params)
         # Laid out as the parameters are stored: under parameter layout rules (FSDP) each
         # device keeps (and accumulates over microbatches) only its shard of the sum.
         grads = jax.tree_util.tree_map(
             lambda names, g: constrain(g, logical_names(names, g.ndim), "gradient", parameter=True),
             self.trained_names, grads, is_leaf=is_names)
-        return grads, loss, xent, tokens, stats
+        return grads, loss, xent, count, tokens, stats
 
-    def gradients(self, params, batch: Batch, dropout_key, frozen=None):
+    def gradients(self, params, batch: Batch, dropout_key, frozen=None, reference=None):
         """The gradient of the mean token loss of `batch` (and the loss, cross-entropy, token
         count and the model's statistics: `_loss_sums`), accumulated over `num_microbatches`
         slices of it, one at a time. Microbatch j holds rows j, j + k, j + 2k, ... so that
         every device keeps working on its own rows. With `frozen` parameters, `params` are
-        the trainable ones (`split`), and the gradient is theirs."""
+        the trainable ones (`split`), and the gradient is theirs. `reference`: DPO's copy of
+        the reference model's parameters, where it keeps one."""
         k = self.num_microbatches
         if k == 1:
-            return self._gradients(params, batch, {"dropout": dropout_key}, normalize=True,
-                                   frozen=frozen)
+            grads, loss, xent, _, tokens, stats = self._gradients(
+                params, batch, {"dropout": dropout_key}, True, frozen, reference)
+            return grads, loss, xent, tokens, stats
         micro = {name: constrain(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
                                  (None, *BATCH_NAMES))
                  for name, x in batch.items()}
@@ -259,24 +320,26 @@ class Trainer:
             i, microbatch = inputs
             out = self._gradients(params, microbatch,
                                   {"dropout": jax.random.fold_in(dropout_key, i)}, False,
-                                  frozen)
+                                  frozen, reference)
             return jax.tree_util.tree_map(jnp.add, total, out), None
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
-            lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False, frozen), params,
+            lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False, frozen,
+                                         reference), params,
             jax.tree_util.tree_map(lambda x: x[0], micro)))
-        (grads, loss, xent, tokens, stats), _ = jax.lax.scan(step, zeros, (jnp.arange(k), micro))
-        # The mean over the batch's tokens, however it was sliced.
-        scale = 1.0 / jnp.maximum(tokens, 1.0)
+        (grads, loss, xent, count, tokens, stats), _ = jax.lax.scan(
+            step, zeros, (jnp.arange(k), micro))
+        # The mean over the batch's tokens (pairs), however it was sliced.
+        scale = 1.0 / jnp.maximum(count, 1.0)
         grads, stats = jax.tree_util.tree_map(lambda g: g * scale, (grads, stats))
         return grads, loss * scale, xent * scale, tokens, stats
 
-    def _train_step_fn(self, state: TrainState, batch: Batch):
+    def _train_step_fn(self, state: TrainState, batch: Batch, reference=None):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
             trained, frozen = self.split(state.params)
             grads, loss, xent, tokens, stats = self.gradients(trained, batch, dropout_key,
-                                                              frozen)
+                                                              frozen, reference)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
             params = optax.apply_updates(trained, updates)
             if frozen:
@@ -284,7 +347,12 @@ class Trainer:
         metrics = step_metrics(grads, loss, xent, tokens, stats)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    def _eval_step_fn(self, params, batch: Batch):
+    def _eval_step_fn(self, params, batch: Batch, reference=None):
+        if self.dpo:  # sums over the pairs, for the mean over the split
+            with self.layout.activate(self.mesh):
+                loss, _, pairs, tokens, stats = self._dpo_sums(params, batch, None, reference)
+            return {"loss_sum": loss, "num_pairs": pairs, "num_tokens": tokens,
+                    **{k: stats[k] for k in dpo_lib.METRICS}}
         with self.layout.activate(self.mesh):
             _, xent, weights, logits = self._losses(params, batch, True)
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) & weights
@@ -323,7 +391,7 @@ class Trainer:
                        layout.make_mesh(jax.devices()[:layout.size]), *self.batch_shape,
                        seed=self.seed, loss_config=self.loss_config,
                        num_microbatches=self.num_microbatches,
-                       trainable=self.trainable if self.frozen else None)
+                       trainable=self.trainable if self.frozen else None, dpo=self.dpo)
 
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shards."""
@@ -360,8 +428,19 @@ class Trainer:
             for k, v in batch.items()
         }, packing_of(batch) if self.uses_packing else None)
 
+    def set_reference(self, params) -> None:
+        """DPO's reference model, where it is a copy (`reference_shardings` is not None): the
+        parameters `params` (the run's start), laid out as the parameters are (copied)."""
+        self.reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                                 out_shardings=self.reference_shardings)(params)
+
+    def _reference(self):
+        if self.reference_shardings is not None and self.reference is None:
+            raise ValueError("DPO needs its reference model's parameters: set_reference")
+        return self.reference
+
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        return self._train_step(state, batch)
+        return self._train_step(state, batch, self._reference())
 
     # ---- what the training loop needs of a stepper (`training.loop.Stepper`) ----
 
@@ -381,7 +460,10 @@ class Trainer:
         """The train step lowered from abstract state and batch (nothing allocated; the
         batch's shapes and packing are `batch`'s if given): its `.as_text()` is the HLO, its
         `.compile()` the program the planner measures."""
-        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch))
+        reference = (None if self.reference_shardings is None else
+                     self.sharded_abstract_state().params)
+        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch),
+                                      reference)
 
     def compile_train_step(self, batch: PlacedBatch | None = None):
         """The train step compiled ahead of time from abstract shapes (see
@@ -389,7 +471,7 @@ class Trainer:
         return self.lower_train_step(batch).compile()
 
     def eval_step(self, params, batch: Batch) -> dict:
-        return self._eval_step(params, batch)
+        return self._eval_step(params, batch, self._reference())
 
     def token_log_likelihoods(self, params, batch: Batch) -> jax.Array:
         """log p(target token) at every position of `batch` [batch, length] (0 at padding),

@@ -1,0 +1,235 @@
+"""DPO (`training.dpo`) against TRL's numbers (../shared/oracles/dpo: `llama_gqa` as the
+reference, `llama_gqa` + the `lora_llama_gqa` adapter as the policy, beta 0.1): the pairs'
+format and packing (`data.formats.Preference`), the first step's loss and rewards, training
+raising the reward accuracy, a full fine-tune's frozen copy as the reference across a
+resume, and bad pair files refused in one line.
+
+Tolerance 1e-4: the oracle's per-pair log-probabilities are sums of ~25 float32 token
+log-probabilities of O(1) logits (test_oracles: logits within 1e-4, the reference moving by
+~2e-6); the loss and rewards are beta (0.1) times their differences.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from model_dirs import digest
+from test_oracles import ORACLES, import_folder
+
+from mtrain.__main__ import main
+from mtrain.data import formats
+from mtrain.data.lanes import PackWindow, Stream
+from mtrain.data.vocabulary import load_vocabulary
+from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
+PAIRS = os.path.join(ORACLES, "dpo", "dpo_llama_gqa.jsonl")
+ATOL = 1e-4
+
+
+def oracle() -> dict:
+    return dict(np.load(os.path.join(ORACLES, "dpo", "dpo_llama_gqa.npz")))
+
+
+def ragged(d, name):
+    offsets, values = d[f"{name}_offsets"], d[f"{name}_flat"]
+    return [values[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def records():
+    with open(PAIRS) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("dpo") / "m"
+    import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir,
+                  f"--adapter_dir={os.path.join(ORACLES, 'lora_llama_gqa')}")
+    return model_dir
+
+
+def dpo_flags(model_dir, tmp_path, *more, pairs=PAIRS):
+    """Train on the oracle's three pairs: one row of 144 holds exactly them (137 targets;
+    the shortest pair has 43), so that every batch is the three pairs."""
+    return [f"--gin_file={model_dir}/config.gin", f"--model_dir={model_dir}",
+            "--gin_param=run.mesh_shape='batch:1;model:8'",
+            "--gin_param=run.layout_rules='batch:batch;d_ff:model;vocab:model'",
+            "--gin_param=run.task=@task()", "--gin_param=task.data=@files()",
+            f"--gin_param=files.train='{pairs}'", f"--gin_param=files.validation='{pairs}'",
+            "--gin_param=files.format='preference'", "--gin_param=run.batch_size=1",
+            "--gin_param=run.sequence_length=144", "--gin_param=run.log_every=1",
+            "--gin_param=run.data_workers=0", f"--gin_param=run.data_dir='{tmp_path / 'data'}'",
+            *more]
+
+
+def metrics(model_dir):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_pairs_are_encoded_as_trl_makes_them_and_packed_in_halves(adapted):
+    """Each half is [bos] + prompt + completion + [eos] as the oracle's ids; packed, a
+    pair's halves are segments 2k - 1 and 2k of one row, each read from position 0."""
+    want = oracle()
+    vocab = load_vocabulary(os.path.join(adapted, "vocabulary.model"))
+    fmt = formats.Preference()
+    encoded = fmt.encode(records(), vocab)
+    (values, splits), (read, _) = encoded.keys["targets"], encoded.keys[READ_INPUTS]
+    for k, (chosen, rejected) in enumerate(zip(ragged(want, "chosen_ids"),
+                                               ragged(want, "rejected_ids"))):
+        pair = slice(splits[k], splits[k + 1])
+        assert values[pair].tolist() == chosen[1:] + rejected[1:]
+        assert read[pair].tolist() == chosen[:-1] + rejected[:-1]
+        prompt = int(want["prompt_lens"][k])
+        marks = [0] * (prompt - 1) + [formats.CHOSEN] * (len(chosen) - prompt) \
+            + [formats.REJECTED_PROMPT] * (prompt - 1) \
+            + [formats.REJECTED] * (len(rejected) - prompt)
+        assert encoded.weights[pair].tolist() == marks
+    rows = PackWindow([Stream("pairs", [records()[i] for i in (0, 1, 2)], fmt)], vocab, 144,
+                      with_inputs=True)(np.arange(3))
+    segments, positions = rows["targets_segment_ids"][0], rows["targets_positions"][0]
+    assert len(rows["targets"]) == 1 and sorted(set(segments.tolist())) == [0, 1, 2, 3, 4, 5, 6]
+    for s in range(1, 7):
+        assert positions[segments == s].tolist() == list(range((segments == s).sum()))
+    # the chosen halves hold the chosen marks alone, the rejected halves the rejected ones
+    weights = rows[LOSS_WEIGHTS][0]
+    assert set(weights[segments % 2 == 1].tolist()) == {0, formats.CHOSEN}
+    assert set(weights[(segments > 0) & (segments % 2 == 0)].tolist()) == {
+        formats.REJECTED_PROMPT, formats.REJECTED}
+
+
+def test_long_pairs_keep_the_start_of_each_half(adapted):
+    vocab = load_vocabulary(os.path.join(adapted, "vocabulary.model"))
+    pair = {"prompt": "In the beginning", "chosen": " God created the heaven" * 6,
+            "rejected": " and the earth" * 3}
+    fmt = formats.Preference()
+    encoded = fmt.encode([pair, {**pair, "prompt": "word " * 40}], vocab)
+    keys, kept = formats.pieces(encoded, 40, reads_first=True, start_id=0, with_inputs=True,
+                                paired=True)
+    assert kept.tolist() == [0]  # the second pair's prompt fills its halves: dropped
+    values, splits = keys["targets"]
+    weights = keys[LOSS_WEIGHTS][0]
+    full = encoded.keys["targets"][0][encoded.keys["targets"][1][0]:
+                                      encoded.keys["targets"][1][1]]
+    chosen = int(np.sum(np.isin(encoded.weights[:len(full)], [0, formats.CHOSEN])))
+    rejected = len(full) - chosen
+    assert splits.tolist() == [0, 40]
+    kept_chosen = 40 - rejected if 40 - rejected > 20 else 20
+    assert values.tolist() == (full[:kept_chosen].tolist()
+                               + full[chosen:chosen + 40 - kept_chosen].tolist())
+    assert (weights == formats.CHOSEN).any() and (weights == formats.REJECTED).any()
+
+
+def test_conversational_pairs_mark_the_answer_after_the_prompt():
+    """TRL's conversational form: the prompt's messages rendered with the generation prompt
+    (no mark), then each completion's assistant tokens (marked), by the model's template."""
+    from mtrain.data.chat import ChatTemplate
+    from mtrain.huggingface import families
+    from mtrain.huggingface.vocabulary import chat_template, folder_vocabulary
+
+    folder = os.path.join(ORACLES, "qwen2")
+    vocab = folder_vocabulary(folder, families.settings(families.read_config(folder)))
+    template = ChatTemplate(chat_template(folder), vocab)
+    prompt = [{"role": "user", "content": "Who created the heaven?"}]
+    record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "God did."}],
+              "rejected": "The waters."}
+    encoded = formats.Preference(template=template).encode([record], vocab)
+    head = template.prompt(prompt)
+    ids, mask = template.encode(prompt + record["chosen"])
+    n = len(ids) - 1
+    assert encoded.keys["targets"][0][:n].tolist() == ids[1:]
+    assert encoded.weights[:len(head) - 1].tolist() == [0] * (len(head) - 1)
+    assert encoded.weights[len(head) - 1:n].tolist() == mask[len(head):]
+    rejected = template.encode(prompt + [{"role": "assistant", "content": "The waters."}])[0]
+    assert encoded.keys["targets"][0][n:].tolist() == rejected[1:]
+    # the same pair with its prompt as "messages"
+    again = formats.Preference(template=template).encode(
+        [{"messages": prompt, **{k: record[k] for k in ("chosen", "rejected")}}], vocab)
+    assert again.keys["targets"][0].tolist() == encoded.keys["targets"][0].tolist()
+
+
+def test_the_first_dpo_step_is_trls(adapted, tmp_path):
+    """The policy (the import with its adapter) against the reference (the base without
+    it: the same parameters, no copy): the first step's logged loss and rewards are TRL's,
+    and so are the held-out pairs' (here the same three)."""
+    want = oracle()
+    assert main(dpo_flags(adapted, tmp_path, "--gin_param=run.train_steps=1")) == 0
+    train, evaluation = metrics(adapted)[-2:]
+    assert train["train/loss"] == pytest.approx(float(want["loss"]), abs=ATOL)
+    assert train["train/rewards_chosen"] == pytest.approx(want["rewards_chosen"].mean(), abs=ATOL)
+    assert train["train/rewards_rejected"] == pytest.approx(want["rewards_rejected"].mean(),
+                                                            abs=ATOL)
+    assert train["train/reward_accuracy"] == pytest.approx(float(want["reward_accuracy"]))
+    assert train["train/logps_chosen"] == pytest.approx(want["policy_chosen"].mean(), abs=1e-3)
+    assert evaluation["eval/num_pairs"] == 3
+    # evaluated after the step, on the same pairs: its update lowered their loss
+    assert evaluation["eval/loss"] < train["train/loss"]
+
+
+@pytest.mark.slow
+def test_dpo_raises_the_reward_accuracy_on_every_layout(tmp_path):
+    """30 steps on the three pairs: from TRL's first step to every pair preferred; the
+    losses are the same with the model split and with its parameters stored split (FSDP)."""
+    runs = {}
+    for name, layout in (("model_parallel", ()),
+                         ("fsdp", ("run.layout_rules='batch:batch'",
+                                   "run.parameter_layout_rules='d_model:model'"))):
+        model_dir = tmp_path / name / "m"
+        import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir,
+                      f"--adapter_dir={os.path.join(ORACLES, 'lora_llama_gqa')}")
+        assert main(dpo_flags(model_dir, tmp_path / name, *(f"--gin_param={x}" for x in layout),
+                              "--gin_param=run.train_steps=30", "--gin_param=run.optimizer=@adamw",
+                              "--gin_param=learning_rate_schedule.constant=0.01",
+                              "--gin_param=learning_rate_schedule.shape='constant'",
+                              "--gin_param=learning_rate_schedule.warmup_steps=1")) == 0
+        runs[name] = [m for m in metrics(model_dir) if "train/loss" in m]
+    one = runs["model_parallel"]
+    assert one[0]["train/loss"] == pytest.approx(float(oracle()["loss"]), abs=ATOL)
+    assert one[0]["train/reward_accuracy"] < 0.5 and one[-1]["train/reward_accuracy"] == 1.0
+    assert one[-1]["train/loss"] < 0.5 * one[0]["train/loss"]
+    np.testing.assert_allclose([m["train/loss"] for m in runs["fsdp"]],
+                               [m["train/loss"] for m in one], rtol=2e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_dpo_resumes_against_its_starting_copy(tmp_path):
+    """Without adapters the reference is a frozen copy of the parameters the run started
+    from: the first loss is log 2 (policy = reference), and a run stopped at step 2 and
+    resumed reloads that copy from the import, ending as an unbroken run."""
+    losses = {}
+    for name, stops in (("unbroken", (4,)), ("resumed", (2, 4))):
+        model_dir = tmp_path / name / "m"
+        import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
+        for steps in stops:
+            assert main(dpo_flags(model_dir, tmp_path / name, f"--gin_param=run.train_steps={steps}",
+                                  "--gin_param=run.checkpoint_every=2",
+                                  "--gin_param=run.trainable='layer_1/.*'",
+                                  "--gin_param=run.optimizer=@adamw",
+                                  "--gin_param=learning_rate_schedule.constant=0.01",
+                                  "--gin_param=learning_rate_schedule.warmup_steps=1")) == 0
+        losses[name] = [m["train/loss"] for m in metrics(model_dir) if "train/loss" in m]
+    assert losses["unbroken"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses["unbroken"][-1] < losses["unbroken"][0]
+    assert losses["resumed"] == losses["unbroken"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "And God said,", "chosen": " Let there be light."}, "no 'rejected' in this record"),
+    ({"prompt": "And God said,", "chosen": " Let there be light.", "rejected": "  "},
+     "'rejected' is empty"),
+])
+def test_a_bad_pair_file_is_one_line(adapted, tmp_path, capsys, line, message):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in [*records(), line]))
+    unchanged = digest(adapted)
+    capsys.readouterr()
+    assert main(dpo_flags(adapted, tmp_path, "--gin_param=run.train_steps=1", pairs=pairs)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) <= 3 and message in lines[-1] and f"{pairs} line 4" in lines[-1], lines
+    assert digest(adapted) == unchanged
+    assert not os.path.exists(tmp_path / "data" / "prepared") or not any(
+        p.name.endswith("preparing") for p in (tmp_path / "data" / "prepared").iterdir())
