@@ -233,3 +233,34 @@ def test_a_bad_pair_file_is_one_line(adapted, tmp_path, capsys, line, message):
     assert digest(adapted) == unchanged
     assert not os.path.exists(tmp_path / "data" / "prepared") or not any(
         p.name.endswith("preparing") for p in (tmp_path / "data" / "prepared").iterdir())
+
+
+def test_the_losses_of_the_options():
+    """`dpo.losses` on the oracle's log-probabilities: TRL's per-pair sigmoid losses; with
+    label smoothing s the conservative loss, and IPO's on per-token averages."""
+    import jax.numpy as jnp
+
+    from mtrain.training import dpo
+
+    want = oracle()
+    policy = jnp.stack([want["policy_chosen"], want["policy_rejected"]], -1)[None]
+    reference = jnp.stack([want["reference_chosen"], want["reference_rejected"]], -1)[None]
+    counts = jnp.asarray([[[3.0, 5.0]] * 3])
+    loss, stats, pairs = dpo.losses(policy, reference, counts, dpo.DpoConfig(beta=0.1))
+    assert pairs == 3 and float(loss) / 3 == pytest.approx(float(want["loss"]), abs=1e-6)
+    assert float(stats["reward_accuracy"]) == pytest.approx(3 * float(want["reward_accuracy"]))
+    h = (want["policy_chosen"] - want["policy_rejected"]) - (
+        want["reference_chosen"] - want["reference_rejected"])
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    smoothed = -(0.9 * np.log(sigmoid(0.1 * h)) + 0.1 * np.log(sigmoid(-0.1 * h)))
+    loss, _, _ = dpo.losses(policy, reference, counts, dpo.DpoConfig(0.1, label_smoothing=0.1))
+    assert float(loss) == pytest.approx(smoothed.sum(), rel=1e-5)
+    per_token = (want["policy_chosen"] - want["reference_chosen"]) / 3 - (
+        want["policy_rejected"] - want["reference_rejected"]) / 5
+    loss, _, _ = dpo.losses(policy, reference, counts, dpo.DpoConfig(0.1, loss="ipo"))
+    assert float(loss) == pytest.approx(((per_token - 5.0) ** 2).sum(), rel=1e-5)
+    # a slot without a pair (no chosen targets) counts for nothing
+    loss, _, pairs = dpo.losses(policy, reference, counts.at[0, 1].set(0.0), dpo.DpoConfig())
+    assert pairs == 2
+    with pytest.raises(Exception, match="dpo.loss='hinge'"):
+        dpo.DpoConfig(loss="hinge")

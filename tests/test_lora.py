@@ -143,12 +143,19 @@ def test_lora_training_moves_the_adapters_alone(tmp_path, capsys):
         assert len(lines) <= 3 and message in lines[-1], lines
         assert digest(model_dir) == unchanged
     assert main(train) == 0
+    # stored once: the checkpoint holds the adapters alone, its meta names the base (step 0)
     before, after = saved_state(model_dir, 0), saved_state(model_dir, 4)
-    base, trained = parameters.paths(before["params"]), parameters.paths(after["params"])
-    assert set(trained) - set(base) == {p for p in trained if p.endswith(("_lora_a", "_lora_b"))}
+    base, stored = parameters.paths(before["params"]), parameters.paths(after["params"])
+    assert stored and all(p.endswith(("_lora_a", "_lora_b")) for p in stored), list(stored)
+    assert all(np.abs(v).max() > 0 for p, v in stored.items() if p.endswith("_lora_b"))
+    # restored, the base weights are bit for bit the imported ones
+    _, trained, _ = load(model_dir, mesh, "lora.rank=4", "lora.alpha=8.0")
+    trained = parameters.paths(jax.device_get(trained))
+    assert set(trained) == set(base) | set(stored)
     for path, value in base.items():
         np.testing.assert_array_equal(trained[path], value, err_msg=path)
-    assert all(np.abs(v).max() > 0 for p, v in trained.items() if p.endswith("_lora_b"))
+    for path, value in stored.items():
+        np.testing.assert_array_equal(trained[path], value, err_msg=path)
     # optimizer state: the adapters' alone (and scalars: the step count)
     state = [(jax.tree_util.keystr(p), leaf) for p, leaf in
              jax.tree_util.tree_leaves_with_path(after["opt_state"]) if np.ndim(leaf)]
@@ -250,3 +257,67 @@ def test_infer_with_the_adapter_continues_as_its_logits_say(adapted, tmp_path):
         padded[0, :len(ids)] = ids
         ids.append(int(np.argmax(np.asarray(logits_of(padded))[0, len(ids) - 1])))
     assert out.read_text().splitlines() == [vocab.decode(ids[read:] + [vocab.eos_id])]
+
+
+def _perturbed_folder(folder, out):
+    """A copy of the Hugging Face folder `folder` whose first tensor is moved by 0.01."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(folder, out)
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] + np.float32(0.01)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+def test_a_lora_run_stores_its_base_once(tmp_path, capsys):
+    """A LoRA run's checkpoints hold its adapters and optimizer state, and name the import
+    they were trained on (kept whatever keep_checkpoints says); readers put the base back;
+    resuming on another base is one line and changes nothing; init_from an import into a
+    LoRA model stores its base once too."""
+    from model_dirs import digest, saved_state
+
+    model_dir = tmp_path / "m"
+    import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
+    flags = [f"--gin_file={model_dir}/config.gin", f"--model_dir={model_dir}",
+             "--gin_param=run.mesh_shape='batch:4;model:2'", "--gin_param=lora.rank=4",
+             "--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=32",
+             "--gin_param=run.checkpoint_every=2", "--gin_param=run.keep_checkpoints=1",
+             "--gin_param=run.data_workers=0", f"--gin_param=run.data_dir='{tmp_path / 'd'}'"]
+    assert main([*flags, "--gin_param=run.train_steps=4"]) == 0
+    checkpoints = model_dir / "checkpoints"
+    assert sorted(int(p) for p in os.listdir(checkpoints) if p.isdigit()) == [0, 4]
+    meta = json.loads((checkpoints / "4" / "meta" / "metadata").read_text())
+    assert meta["base"]["checkpoints"] == "" and meta["base"]["step"] == 0
+    size = lambda step: sum(np.asarray(x).nbytes for x in  # noqa: E731
+                            jax.tree.leaves(saved_state(model_dir, step)))
+    # the adapters and their state (rank 4 of d_model 64: 9% of the weights they adapt;
+    # the base's weights would make it over 100%)
+    assert size(4) < 0.2 * size(0), (size(4), size(0))
+    assert main([*flags, "--mode=eval"]) == 0  # a reader merges the base back
+    # another model imported in the base's place: resuming is refused, nothing changes
+    other = tmp_path / "other"
+    import_folder(_perturbed_folder(os.path.join(ORACLES, "llama_gqa"), tmp_path / "hf"), other)
+    os.rename(checkpoints / "0", tmp_path / "kept0")
+    shutil.copytree(other / "checkpoints" / "0", checkpoints / "0")
+    unchanged = digest(model_dir)
+    capsys.readouterr()
+    assert main([*flags, "--gin_param=run.train_steps=6"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) <= 3 and "trained on other frozen parameters" in lines[-1], lines
+    assert digest(model_dir) == unchanged
+    shutil.rmtree(checkpoints / "0")
+    os.rename(tmp_path / "kept0", checkpoints / "0")
+    assert main([*flags, "--gin_param=run.train_steps=6"]) == 0
+    # run.init_from an import, into a LoRA model: its checkpoints name that import
+    tuned = tmp_path / "tuned"
+    assert main([f"--gin_file={model_dir}/config.gin", f"--model_dir={tuned}",
+                 *flags[2:], f"--gin_param=run.init_from='{model_dir}'",
+                 f"--gin_param=vocabulary.path='{model_dir}/vocabulary.model'",
+                 "--gin_param=run.init_step=0", "--gin_param=run.train_steps=2"]) == 0
+    meta = json.loads((tuned / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert meta["base"]["checkpoints"] == str(checkpoints) and meta["base"]["step"] == 0
+    assert main([f"--gin_file={model_dir}/config.gin", f"--model_dir={tuned}", *flags[2:],
+                 "--mode=eval"]) == 0

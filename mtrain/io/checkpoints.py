@@ -14,6 +14,15 @@ position, and its meta says ``imported``. Readers restore its parameters; traini
 from them at step 0 with a fresh optimizer state and input (`is_imported`), as from
 ``run.init_from``.
 
+A run that freezes parameters (LoRA, ``run.trainable``) and started from a checkpoint (an
+import, ``run.init_from``) stores its frozen parameters once: its checkpoints hold the
+trainable ones and the optimizer state, and their meta names the *base* (`Base`: the
+checkpoint the frozen ones are read from, and a digest of their checksums there). Every
+restore reads them from the base again and checks that digest: a base that changed since
+(another model imported in its place) is an `IncompatibleRun`, one that is gone or damaged
+a `CheckpointError` naming it (the checkpoint itself is not set aside). A model dir keeps
+its step 0 (its import) whatever ``keep_checkpoints`` says.
+
 A checkpoint that cannot be read (missing, truncated or corrupt files) is *damaged*: a
 resuming run moves it to ``<step>.damaged`` and tries the one before. One that reads but
 does not fit the run is an *incompatible run* (`IncompatibleRun`): an error naming each
@@ -27,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import re
@@ -122,7 +133,8 @@ class Checkpoints:
 
     def __init__(self, directory: str, keep: int = 3, keep_period: int | None = None,
                  async_save: bool = True, cleanup_tmp: bool = False, read_only: bool = False):
-        """Keeps the last `keep` checkpoints, and every step divisible by `keep_period`.
+        """Keeps the last `keep` checkpoints, every step divisible by `keep_period`, and
+        step 0 (an import: the base of the runs that store their frozen parameters once).
         `cleanup_tmp`: delete the temporary directories of saves that never finished (only
         for the one run that writes the directory). `read_only`: restores only, writing
         nothing (a reader's, whose model dir may not be writable)."""
@@ -133,8 +145,12 @@ class Checkpoints:
                                     os.path.abspath(directory))
         if jax.default_backend() == "cpu":
             _write_whole_replicas()
+        from orbax.checkpoint import checkpoint_managers as policies
+
+        kept = [policies.LatestN(n=keep), policies.CustomSteps(steps=[0])]
+        kept += [policies.EveryNSteps(keep_period)] if keep_period else []
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_period or None, create=not read_only,
+            preservation_policy=policies.AnyPreservationPolicy(kept), create=not read_only,
             read_only=read_only, enable_async_checkpointing=async_save,
             cleanup_tmp_directories=cleanup_tmp and not read_only,
         )
@@ -153,10 +169,14 @@ class Checkpoints:
         return sorted(p.name for p in self.directory.iterdir()
                       if ".damaged" in p.name or ".diverged" in p.name)
 
-    def save(self, step: int, state, iterator, meta: dict) -> None:
+    def save(self, step: int, state, iterator, meta: dict, base: "Base | None" = None) -> None:
         """Starts saving `step` in the background (after checking that the previous save
         succeeded: a failed one, e.g. on a full disk, is a CheckpointError). The meta gets
-        the checksum of every array of `state` (`checksums.of_arrays`)."""
+        the checksum of every array of `state` (`checksums.of_arrays`). With a `base`, the
+        frozen parameters are left out (module doc)."""
+        if base is not None:
+            state = state.replace(params=base.without_frozen(state.params))
+            meta = {**meta, "base": dataclasses.asdict(base)}
         meta = {**meta, "checksums": checksums.of_arrays(state)}
         with self._failing_save(step):
             self.manager.check_for_errors()
@@ -227,7 +247,10 @@ class Checkpoints:
             raise DamagedCheckpoint(where, _reason(e)) from None
         imported = bool(saved.get("imported"))  # parameters alone: no run, state or data
         check_compatible(saved, meta, where, resume=iterator is not None, advice=advice)
+        base = Base(**saved["base"]) if "base" in saved else None
         target = {"params": abstract_state.params} if imported else abstract_state
+        if base is not None:  # the frozen parameters are the base's
+            target = abstract_state.replace(params=base.without_frozen(abstract_state.params))
         # A base imported without adapters, for a model with them: its parameters, and
         # zero adapters (the base's function; training makes fresh ones:
         # `has_adapters`).
@@ -264,7 +287,80 @@ class Checkpoints:
             if fresh_adapters:
                 params = parameters.merge(jax.tree.map(_zeros, abstract_state.params), params)
             return abstract_state.replace(params=params)
+        if base is not None:
+            frozen = self._base_params(base, abstract_state.params, meta, where)
+            return state.replace(params=parameters.merge(frozen, state.params))
         return state
+
+    def restore_params(self, step: int, abstract_params, meta: dict,
+                       advice: str | None = None):
+        """The parameters of checkpoint `step`, whatever it holds (an import, with or
+        without adapters; a run's state, its frozen parameters in a base), laid out as
+        `abstract_params`: a base's, or ``run.init_from``'s. `meta`: this run's (its
+        ``model`` must match; `advice`: what its error says to do). Adapters the checkpoint lacks (of a model without them)
+        are zeros from an import, and missing from a run's state."""
+        where = self.directory / str(step)
+        try:
+            saved = self._meta(step)
+        except Exception as e:
+            raise DamagedCheckpoint(where, _reason(e)) from None
+        # Only the model must match (the task, optimizer and state may differ).
+        current = {"model": meta.get("model", {}), "task": saved.get("task"),
+                   "state": saved.get("state")}
+        if saved.get("imported"):
+            return self.restore(step, _params_only(abstract_params), None, current,
+                                advice).params
+        check_compatible(saved, current, where, resume=False, advice=advice)
+        base = Base(**saved["base"]) if "base" in saved else None
+        own = base.without_frozen(abstract_params) if base else abstract_params
+        stored = _stored_params(saved)  # (None: an older mtrain's, which stored them all)
+        if stored is not None:  # (a model with adapters from one without: theirs are not)
+            own = parameters.select(own, lambda path: path in stored)
+        # (a part of the state: orbax's PyTree handler restores a subtree, the manager not)
+        target = {"params": own}
+        try:
+            with ocp.PyTreeCheckpointer() as checkpointer:
+                restored = checkpointer.restore(where / "state", args=ocp.args.PyTreeRestore(
+                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True))
+        except Exception as e:
+            raise DamagedCheckpoint(where, _reason(e)) from None
+        if "checksums" in saved and (bad := checksums.mismatches(saved["checksums"], restored)):
+            raise DamagedCheckpoint(where, f"{_array(bad[0])} does not match its checksum")
+        params = restored["params"]
+        if base is not None:
+            params = parameters.merge(self._base_params(base, abstract_params, meta, where),
+                                      params)
+        return params
+
+    def _base_params(self, base: "Base", abstract_params, meta: dict, where):
+        """The frozen parameters of a checkpoint (`where`) whose `base` holds them."""
+        directory = epath.Path(base.checkpoints) if base.checkpoints else self.directory
+        named = f"step {base.step} of {directory}"
+        try:
+            reader = self if not base.checkpoints else Checkpoints(directory, read_only=True)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
+                                  f"which cannot be opened: {_reason(e)}") from None
+        try:
+            if base.step not in reader.all_steps():
+                raise CheckpointError(
+                    f"checkpoint {where} keeps its frozen parameters in {named}, which is "
+                    f"gone; put that checkpoint back, or pass --restart to train from step 0")
+            if base_digest(reader._meta(base.step), base.frozen) != base.digest:
+                raise IncompatibleRun(
+                    f"checkpoint {where} was trained on other frozen parameters than those of "
+                    f"{named} (another model is there now); put back the base it was trained "
+                    f"on, or pass --restart to train from step 0")
+            params = reader.restore_params(base.step, abstract_params, meta)
+        except DamagedCheckpoint as e:
+            raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
+                                  f"which cannot be read: {e.reason}") from None
+        finally:
+            if reader is not self:
+                reader.close()
+        frozen = set(base.frozen)
+        return parameters.select(params, lambda path: path in frozen)
 
     def restore_intact(self, abstract_state, iterator, meta: dict, set_aside: bool = True,
                        advice: str | None = None):
@@ -352,6 +448,85 @@ def restore_for_reading(directory: str, abstract_state, meta: dict, step: int | 
         return checkpoints.restore(step, abstract_state, None, meta, advice), step
     finally:
         checkpoints.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """Where a checkpoint's frozen parameters lie (module doc): checkpoint `step` of the
+    directory `checkpoints` ("": the checkpoint's own), their paths (`frozen`), and the
+    digest of their checksums there (`base_digest`)."""
+
+    checkpoints: str
+    step: int
+    frozen: list
+    digest: str
+
+    def without_frozen(self, params):
+        frozen = set(self.frozen)
+        return parameters.select(params, lambda path: path not in frozen)
+
+
+def base_digest(meta: dict, frozen) -> str:
+    """A digest of the checksums that a checkpoint's `meta` records of the parameters
+    `frozen` (their paths): the same for the same values."""
+    wanted, sums = set(frozen), {}
+    for key, value in meta.get("checksums", {}).items():
+        if (path := _param_path(key)) in wanted:
+            sums[path] = value
+    if set(sums) != wanted:
+        return "incomplete"  # (a checkpoint that does not hold them all: not this base)
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _stored_params(meta: dict) -> set[str] | None:
+    """The paths of the parameters a checkpoint holds, from the checksums of its meta."""
+    if "checksums" not in meta:
+        return None
+    return {path for key in meta["checksums"] if (path := _param_path(key))}
+
+
+def _param_path(key: str) -> str | None:
+    """A state's array path (``.params['layer_0']['mlp']['wi']``, or ``['params']...`` of
+    an import) as a parameter's ("layer_0/mlp/wi"); None for the other arrays."""
+    match = re.fullmatch(r"(?:\.params|\['params'\])((?:\['[^']*'\])+)", key)
+    return "/".join(re.findall(r"\['([^']*)'\]", match.group(1))) if match else None
+
+
+def read_params(directory: str, abstract_params, meta: dict, step: int | None = None,
+                missing: str = "", advice: str | None = None):
+    """(parameters, step) of checkpoint `step` (default: the newest that can be read) in
+    `directory` (`Checkpoints.restore_params`): ``run.init_from``'s read."""
+    require_checkpoints(directory, missing)
+    checkpoints = Checkpoints(directory, read_only=True)
+    try:
+        steps = checkpoints.all_steps()
+        if step is not None and step not in steps:
+            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
+        first = None
+        for candidate in [step] if step is not None else steps[::-1]:
+            try:
+                return (checkpoints.restore_params(candidate, abstract_params, meta, advice),
+                        candidate)
+            except DamagedCheckpoint as e:
+                if step is not None:
+                    raise
+                first = first or e
+        raise CheckpointError(f"no checkpoint in {directory} can be read: {first}")
+    finally:
+        checkpoints.close()
+
+
+def _params_only(abstract_params):
+    """An abstract state of parameters alone, as `restore` takes (for an import)."""
+    return _ParamsOnly(abstract_params)
+
+
+@dataclasses.dataclass
+class _ParamsOnly:
+    params: Any
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
 
 
 def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:

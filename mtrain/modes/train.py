@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import jax
 from etils import epath
 
 from mtrain.errors import TrainingDiverged
 from mtrain.evaluation.heldout import evaluate
-from mtrain.io.checkpoints import CheckpointError, Checkpoints, restore_for_reading
+from mtrain.io.checkpoints import (Base, CheckpointError, Checkpoints, base_digest,
+                                   read_params)
 from mtrain.io.lock import lock_model_dir
 from mtrain.io.metrics import MetricsWriter
 from mtrain.io.model_dir import ModelDir
@@ -63,7 +65,8 @@ def train(exp: Experiment, restart: bool = False) -> dict:
         with _closing(checkpoints.close), _closing(checkpoints.wait):
             batches = exp.train_batches()
             with _closing(batches.close):  # the input pipeline's workers
-                state, start = _restore_or_init(exp, checkpoints, batches, initial)
+                state, start, origin = _restore_or_init(exp, checkpoints, batches, initial)
+                base = _base(exp, checkpoints, origin)
                 if exp.trainer.reference_shardings is not None:  # DPO's frozen copy
                     exp.trainer.set_reference(state.params if start == 0 else
                                               _base_params(exp, checkpoints))
@@ -74,13 +77,13 @@ def train(exp: Experiment, restart: bool = False) -> dict:
                 # (the records of steps after `start` are of steps taken again: replaced)
                 writer = MetricsWriter(exp.model_dir, resumed_from=start)
                 with _closing(writer.close):
-                    results = _train(exp, state, start, batches, checkpoints, writer)
+                    results = _train(exp, state, start, batches, checkpoints, writer, base)
     log.info("metrics: %s  checkpoints: %s", writer.path, checkpoints.directory)
     return results
 
 
 def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints,
-           writer: MetricsWriter) -> dict:
+           writer: MetricsWriter, base: Base | None = None) -> dict:
     config, stepper = exp.config, exp.stepper
     if stepper is not exp.trainer:
         log.info("%s", stepper.describe())
@@ -100,7 +103,7 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
                                 stepper, after_each=log_train.restart_clock)
     saving = hooks.SaveCheckpoints(
         config.checkpoint_every,
-        lambda step, state: checkpoints.save(step, state, batches, exp.checkpoint_meta()),
+        lambda step, state: checkpoints.save(step, state, batches, exp.checkpoint_meta(), base),
         stepper, guard)
     schedule = [log_train, evaluation, saving]
     if config.profile_steps:
@@ -128,18 +131,19 @@ def _closing(close):
 
 
 def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initial=None):
-    """(state, step): resumed from the model dir's newest intact checkpoint, else started
-    from `init_from`'s parameters (`initial`, if already read: `_params_from`), else
-    freshly initialised."""
+    """(state, step, origin): resumed from the model dir's newest intact checkpoint, else
+    started from `init_from`'s parameters (`initial`, if already read: `_params_from`),
+    else freshly initialised. `origin`: the checkpoint (directory, step) the run started
+    from ("": the model dir's own), or where it resumed; None: from nothing."""
     if checkpoints.all_steps():
         state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
                                                  iterator, exp.checkpoint_meta())
         if checkpoints.is_imported(step):  # a published model's parameters (--mode=import)
             log.info("starting from the imported parameters of step %d in %s (a fresh "
                      "optimizer state)", step, checkpoints.directory)
-            return _from_import(exp, checkpoints, step, state.params), step
+            return _from_import(exp, checkpoints, step, state.params), step, ("", step)
         log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
-        return state, step
+        return state, step, ("", step)
     set_aside = checkpoints.set_aside()
     if set_aside:
         raise CheckpointError(
@@ -150,8 +154,31 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
     if exp.config.init_from:
         params, step, where = initial or _params_from(exp)
         log.info("starting from the parameters of step %d of %s", step, where)
-        state = state.replace(params=params)
-    return state, 0
+        # (adapters that run had not: fresh ones, B zero: its function)
+        state = state.replace(params=parameters.merge(state.params, params))
+        return state, 0, (os.path.abspath(where), step)
+    return state, 0, None
+
+
+def _base(exp: Experiment, checkpoints: Checkpoints, origin) -> Base | None:
+    """Where this run's checkpoints keep their frozen parameters (`io.checkpoints.Base`):
+    a resumed run's, where it has one; the checkpoint a frozen run started from; else
+    None (they hold every parameter)."""
+    if origin is None or not exp.trainer.frozen:
+        return None
+    directory, step = origin
+    reader = checkpoints if not directory else Checkpoints(directory, read_only=True)
+    try:
+        meta = reader._meta(step)
+    finally:
+        if reader is not checkpoints:
+            reader.close()
+    if not meta.get("imported") and not directory:  # resumed: as its checkpoint says
+        return Base(**meta["base"]) if "base" in meta else None
+    frozen = sorted(p for p in parameters.paths(exp.trainer.abstract_state.params)
+                    if not exp.trainer.trainable(p))
+    digest = base_digest(meta, frozen)
+    return None if digest == "incomplete" else Base(directory, step, frozen, digest)
 
 
 def _from_import(exp: Experiment, checkpoints: Checkpoints, step: int, params):
@@ -166,13 +193,13 @@ def _from_import(exp: Experiment, checkpoints: Checkpoints, step: int, params):
 def _base_params(exp: Experiment, checkpoints: Checkpoints):
     """The parameters a resumed run started from (DPO's reference): the model dir's import,
     else `init_from`'s, else the initialisation of its seed."""
+    fresh = exp.trainer.init_state().params
     if 0 in checkpoints.all_steps() and checkpoints.is_imported(0):
-        state = checkpoints.restore(0, exp.trainer.sharded_abstract_state(), None,
-                                    exp.checkpoint_meta())
-        return _from_import(exp, checkpoints, 0, state.params).params
+        return parameters.merge(fresh, checkpoints.restore_params(
+            0, exp.trainer.sharded_abstract_state().params, exp.checkpoint_meta()))
     if exp.config.init_from:
-        return _params_from(exp)[0]
-    return exp.trainer.init_state().params
+        return parameters.merge(fresh, _params_from(exp)[0])
+    return fresh
 
 
 def _params_from(exp: Experiment):
@@ -180,12 +207,12 @@ def _params_from(exp: Experiment):
     where = exp.config.init_from
     if epath.Path(ModelDir(where).checkpoints).is_dir():
         where = ModelDir(where).checkpoints
-    state, step = restore_for_reading(
-        where, exp.trainer.sharded_abstract_state(), exp.checkpoint_meta(), exp.config.init_step,
-        missing="run.init_from must name the model dir of a run",
+    params, step = read_params(
+        where, exp.trainer.sharded_abstract_state().params, exp.checkpoint_meta(),
+        exp.config.init_step, missing="run.init_from must name the model dir of a run",
         advice="run.init_from starts from a run of the same model: give this run that run's "
                "model settings (its config.gin)")
-    return state.params, step, where
+    return params, step, where
 
 
 @contextlib.contextmanager
