@@ -36,7 +36,7 @@ from mtrain.data.vocabulary import DEFAULT_SIZE
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
-from mtrain.io.checkpoints import require_checkpoints
+from mtrain.io.reading import require_checkpoints
 from mtrain.training import freezing
 from mtrain.io.lock import check_data_dir, check_model_dir_free, preparing_data
 from mtrain.io.metrics import log
@@ -132,6 +132,10 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     vocab_config = config.vocabulary_config()
     recorded = (None if restart or settings.mode in ("plan", "import")
                 else _recorded_vocabulary(settings.model_dir))
+    started = _recorded_vocabulary(settings.init_from) if settings.init_from else None
+    if not recorded and started and vocab_config.path is None and vocab_config.size is None:
+        # a run started from another's parameters reads them with that run's vocabulary
+        vocab_config = dataclasses.replace(vocab_config, path=started)
     if not recorded and task.vocabulary_size and vocab_config.size is None \
             and not vocab_config.path:  # a task file names the size it trains by default
         vocab_config = dataclasses.replace(vocab_config, size=task.vocabulary_size)
@@ -337,7 +341,7 @@ def _prepare(s: RunConfig, task: tasks_lib.Task, vocab_config, data_dir: str,
     if task.data is not None:  # a user's files
         return user_data.prepare_run(task, vocab_config, data_dir, recorded=recorded,
                                      unrecorded=unrecorded, model_dir=s.model_dir,
-                                     eval_split=s.eval_split)
+                                     eval_split=s.eval_split, init_from=s.init_from)
     source = task.source(data_dir, s.data_source)
     source.check_split(s.eval_split)
     cached = os.path.join(source.cache_dir(data_dir), task.name,

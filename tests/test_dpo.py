@@ -1,6 +1,6 @@
 """DPO (`training.dpo`) against TRL's numbers (../shared/oracles/dpo: `llama_gqa` as the
 reference, `llama_gqa` + the `lora_llama_gqa` adapter as the policy, beta 0.1): the pairs'
-format and packing (`data.formats.Preference`), the first step's loss and rewards, training
+format and packing (`data.preference.Preference`), the first step's loss and rewards, training
 raising the reward accuracy, a full fine-tune's frozen copy as the reference across a
 resume, and bad pair files refused in one line.
 
@@ -20,7 +20,7 @@ from model_dirs import digest
 from test_oracles import ORACLES, import_folder
 
 from mtrain.__main__ import main
-from mtrain.data import formats
+from mtrain.data import preference
 from mtrain.data.lanes import PackWindow, Stream
 from mtrain.data.vocabulary import load_vocabulary
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
@@ -76,7 +76,7 @@ def test_pairs_are_encoded_as_trl_makes_them_and_packed_in_halves(adapted):
     pair's halves are segments 2k - 1 and 2k of one row, each read from position 0."""
     want = oracle()
     vocab = load_vocabulary(os.path.join(adapted, "vocabulary.model"))
-    fmt = formats.Preference()
+    fmt = preference.Preference()
     encoded = fmt.encode(records(), vocab)
     (values, splits), (read, _) = encoded.keys["targets"], encoded.keys[READ_INPUTS]
     for k, (chosen, rejected) in enumerate(zip(ragged(want, "chosen_ids"),
@@ -85,9 +85,9 @@ def test_pairs_are_encoded_as_trl_makes_them_and_packed_in_halves(adapted):
         assert values[pair].tolist() == chosen[1:] + rejected[1:]
         assert read[pair].tolist() == chosen[:-1] + rejected[:-1]
         prompt = int(want["prompt_lens"][k])
-        marks = [0] * (prompt - 1) + [formats.CHOSEN] * (len(chosen) - prompt) \
-            + [formats.REJECTED_PROMPT] * (prompt - 1) \
-            + [formats.REJECTED] * (len(rejected) - prompt)
+        marks = [0] * (prompt - 1) + [preference.CHOSEN] * (len(chosen) - prompt) \
+            + [preference.REJECTED_PROMPT] * (prompt - 1) \
+            + [preference.REJECTED] * (len(rejected) - prompt)
         assert encoded.weights[pair].tolist() == marks
     rows = PackWindow([Stream("pairs", [records()[i] for i in (0, 1, 2)], fmt)], vocab, 144,
                       with_inputs=True)(np.arange(3))
@@ -97,31 +97,30 @@ def test_pairs_are_encoded_as_trl_makes_them_and_packed_in_halves(adapted):
         assert positions[segments == s].tolist() == list(range((segments == s).sum()))
     # the chosen halves hold the chosen marks alone, the rejected halves the rejected ones
     weights = rows[LOSS_WEIGHTS][0]
-    assert set(weights[segments % 2 == 1].tolist()) == {0, formats.CHOSEN}
+    assert set(weights[segments % 2 == 1].tolist()) == {0, preference.CHOSEN}
     assert set(weights[(segments > 0) & (segments % 2 == 0)].tolist()) == {
-        formats.REJECTED_PROMPT, formats.REJECTED}
+        preference.REJECTED_PROMPT, preference.REJECTED}
 
 
 def test_long_pairs_keep_the_start_of_each_half(adapted):
     vocab = load_vocabulary(os.path.join(adapted, "vocabulary.model"))
     pair = {"prompt": "In the beginning", "chosen": " God created the heaven" * 6,
             "rejected": " and the earth" * 3}
-    fmt = formats.Preference()
+    fmt = preference.Preference()
     encoded = fmt.encode([pair, {**pair, "prompt": "word " * 40}], vocab)
-    keys, kept = formats.pieces(encoded, 40, reads_first=True, start_id=0, with_inputs=True,
-                                paired=True)
+    keys, kept = preference.pieces(encoded, 40)
     assert kept.tolist() == [0]  # the second pair's prompt fills its halves: dropped
     values, splits = keys["targets"]
     weights = keys[LOSS_WEIGHTS][0]
     full = encoded.keys["targets"][0][encoded.keys["targets"][1][0]:
                                       encoded.keys["targets"][1][1]]
-    chosen = int(np.sum(np.isin(encoded.weights[:len(full)], [0, formats.CHOSEN])))
+    chosen = int(np.sum(np.isin(encoded.weights[:len(full)], [0, preference.CHOSEN])))
     rejected = len(full) - chosen
     assert splits.tolist() == [0, 40]
     kept_chosen = 40 - rejected if 40 - rejected > 20 else 20
     assert values.tolist() == (full[:kept_chosen].tolist()
                                + full[chosen:chosen + 40 - kept_chosen].tolist())
-    assert (weights == formats.CHOSEN).any() and (weights == formats.REJECTED).any()
+    assert (weights == preference.CHOSEN).any() and (weights == preference.REJECTED).any()
 
 
 def test_conversational_pairs_mark_the_answer_after_the_prompt():
@@ -137,7 +136,7 @@ def test_conversational_pairs_mark_the_answer_after_the_prompt():
     prompt = [{"role": "user", "content": "Who created the heaven?"}]
     record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "God did."}],
               "rejected": "The waters."}
-    encoded = formats.Preference(template=template).encode([record], vocab)
+    encoded = preference.Preference(template=template).encode([record], vocab)
     head = template.prompt(prompt)
     ids, mask = template.encode(prompt + record["chosen"])
     n = len(ids) - 1
@@ -147,7 +146,7 @@ def test_conversational_pairs_mark_the_answer_after_the_prompt():
     rejected = template.encode(prompt + [{"role": "assistant", "content": "The waters."}])[0]
     assert encoded.keys["targets"][0][n:].tolist() == rejected[1:]
     # the same pair with its prompt as "messages"
-    again = formats.Preference(template=template).encode(
+    again = preference.Preference(template=template).encode(
         [{"messages": prompt, **{k: record[k] for k in ("chosen", "rejected")}}], vocab)
     assert again.keys["targets"][0].tolist() == encoded.keys["targets"][0].tolist()
 

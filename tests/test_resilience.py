@@ -709,11 +709,11 @@ def test_unreadable_checkpoints_are_one_line_in_a_process(data_dir, tmp_path):
 def test_a_failed_saves_cause_names_the_system_error():
     """tensorstore's errors are long: cut to one line, the system's reason (from its
     os_error_code) stays in view (a full disk once read as a cut-off zarr spec)."""
-    from mtrain.io import checkpoints
+    from mtrain import errors
 
     long = ValueError("RESOURCE_EXHAUSTED: Error opening \"zarr\" driver: Error writing "
                       "\"opt_state/.zarray\" in OCDBT " + "x" * 400 + " [os_error_code='28']")
-    reason = checkpoints._reason(long)
+    reason = errors.failure_reason(long)
     assert reason.startswith("No space left on device: RESOURCE_EXHAUSTED") and len(reason) < 300
-    assert checkpoints._reason(OSError(28, "No space left on device")) == \
+    assert errors.failure_reason(OSError(28, "No space left on device")) == \
         "[Errno 28] No space left on device"

@@ -14,8 +14,8 @@ the sequence length and `packing` packs them into rows. The formats:
   template (`chat.ChatTemplate`), the loss on the assistant's tokens only.
 - `PromptCompletion`: ``{"prompt", "completion"}``, the loss on the completion and its EOS
   (TRL's convention).
-- `Preference`: ``{"prompt", "chosen", "rejected"}`` pairs for DPO (`training.dpo`), both
-  halves of a pair one example (see `Preference`).
+- `preference.Preference`: ``{"prompt", "chosen", "rejected"}`` pairs for DPO, both
+  halves of a pair one example.
 
 The two fine-tuning formats `reads_first`: their ids are the model's input as they are (the
 template decides whether a BOS comes first, as transformers and TRL feed them), so the first
@@ -25,17 +25,12 @@ the token read before each target (`base.READ_INPUTS`) and the weights
 those of a mixture that holds one, where the examples of the other formats read the model's
 start token first, as they always do.
 
-A preference pair is packed as one example, so that its halves share a row and a batch, and
-then split in two segments (`split_pairs`): its chosen half is segment 2k - 1, its rejected
-half segment 2k, each reading its own tokens alone, from position 0.
-
 Long examples are cut, not trimmed (`pieces`): an LM example of more tokens than the
 sequence length becomes several, each at most the length. A piece of a `Text` or
 `Pretokenized` example reads the start token first, as a new document (seqio's
 `split_tokens`, MaxText's); a piece of a fine-tuning example reads the true token before it
 (its context is cut, nothing else changes), and a piece with no weighted token is dropped.
-A translation pair is trimmed to the length, as in Mesh-TF; so is a preference pair (each
-half keeps its start, `_trim_pairs`).
+A translation pair is trimmed to the length, as in Mesh-TF.
 """
 
 from __future__ import annotations
@@ -51,10 +46,6 @@ from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
 
 Flat = tuple[np.ndarray, np.ndarray]  # (values int32, row splits int64)
 
-# A preference pair's loss weights (`Preference`): which half each target is of, and whether
-# it is its completion's (only those carry the DPO loss, as weights > 0 do any loss).
-CHOSEN, REJECTED = 1, 2  # a completion's targets
-CHOSEN_PROMPT, REJECTED_PROMPT = 0, -1  # the other targets of each half
 
 
 @dataclasses.dataclass
@@ -96,7 +87,7 @@ class Format:
                              if not k.startswith("_"))
         return f"{type(self).__name__}({settings})"
 
-    def _field(self, record: dict, name: str, where: str, types=(str,)):
+    def field(self, record: dict, name: str, where: str, types=(str,)):
         if name not in record:
             raise DataError(f"{where}: no {name!r} in this record (it has "
                             f"{', '.join(map(repr, record)) or 'nothing'}); "
@@ -115,7 +106,7 @@ def _weighted(examples) -> Encoded:
                    flat_ids([weights for _, weights in pairs])[0])
 
 
-def _where(where: Sequence[str], i: int) -> str:
+def where_of(where: Sequence[str], i: int) -> str:
     return where[i] if i < len(where) else f"example {i}"
 
 
@@ -124,7 +115,7 @@ class Text(Format):
     feature: str = "text"
 
     def encode(self, records, vocab, where=()) -> Encoded:
-        texts = [self._field(r, self.feature, _where(where, i)) for i, r in enumerate(records)]
+        texts = [self.field(r, self.feature, where_of(where, i)) for i, r in enumerate(records)]
         return Encoded({"targets": vocab.encode_batch(texts, add_eos=True)})
 
     def texts(self, record):
@@ -140,7 +131,7 @@ class Translation(Format):
     def encode(self, records, vocab, where=()) -> Encoded:
         out = {}
         for key, feature in (("inputs", self.inputs), ("targets", self.targets)):
-            texts = [self._field(r, feature, _where(where, i)) for i, r in enumerate(records)]
+            texts = [self.field(r, feature, where_of(where, i)) for i, r in enumerate(records)]
             out[key] = vocab.encode_batch(texts, add_eos=True)
         return Encoded(out)
 
@@ -154,13 +145,13 @@ class Pretokenized(Format):
     needs_tokenizer = False
 
     def encode(self, records, vocab, where=()) -> Encoded:
-        ids = [self._field(r, self.column, _where(where, i), (list, tuple, np.ndarray))
+        ids = [self.field(r, self.column, where_of(where, i), (list, tuple, np.ndarray))
                for i, r in enumerate(records)]
         values, splits = flat(ids)
         bad = (values < 0) | (values >= vocab.vocab_size)
         if bad.any():
             i = int(np.searchsorted(splits, np.argmax(bad), side="right")) - 1
-            raise DataError(f"{_where(where, i)}: {self.column!r} holds the id "
+            raise DataError(f"{where_of(where, i)}: {self.column!r} holds the id "
                             f"{int(values[np.argmax(bad)])}, outside the vocabulary's "
                             f"{vocab.vocab_size} ids")
         return Encoded({"targets": (values, splits)})
@@ -176,7 +167,7 @@ class Chat(Format):
 
     def encode(self, records, vocab, where=()) -> Encoded:
         return _weighted(self.template.encode(
-            self._field(r, self.column, _where(where, i), (list,)), where=_where(where, i))
+            self.field(r, self.column, where_of(where, i), (list,)), where=where_of(where, i))
             for i, r in enumerate(records))
 
     def texts(self, record):
@@ -196,142 +187,12 @@ class PromptCompletion(Format):
     def encode(self, records, vocab, where=()) -> Encoded:
         from mtrain.data.chat import prompt_completion
 
-        return _weighted(prompt_completion(vocab, self._field(r, self.prompt, _where(where, i)),
-                                           self._field(r, self.completion, _where(where, i)))
+        return _weighted(prompt_completion(vocab, self.field(r, self.prompt, where_of(where, i)),
+                                           self.field(r, self.completion, where_of(where, i)))
                          for i, r in enumerate(records))
 
     def texts(self, record):
         return [record.get(self.prompt, ""), record.get(self.completion, "")]
-
-
-@dataclasses.dataclass
-class Preference(Format):
-    """A preference pair for DPO: ``{"prompt", "chosen", "rejected"}``, three strings (TRL's
-    standard form: each half [BOS] + the prompt's ids + the completion's ids + [EOS], as
-    `PromptCompletion` makes them), or TRL's conversational form: the prompt a list of
-    messages (``"prompt"``, else ``"messages"``), each completion a list of messages (or a
-    string: the assistant's message), rendered by the chat template with the prompt before
-    them. The targets of a pair are the chosen half's, then the rejected half's, each half
-    reading its own tokens (`READ_INPUTS` is made here); weights `CHOSEN`/`REJECTED` on
-    the completions' targets (the chat's: the assistant's tokens after the prompt), else
-    `CHOSEN_PROMPT`/`REJECTED_PROMPT`."""
-
-    prompt: str = "prompt"
-    chosen: str = "chosen"
-    rejected: str = "rejected"
-    template: object = None
-    reads_first = True
-    paired = True
-
-    def encode(self, records, vocab, where=()) -> Encoded:
-        targets, read, weights = [], [], []
-        for i, record in enumerate(records):
-            at = _where(where, i)
-            t, r, w = [], [], []
-            for name, (mark, unmarked) in ((self.chosen, (CHOSEN, CHOSEN_PROMPT)),
-                                           (self.rejected, (REJECTED, REJECTED_PROMPT))):
-                ids, mask = self._half(record, name, vocab, at)
-                t += ids[1:]
-                r += ids[:-1]
-                w += [mark if m else unmarked for m in mask[1:]]
-            targets.append(t)
-            read.append(r)
-            weights.append(w)
-        return Encoded({"targets": flat_ids(targets), READ_INPUTS: flat_ids(read)},
-                       flat_ids(weights)[0])
-
-    def _half(self, record: dict, name: str, vocab, at: str) -> tuple[list[int], list[int]]:
-        """The ids of the prompt and completion `name`, and the mask of the completion's."""
-        conversational = isinstance(record.get(self.prompt, record.get("messages")), list)
-        if not conversational:
-            from mtrain.data.chat import prompt_completion
-
-            prompt = self._field(record, self.prompt, at)
-            completion = self._field(record, name, at)
-            if not completion.strip():
-                raise DataError(f"{at}: {name!r} is empty; a preference pair needs two "
-                                f"completions")
-            return prompt_completion(vocab, prompt, completion)
-        from mtrain.data.chat import ChatError
-
-        if self.template is None:
-            raise DataError(f"{at}: a conversational preference pair needs a chat template: "
-                            f"import a model that has one, or name files.chat_template")
-        prompt = record.get(self.prompt, record.get("messages"))
-        completion = self._field(record, name, at, (list, str))
-        if isinstance(completion, str):
-            completion = [{"role": "assistant", "content": completion}]
-        if not any(isinstance(m, dict) and isinstance(m.get("content"), str)
-                   and m["content"].strip() for m in completion):
-            raise DataError(f"{at}: {name!r} is empty; a preference pair needs two "
-                            f"completions")
-        head = self.template.prompt(prompt, where=at)
-        ids, mask = self.template.encode(list(prompt) + list(completion), where=at)
-        if ids[:len(head)] != head:
-            raise ChatError(f"{at}: {self.template.name} renders the prompt differently "
-                            f"before {name!r}, so its tokens cannot be told")
-        mask = [0] * len(head) + mask[len(head):]
-        if not any(mask):
-            raise DataError(f"{at}: {name!r} holds no assistant tokens with "
-                            f"{self.template.name}")
-        return ids, mask
-
-    def texts(self, record):
-        out = []
-        for name in (self.prompt, self.chosen, self.rejected, "messages"):
-            value = record.get(name)
-            out += [value] if isinstance(value, str) else [
-                m.get("content", "") for m in value or [] if isinstance(m, dict)
-                and isinstance(m.get("content"), str)] if isinstance(value, list) else []
-        return out
-
-    def describe(self) -> str:
-        template = self.template.describe() if self.template is not None else None
-        return (f"Preference(prompt={self.prompt!r}, chosen={self.chosen!r}, "
-                f"rejected={self.rejected!r}, template={template})")
-
-
-def split_pairs(segment_ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Packed rows of preference pairs (example k of a row: segment k) -> each pair's
-    halves as segments of their own (chosen 2k - 1, rejected 2k) and their positions, each
-    half from 0: (segment ids, positions), [rows, length] each."""
-    rejected = (weights == REJECTED) | (weights == REJECTED_PROMPT)
-    segments = np.where(segment_ids > 0, 2 * segment_ids - 1 + rejected, 0).astype(np.int32)
-    index = np.broadcast_to(np.arange(segments.shape[1]), segments.shape)
-    starts = np.ones(segments.shape, bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    return segments, np.where(segments > 0, index - first, 0).astype(np.int32)
-
-
-def _sums(x: np.ndarray, splits: np.ndarray) -> np.ndarray:
-    """The sum of `x` over each example of row splits `splits` (empty ones: 0)."""
-    total = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-    return total[splits[1:]] - total[splits[:-1]]
-
-
-def _trim_pairs(values, read, weights, splits, length):
-    """Pairs of more than `length` targets, each half trimmed to keep its start (the
-    longer half first, down to half the length), and pairs left without a chosen or a
-    rejected completion target dropped: (values, read, weights, splits, kept pairs)."""
-    sizes = np.diff(splits)
-    rejected = (weights == REJECTED) | (weights == REJECTED_PROMPT)
-    chosen_sizes = _sums(~rejected, splits)
-    rejected_sizes = sizes - chosen_sizes
-    keep_c = np.minimum(chosen_sizes, np.maximum(length // 2, length - rejected_sizes))
-    keep_r = np.minimum(rejected_sizes, length - keep_c)
-    starts = np.stack([splits[:-1], splits[:-1] + chosen_sizes], 1).reshape(-1)
-    kept = np.stack([keep_c, keep_r], 1).reshape(-1)
-    (values, half_splits), read, weights = (
-        _gather(values, starts, kept), _gather(read, starts, kept)[0],
-        _gather(weights, starts, kept)[0])
-    ok = (_sums(weights > 0, half_splits).reshape(-1, 2) > 0).all(axis=1)
-    pair_sizes = kept.reshape(-1, 2).sum(1)
-    new_splits = np.zeros(len(pair_sizes) + 1, np.int64)
-    np.cumsum(pair_sizes, out=new_splits[1:])
-    pairs = np.flatnonzero(ok)
-    out = [_gather(x, new_splits[:-1][pairs], pair_sizes[pairs]) for x in (values, read, weights)]
-    return out[0][0], out[1][0], out[2][0], out[0][1], pairs
 
 
 # --- cutting examples to the sequence length -------------------------------------------------
@@ -346,7 +207,7 @@ def _cut(splits: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return example, splits[example] + k * length, np.minimum(length, sizes[example] - k * length)
 
 
-def _gather(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> Flat:
+def gather(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> Flat:
     splits = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(sizes, out=splits[1:])
     index = np.arange(int(splits[-1])) - np.repeat(splits[:-1] - starts, sizes)
@@ -354,20 +215,14 @@ def _gather(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> Flat:
 
 
 def pieces(encoded: Encoded, length: int, *, reads_first: bool, start_id: int,
-           with_inputs: bool, paired: bool = False) -> tuple[dict[str, Flat], np.ndarray]:
+           with_inputs: bool) -> tuple[dict[str, Flat], np.ndarray]:
     """The packed keys of a window (see the module doc): "targets" (and "inputs" for
     translation), and with `with_inputs` also `base.READ_INPUTS` and `base.LOSS_WEIGHTS`
-    aligned with "targets"; and the example of each piece. `paired`: the examples are
-    preference pairs (`Preference`), which carry their `READ_INPUTS`."""
+    aligned with "targets"; and the example of each piece. (Preference pairs:
+    `preference.pieces`.)"""
     keys = encoded.keys
     if "inputs" in keys:  # translation: trimmed by packing
         return dict(keys), np.arange(len(keys["targets"][1]) - 1)
-    if paired:
-        values, splits = keys["targets"]
-        values, read, weights, splits, pairs = _trim_pairs(
-            values, keys[READ_INPUTS][0], np.asarray(encoded.weights, np.int32), splits, length)
-        return {"targets": (values, splits), READ_INPUTS: (read, splits),
-                LOSS_WEIGHTS: (weights, splits)}, pairs
     values, splits = keys["targets"]
     weights = (np.ones(len(values), np.int32) if encoded.weights is None
                else np.asarray(encoded.weights, np.int32))
@@ -386,17 +241,17 @@ def pieces(encoded: Encoded, length: int, *, reads_first: bool, start_id: int,
             np.zeros(len(starts), bool)
         keep &= sizes > 0
         example, starts, sizes = example[keep], starts[keep], sizes[keep]
-    targets = _gather(values, starts, sizes)
+    targets = gather(values, starts, sizes)
     out = {"targets": targets}
     if with_inputs:
         if reads_first:
-            inputs = _gather(read, starts, sizes)[0]
+            inputs = gather(read, starts, sizes)[0]
         else:  # the start token, then the targets
             inputs = np.empty_like(targets[0])
             inputs[1:] = targets[0][:-1]
             inputs[targets[1][:-1][sizes > 0]] = start_id
         out[READ_INPUTS] = (inputs, targets[1])
-        out[LOSS_WEIGHTS] = (_gather(weights, starts, sizes)[0], targets[1])
+        out[LOSS_WEIGHTS] = (gather(weights, starts, sizes)[0], targets[1])
     return out, example
 
 
@@ -404,7 +259,7 @@ def take(keys: dict[str, Flat], order: np.ndarray) -> dict[str, Flat]:
     """The examples `order` of every key of `keys`, in that order."""
     out = {}
     for key, (values, splits) in keys.items():
-        out[key] = _gather(values, splits[:-1][order], np.diff(splits)[order])
+        out[key] = gather(values, splits[:-1][order], np.diff(splits)[order])
     return out
 
 

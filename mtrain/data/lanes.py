@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from mtrain.data import formats, packing
+from mtrain.data import formats, packing, preference
 from mtrain.data.sources import read
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError
@@ -68,7 +68,7 @@ class PackWindow:
         self.start_id, self.with_inputs = start_id, with_inputs
         self.offsets = np.cumsum([0] + [len(s.records) for s in self.streams])
         self.keys = ["targets"] if self.streams[0].format.kind == "lm" else ["inputs", "targets"]
-        # preference pairs (`formats.Preference`): a task's sources are all pairs or none
+        # preference pairs (`preference.Preference`): a task's sources are all pairs or none
         self.paired = bool(getattr(self.streams[0].format, "paired", False))
 
     @property
@@ -82,10 +82,10 @@ class PackWindow:
         for s in np.unique(which):
             stream, mine = self.streams[s], np.flatnonzero(which == s)
             examples = read(stream.records, (indices[mine] - self.offsets[s]).tolist())
-            keys, example = formats.pieces(
-                stream.format.encode(examples, self.vocab), self.length,
-                reads_first=stream.format.reads_first, start_id=self.start_id,
-                with_inputs=self.with_inputs, paired=self.paired)
+            encoded = stream.format.encode(examples, self.vocab)
+            keys, example = preference.pieces(encoded, self.length) if self.paired else \
+                formats.pieces(encoded, self.length, reads_first=stream.format.reads_first,
+                               start_id=self.start_id, with_inputs=self.with_inputs)
             parts.append(keys)
             where.append(mine[example])
         keys = formats.concat(parts) if len(parts) > 1 else parts[0]
@@ -96,7 +96,7 @@ class PackWindow:
         packed = packing.pack_arrays(arrays, self.length, tuple(keys[k][0] for k in aligned))
         rows = dict(zip(batch_keys(self.keys) + aligned, packed))
         if self.paired:
-            rows["targets_segment_ids"], rows["targets_positions"] = formats.split_pairs(
+            rows["targets_segment_ids"], rows["targets_positions"] = preference.split_pairs(
                 rows["targets_segment_ids"], rows[LOSS_WEIGHTS])
         return rows
 

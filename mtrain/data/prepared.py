@@ -38,7 +38,7 @@ import numpy as np
 from etils import epath
 
 from mtrain.data import files as files_lib
-from mtrain.data import formats
+from mtrain.data import formats, preference
 from mtrain.errors import DataError
 from mtrain.models.base import READ_INPUTS
 
@@ -108,7 +108,7 @@ class Files:
         if self.format == "chat":
             return formats.Chat(template, c.get("messages", "messages"))
         if self.format == "preference":
-            return formats.Preference(c.get("prompt", "prompt"), c.get("chosen", "chosen"),
+            return preference.Preference(c.get("prompt", "prompt"), c.get("chosen", "chosen"),
                                       c.get("rejected", "rejected"), template)
         raise DataError(f"files.format={self.format!r}; use one of {', '.join(FORMATS)}")
 

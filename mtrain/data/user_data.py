@@ -111,11 +111,13 @@ def prepare_task(task, vocab, data_dir: str, template=None,
 
 
 def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
-                unrecorded: str | None, model_dir: str | None, eval_split: str):
+                unrecorded: str | None, model_dir: str | None, eval_split: str,
+                init_from: str | None = None):
     """(source, vocabulary) of a run of a task that reads files: the vocabulary (the model
     dir's `recorded` one, an import's, vocabulary.path, or one trained on the files' texts,
     cached by the files' identity: `VocabularyConfig.choose`), then every source prepared
-    with it and the model dir's chat template (an import keeps its folder's)."""
+    with it and the model dir's chat template (an import keeps its folder's; else that of
+    the run it starts from, `init_from`)."""
     splits = {name: spec.splits() for name, spec in task.data.items()}
     identity = files_lib.identity([p for s in splits.values() for p in s.get("train", [])])
     cached = os.path.join(data_dir, "vocab", f"{task.name}-{identity}",
@@ -123,7 +125,8 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
     vocab = vocab_config.choose(recorded, cached, lambda: texts(task),
                                 f"the {task.name} training files", where=model_dir,
                                 unrecorded=unrecorded)
-    template = model_dir_template(model_dir, vocab) if model_dir else None
+    template = next((t for t in (model_dir_template(d, vocab) for d in (model_dir, init_from)
+                                 if d) if t is not None), None)
     source = prepare_task(task, vocab, data_dir, template, splits)
     source.check_split(eval_split)
     return source, vocab

@@ -14,14 +14,10 @@ position, and its meta says ``imported``. Readers restore its parameters; traini
 from them at step 0 with a fresh optimizer state and input (`is_imported`), as from
 ``run.init_from``.
 
-A run that freezes parameters (LoRA, ``run.trainable``) and started from a checkpoint (an
-import, ``run.init_from``) stores its frozen parameters once: its checkpoints hold the
-trainable ones and the optimizer state, and their meta names the *base* (`Base`: the
-checkpoint the frozen ones are read from, and a digest of their checksums there). Every
-restore reads them from the base again and checks that digest: a base that changed since
-(another model imported in its place) is an `IncompatibleRun`, one that is gone or damaged
-a `CheckpointError` naming it (the checkpoint itself is not set aside). A model dir keeps
-its step 0 (its import) whatever ``keep_checkpoints`` says.
+A run that freezes parameters and started from a checkpoint stores them once: its
+checkpoints name their *base* (`io.bases`), which every restore reads them from
+(`base_params`) and checks. A model dir keeps its step 0 (its import) whatever
+``keep_checkpoints`` says.
 
 A checkpoint that cannot be read (missing, truncated or corrupt files) is *damaged*: a
 resuming run moves it to ``<step>.damaged`` and tries the one before. One that reads but
@@ -36,20 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
+from typing import Any
 import logging
 import os
-import re
-from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
 from mtrain.io import checksums
+from mtrain.io.bases import Base, base_digest, stored_params
+from mtrain.io.input_state import DataIteratorRestore, DataIteratorSave
 from mtrain.parallel import distributed
-from mtrain.errors import IncompatibleRun, UserError
+from mtrain.errors import IncompatibleRun, UserError, failure_reason
 from mtrain.models import parameters
 from mtrain.models.lora import is_adapter
 from mtrain.io.compatibility import ADVICE, check_compatible
@@ -68,55 +63,6 @@ class DamagedCheckpoint(CheckpointError):
     def __init__(self, where, reason: str):
         super().__init__(f"checkpoint {where} cannot be read: {reason}")
         self.reason = reason
-
-
-class DataIteratorHandler(ocp.CheckpointHandler):
-    """Saves and restores an input iterator (``save(directory)`` returns the prefix of the
-    files it wrote, named after its process; ``restore(directory)``), with a SHA-256 of
-    each file in ``<prefix>.sha256``, verified before any is read."""
-
-    def save(self, directory: epath.Path, args: DataIteratorSave):
-        prefix = epath.Path(args.iterator.save(str(directory)))
-        written = [p for p in prefix.parent.glob(prefix.name + ".*") if p.suffix != ".sha256"]
-        checksums.write_file_checksums(written, f"{prefix}.sha256")
-
-    def restore(self, directory: epath.Path, args: DataIteratorRestore):
-        for listed in epath.Path(directory).glob("*.sha256"):  # (none: an older mtrain's)
-            checksums.verify_files(listed)
-        args.iterator.restore(str(directory))
-        return args.iterator
-
-
-@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
-@dataclasses.dataclass
-class DataIteratorSave(ocp.args.CheckpointArgs):
-    iterator: Any
-
-
-@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
-@dataclasses.dataclass
-class DataIteratorRestore(ocp.args.CheckpointArgs):
-    iterator: Any
-
-
-def require_checkpoints(directory, missing: str) -> None:
-    """Raises a CheckpointError saying `missing` (what to do) unless `directory` holds a
-    checkpoint's step directory; reads only (a `Checkpoints` would create `directory`)."""
-    path = epath.Path(directory)
-    names = [p.name for p in path.iterdir()] if path.is_dir() else []
-    if not any(name.isdigit() for name in names):
-        set_aside = sorted(n for n in names if ".damaged" in n or ".diverged" in n)
-        if set_aside:
-            raise CheckpointError(f"{directory} holds only checkpoints that were set aside "
-                                  f"({', '.join(set_aside)}); restore a good copy")
-        raise CheckpointError(f"no checkpoints in {directory}; {missing}")
-
-
-def state_signature(abstract_state) -> dict[str, str]:
-    """Every leaf of a (train) state as ``{path: "dtype[shape]"}``: what a checkpoint of it
-    must hold for a restore into it."""
-    return {jax.tree_util.keystr(path): f"{leaf.dtype}{list(leaf.shape)}"
-            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
 
 
 def _write_whole_replicas() -> None:
@@ -202,13 +148,13 @@ class Checkpoints:
 
     def is_imported(self, step: int) -> bool:
         """Whether checkpoint `step` holds imported parameters alone (`save_imported`)."""
-        return bool(self._meta(step).get("imported"))
+        return bool(self.meta(step).get("imported"))
 
     def has_adapters(self, step: int) -> bool:
         """Whether checkpoint `step` holds LoRA adapters (`models.lora`)."""
-        return "lora.rank" in self._meta(step).get("model", {})
+        return "lora.rank" in self.meta(step).get("model", {})
 
-    def _meta(self, step: int) -> dict:
+    def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]
 
@@ -224,7 +170,7 @@ class Checkpoints:
                     "no checkpoint was saved before it")
             raise CheckpointError(
                 f"could not save a checkpoint (step {step} or the one before it) in "
-                f"{self.directory}: {_reason(e)}; {kept}") from None
+                f"{self.directory}: {failure_reason(e)}; {kept}") from None
 
     def restore(self, step: int, abstract_state, iterator, meta: dict,
                 advice: str | None = None):
@@ -244,7 +190,7 @@ class Checkpoints:
             saved = self.manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax, tensorstore and the file system raise many kinds
-            raise DamagedCheckpoint(where, _reason(e)) from None
+            raise DamagedCheckpoint(where, failure_reason(e)) from None
         imported = bool(saved.get("imported"))  # parameters alone: no run, state or data
         check_compatible(saved, meta, where, resume=iterator is not None, advice=advice)
         base = Base(**saved["base"]) if "base" in saved else None
@@ -270,7 +216,7 @@ class Checkpoints:
                 raise IncompatibleRun(
                     f"checkpoint {where} holds a train state of another structure (a model or "
                     f"optimizer setting differs); {ADVICE}") from None
-            raise DamagedCheckpoint(where, _reason(e)) from None
+            raise DamagedCheckpoint(where, failure_reason(e)) from None
         state = restored["state"]
         if "checksums" not in saved:
             if str(self.directory) not in _UNVERIFIED:
@@ -278,89 +224,19 @@ class Checkpoints:
                 log.warning("checkpoint %s has no checksums (an older mtrain wrote it): what it "
                             "restores cannot be verified", where)
         elif bad := checksums.mismatches(saved["checksums"], state):
-            raise DamagedCheckpoint(where, f"{_array(bad[0])} does not match its checksum"
+            raise DamagedCheckpoint(where, f"{array_name(bad[0])} does not match its checksum"
                                     + (f" (nor do {len(bad) - 1} other arrays)" if bad[1:] else ""))
         if bad := checksums.not_finite(state):
-            raise DamagedCheckpoint(where, f"{_array(bad[0])} holds values that are not finite")
+            raise DamagedCheckpoint(where, f"{array_name(bad[0])} holds values that are not finite")
         if imported:  # (the optimizer state stays abstract: `is_imported` says to make one)
             params = state["params"]
             if fresh_adapters:
                 params = parameters.merge(jax.tree.map(_zeros, abstract_state.params), params)
             return abstract_state.replace(params=params)
         if base is not None:
-            frozen = self._base_params(base, abstract_state.params, meta, where)
+            frozen = base_params(self, base, abstract_state.params, meta, where)
             return state.replace(params=parameters.merge(frozen, state.params))
         return state
-
-    def restore_params(self, step: int, abstract_params, meta: dict,
-                       advice: str | None = None):
-        """The parameters of checkpoint `step`, whatever it holds (an import, with or
-        without adapters; a run's state, its frozen parameters in a base), laid out as
-        `abstract_params`: a base's, or ``run.init_from``'s. `meta`: this run's (its
-        ``model`` must match; `advice`: what its error says to do). Adapters the checkpoint lacks (of a model without them)
-        are zeros from an import, and missing from a run's state."""
-        where = self.directory / str(step)
-        try:
-            saved = self._meta(step)
-        except Exception as e:
-            raise DamagedCheckpoint(where, _reason(e)) from None
-        # Only the model must match (the task, optimizer and state may differ).
-        current = {"model": meta.get("model", {}), "task": saved.get("task"),
-                   "state": saved.get("state")}
-        if saved.get("imported"):
-            return self.restore(step, _params_only(abstract_params), None, current,
-                                advice).params
-        check_compatible(saved, current, where, resume=False, advice=advice)
-        base = Base(**saved["base"]) if "base" in saved else None
-        own = base.without_frozen(abstract_params) if base else abstract_params
-        stored = _stored_params(saved)  # (None: an older mtrain's, which stored them all)
-        if stored is not None:  # (a model with adapters from one without: theirs are not)
-            own = parameters.select(own, lambda path: path in stored)
-        # (a part of the state: orbax's PyTree handler restores a subtree, the manager not)
-        target = {"params": own}
-        try:
-            with ocp.PyTreeCheckpointer() as checkpointer:
-                restored = checkpointer.restore(where / "state", args=ocp.args.PyTreeRestore(
-                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=True))
-        except Exception as e:
-            raise DamagedCheckpoint(where, _reason(e)) from None
-        if "checksums" in saved and (bad := checksums.mismatches(saved["checksums"], restored)):
-            raise DamagedCheckpoint(where, f"{_array(bad[0])} does not match its checksum")
-        params = restored["params"]
-        if base is not None:
-            params = parameters.merge(self._base_params(base, abstract_params, meta, where),
-                                      params)
-        return params
-
-    def _base_params(self, base: "Base", abstract_params, meta: dict, where):
-        """The frozen parameters of a checkpoint (`where`) whose `base` holds them."""
-        directory = epath.Path(base.checkpoints) if base.checkpoints else self.directory
-        named = f"step {base.step} of {directory}"
-        try:
-            reader = self if not base.checkpoints else Checkpoints(directory, read_only=True)
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
-                                  f"which cannot be opened: {_reason(e)}") from None
-        try:
-            if base.step not in reader.all_steps():
-                raise CheckpointError(
-                    f"checkpoint {where} keeps its frozen parameters in {named}, which is "
-                    f"gone; put that checkpoint back, or pass --restart to train from step 0")
-            if base_digest(reader._meta(base.step), base.frozen) != base.digest:
-                raise IncompatibleRun(
-                    f"checkpoint {where} was trained on other frozen parameters than those of "
-                    f"{named} (another model is there now); put back the base it was trained "
-                    f"on, or pass --restart to train from step 0")
-            params = reader.restore_params(base.step, abstract_params, meta)
-        except DamagedCheckpoint as e:
-            raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
-                                  f"which cannot be read: {e.reason}") from None
-        finally:
-            if reader is not self:
-                reader.close()
-        frozen = set(base.frozen)
-        return parameters.select(params, lambda path: path in frozen)
 
     def restore_intact(self, abstract_state, iterator, meta: dict, set_aside: bool = True,
                        advice: str | None = None):
@@ -425,99 +301,79 @@ class Checkpoints:
         self.manager.close()
 
 
-def restore_for_reading(directory: str, abstract_state, meta: dict, step: int | None = None,
-                        missing: str = "train first (--mode=train)",
-                        advice: str = "use the settings of the run that trained it (its "
-                                      "config.gin)"):
-    """(state, step) of checkpoint `step` (default: the newest that can be read) in
-    `directory`, into the shardings of `abstract_state`, without the input position: for
-    eval, score, infer and init_from. Reads only (a damaged checkpoint is skipped, not moved
-    aside); `missing` says what to do when `directory` holds no checkpoint, `advice` what
-    to do about one of another model."""
-    require_checkpoints(directory, missing)
-    checkpoints = Checkpoints(directory, read_only=True)
+def restore_params(checkpoints: Checkpoints, step: int, abstract_params, meta: dict,
+                   advice: str | None = None):
+    """The parameters of checkpoint `step`, whatever it holds (an import, with or
+    without adapters; a run's state, its frozen parameters in a base), laid out as
+    `abstract_params`: a base's, or ``run.init_from``'s. `meta`: this run's (its
+    ``model`` must match; `advice`: what its error says to do). Adapters the checkpoint lacks (of a model without them)
+    are zeros from an import, and missing from a run's state."""
+    where = checkpoints.directory / str(step)
     try:
-        steps = checkpoints.all_steps()
-        if not steps:
-            raise CheckpointError(f"no checkpoints in {directory}; {missing}")
-        if step is None:
-            return checkpoints.restore_intact(abstract_state, None, meta, set_aside=False,
-                                              advice=advice)
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
-        return checkpoints.restore(step, abstract_state, None, meta, advice), step
-    finally:
-        checkpoints.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class Base:
-    """Where a checkpoint's frozen parameters lie (module doc): checkpoint `step` of the
-    directory `checkpoints` ("": the checkpoint's own), their paths (`frozen`), and the
-    digest of their checksums there (`base_digest`)."""
-
-    checkpoints: str
-    step: int
-    frozen: list
-    digest: str
-
-    def without_frozen(self, params):
-        frozen = set(self.frozen)
-        return parameters.select(params, lambda path: path not in frozen)
-
-
-def base_digest(meta: dict, frozen) -> str:
-    """A digest of the checksums that a checkpoint's `meta` records of the parameters
-    `frozen` (their paths): the same for the same values."""
-    wanted, sums = set(frozen), {}
-    for key, value in meta.get("checksums", {}).items():
-        if (path := _param_path(key)) in wanted:
-            sums[path] = value
-    if set(sums) != wanted:
-        return "incomplete"  # (a checkpoint that does not hold them all: not this base)
-    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _stored_params(meta: dict) -> set[str] | None:
-    """The paths of the parameters a checkpoint holds, from the checksums of its meta."""
-    if "checksums" not in meta:
-        return None
-    return {path for key in meta["checksums"] if (path := _param_path(key))}
-
-
-def _param_path(key: str) -> str | None:
-    """A state's array path (``.params['layer_0']['mlp']['wi']``, or ``['params']...`` of
-    an import) as a parameter's ("layer_0/mlp/wi"); None for the other arrays."""
-    match = re.fullmatch(r"(?:\.params|\['params'\])((?:\['[^']*'\])+)", key)
-    return "/".join(re.findall(r"\['([^']*)'\]", match.group(1))) if match else None
-
-
-def read_params(directory: str, abstract_params, meta: dict, step: int | None = None,
-                missing: str = "", advice: str | None = None):
-    """(parameters, step) of checkpoint `step` (default: the newest that can be read) in
-    `directory` (`Checkpoints.restore_params`): ``run.init_from``'s read."""
-    require_checkpoints(directory, missing)
-    checkpoints = Checkpoints(directory, read_only=True)
+        saved = checkpoints.meta(step)
+    except Exception as e:
+        raise DamagedCheckpoint(where, failure_reason(e)) from None
+    # Only the model must match (the task, optimizer and state may differ).
+    current = {"model": meta.get("model", {}), "task": saved.get("task"),
+               "state": saved.get("state")}
+    if saved.get("imported"):
+        return checkpoints.restore(step, _params_only(abstract_params), None, current,
+                            advice).params
+    check_compatible(saved, current, where, resume=False, advice=advice)
+    base = Base(**saved["base"]) if "base" in saved else None
+    own = base.without_frozen(abstract_params) if base else abstract_params
+    stored = stored_params(saved)  # (None: an older mtrain's, which stored them all)
+    if stored is not None:  # (a model with adapters from one without: theirs are not)
+        own = parameters.select(own, lambda path: path in stored)
+    # (a part of the state: orbax's PyTree handler restores a subtree, the manager not)
+    target = {"params": own}
     try:
-        steps = checkpoints.all_steps()
-        if step is not None and step not in steps:
-            raise CheckpointError(f"no checkpoint of step {step} in {directory} (it has {steps})")
-        first = None
-        for candidate in [step] if step is not None else steps[::-1]:
-            try:
-                return (checkpoints.restore_params(candidate, abstract_params, meta, advice),
-                        candidate)
-            except DamagedCheckpoint as e:
-                if step is not None:
-                    raise
-                first = first or e
-        raise CheckpointError(f"no checkpoint in {directory} can be read: {first}")
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(where / "state", args=ocp.args.PyTreeRestore(
+                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True))
+    except Exception as e:
+        raise DamagedCheckpoint(where, failure_reason(e)) from None
+    if "checksums" in saved and (bad := checksums.mismatches(saved["checksums"], restored)):
+        raise DamagedCheckpoint(where, f"{array_name(bad[0])} does not match its checksum")
+    params = restored["params"]
+    if base is not None:
+        params = parameters.merge(base_params(checkpoints, base, abstract_params, meta, where),
+                                  params)
+    return params
+
+def base_params(checkpoints: Checkpoints, base: Base, abstract_params, meta: dict, where):
+    """The frozen parameters of a checkpoint (`where`) whose `base` holds them."""
+    directory = epath.Path(base.checkpoints) if base.checkpoints else checkpoints.directory
+    named = f"step {base.step} of {directory}"
+    try:
+        reader = checkpoints if not base.checkpoints else Checkpoints(directory, read_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
+                              f"which cannot be opened: {failure_reason(e)}") from None
+    try:
+        if base.step not in reader.all_steps():
+            raise CheckpointError(
+                f"checkpoint {where} keeps its frozen parameters in {named}, which is "
+                f"gone; put that checkpoint back, or pass --restart to train from step 0")
+        if base_digest(reader.meta(base.step), base.frozen) != base.digest:
+            raise IncompatibleRun(
+                f"checkpoint {where} was trained on other frozen parameters than those of "
+                f"{named} (another model is there now); put back the base it was trained "
+                f"on, or pass --restart to train from step 0")
+        params = restore_params(reader, base.step, abstract_params, meta)
+    except DamagedCheckpoint as e:
+        raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
+                              f"which cannot be read: {e.reason}") from None
     finally:
-        checkpoints.close()
+        if reader is not checkpoints:
+            reader.close()
+    frozen = set(base.frozen)
+    return parameters.select(params, lambda path: path in frozen)
 
 
 def _params_only(abstract_params):
-    """An abstract state of parameters alone, as `restore` takes (for an import)."""
+    """An abstract state of parameters alone, as `Checkpoints.restore` takes (an import)."""
     return _ParamsOnly(abstract_params)
 
 
@@ -537,20 +393,6 @@ def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:
 _UNVERIFIED: set[str] = set()  # the directories whose checkpoints without checksums were reported
 
 
-def _array(path: str) -> str:
+def array_name(path: str) -> str:
     """A train state's path as a name: ".params['layer_0']['mlp']['wi']" -> params.layer_0.mlp.wi."""
     return path.replace("']['", ".").replace("['", ".").replace("']", "").lstrip(".")
-
-
-def _reason(error: BaseException) -> str:
-    """The root cause of `error` (orbax wraps tensorstore's), in one line of at most 250
-    characters: its start and its end, where tensorstore puts the system's reason ("No
-    space left on device")."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    text = " ".join(str(error).split()) or type(error).__name__
-    short = text if len(text) <= 250 else f"{text[:120]} ... {text[-125:]}"
-    # tensorstore names the system's error by its number too: say it where the cut hid it
-    code = re.search(r"os_error_code='?(\d+)", text)
-    reason = os.strerror(int(code.group(1))) if code else None
-    return f"{reason}: {short}" if reason and reason not in short else short

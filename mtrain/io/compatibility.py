@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+
 from mtrain.errors import IncompatibleRun
 
 ADVICE = ("resume with the saved settings, or start a new run in another --model_dir "
@@ -57,3 +59,10 @@ def check_compatible(saved: dict, current: dict, where, resume: bool,
                             "--model_dir" if model_differs else ADVICE)
         raise IncompatibleRun(f"checkpoint {where} is of a run with other settings: "
                               f"{'; '.join(diffs)}; {advice}")
+
+
+def state_signature(abstract_state) -> dict[str, str]:
+    """Every leaf of a (train) state as ``{path: "dtype[shape]"}``: what a checkpoint of it
+    must hold for a restore into it."""
+    return {jax.tree_util.keystr(path): f"{leaf.dtype}{list(leaf.shape)}"
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}

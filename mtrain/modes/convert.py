@@ -35,7 +35,8 @@ from jax.experimental import multihost_utils
 from mtrain.errors import ConfigError
 from mtrain.huggingface import adapters, families, tensors, weights
 from mtrain.huggingface.vocabulary import chat_template, write_tokenizer
-from mtrain.io.checkpoints import Checkpoints, restore_for_reading
+from mtrain.io.checkpoints import Checkpoints
+from mtrain.io.reading import restore_for_reading
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
 from mtrain.io.work_dirs import writing

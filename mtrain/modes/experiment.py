@@ -19,7 +19,7 @@ from mtrain.data.sources import TextSource
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
-from mtrain.io.checkpoints import state_signature
+from mtrain.io.compatibility import state_signature
 from mtrain.models.base import shape_fields
 from mtrain.training.loop import Stepper
 from mtrain.training.trainer import Trainer

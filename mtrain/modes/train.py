@@ -22,16 +22,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 
 import jax
 from etils import epath
 
-from mtrain.errors import TrainingDiverged
+from mtrain.errors import IncompatibleRun, TrainingDiverged
 from mtrain.evaluation.heldout import evaluate
-from mtrain.io.checkpoints import (Base, CheckpointError, Checkpoints, base_digest,
-                                   read_params)
+from mtrain.io.bases import Base, base_digest
+from mtrain.io.checkpoints import CheckpointError, Checkpoints, restore_params
+from mtrain.io.reading import read_params, restore_for_reading
 from mtrain.io.lock import lock_model_dir
 from mtrain.io.metrics import MetricsWriter
 from mtrain.io.model_dir import ModelDir
@@ -67,11 +69,12 @@ def train(exp: Experiment, restart: bool = False) -> dict:
             with _closing(batches.close):  # the input pipeline's workers
                 state, start, origin = _restore_or_init(exp, checkpoints, batches, initial)
                 base = _base(exp, checkpoints, origin)
-                if exp.trainer.reference_shardings is not None:  # DPO's frozen copy
-                    exp.trainer.set_reference(state.params if start == 0 else
+                if exp.trainer.dpo and exp.trainer.reference.needs_copy:  # DPO's frozen copy
+                    exp.trainer.reference.set(state.params if start == 0 else
                                               _base_params(exp, checkpoints))
                 if jax.process_index() == 0:
                     write_atomically(model_dir.config, exp.config_text)
+                    _keep_chat_template(exp, model_dir)
                     if not epath.Path(model_dir.vocabulary).exists():
                         exp.vocab.save(model_dir.vocabulary)
                 # (the records of steps after `start` are of steps taken again: replaced)
@@ -169,7 +172,7 @@ def _base(exp: Experiment, checkpoints: Checkpoints, origin) -> Base | None:
     directory, step = origin
     reader = checkpoints if not directory else Checkpoints(directory, read_only=True)
     try:
-        meta = reader._meta(step)
+        meta = reader.meta(step)
     finally:
         if reader is not checkpoints:
             reader.close()
@@ -178,7 +181,20 @@ def _base(exp: Experiment, checkpoints: Checkpoints, origin) -> Base | None:
     frozen = sorted(p for p in parameters.paths(exp.trainer.abstract_state.params)
                     if not exp.trainer.trainable(p))
     digest = base_digest(meta, frozen)
-    return None if digest == "incomplete" else Base(directory, step, frozen, digest)
+    if digest != "incomplete":
+        return Base(directory, step, frozen, digest)
+    if "base" in meta and sorted(meta["base"]["frozen"]) == frozen:  # (a run stored once:
+        theirs = Base(**meta["base"])  # the same frozen parameters lie in its base)
+        return dataclasses.replace(theirs, checkpoints=theirs.checkpoints or directory)
+    return None
+
+
+def _keep_chat_template(exp: Experiment, model_dir: ModelDir) -> None:
+    """A run started from another's parameters (`init_from`) keeps its chat template, as
+    an import keeps its folder's: the model's conversations are rendered by it."""
+    theirs = exp.config.init_from and epath.Path(ModelDir(exp.config.init_from).chat_template)
+    if theirs and theirs.exists() and not epath.Path(model_dir.chat_template).exists():
+        write_atomically(model_dir.chat_template, theirs.read_text())
 
 
 def _from_import(exp: Experiment, checkpoints: Checkpoints, step: int, params):
@@ -195,8 +211,8 @@ def _base_params(exp: Experiment, checkpoints: Checkpoints):
     else `init_from`'s, else the initialisation of its seed."""
     fresh = exp.trainer.init_state().params
     if 0 in checkpoints.all_steps() and checkpoints.is_imported(0):
-        return parameters.merge(fresh, checkpoints.restore_params(
-            0, exp.trainer.sharded_abstract_state().params, exp.checkpoint_meta()))
+        return parameters.merge(fresh, restore_params(
+            checkpoints, 0, exp.trainer.sharded_abstract_state().params, exp.checkpoint_meta()))
     if exp.config.init_from:
         return parameters.merge(fresh, _params_from(exp)[0])
     return fresh
@@ -207,12 +223,17 @@ def _params_from(exp: Experiment):
     where = exp.config.init_from
     if epath.Path(ModelDir(where).checkpoints).is_dir():
         where = ModelDir(where).checkpoints
-    params, step = read_params(
-        where, exp.trainer.sharded_abstract_state().params, exp.checkpoint_meta(),
-        exp.config.init_step, missing="run.init_from must name the model dir of a run",
-        advice="run.init_from starts from a run of the same model: give this run that run's "
-               "model settings (its config.gin)")
-    return params, step, where
+    kwargs = dict(missing="run.init_from must name the model dir of a run",
+                  advice="run.init_from starts from a run of the same model: give this run "
+                         "that run's model settings (its config.gin)")
+    try:  # (the whole state read and verified, as a reader does)
+        state, step = restore_for_reading(where, exp.trainer.sharded_abstract_state(),
+                                          exp.checkpoint_meta(), exp.config.init_step, **kwargs)
+        return state.params, step, where
+    except IncompatibleRun:  # another task, optimizer or adapters: its parameters alone
+        params, step = read_params(where, exp.trainer.sharded_abstract_state().params,
+                                   exp.checkpoint_meta(), exp.config.init_step, **kwargs)
+        return params, step, where
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Direct Preference Optimization (Rafailov et al. 2023), as TRL's `DPOTrainer` computes it.
 
-A batch of preference pairs (`data.formats.Preference`) holds each pair's chosen and
+A batch of preference pairs (`data.preference.Preference`) holds each pair's chosen and
 rejected halves as segments 2k - 1 and 2k of one row, their completions' targets marked
 `CHOSEN` and `REJECTED` in the loss weights. For each pair, the policy's and the reference
 model's log-probabilities of the completions are summed (pi_c, pi_r, ref_c, ref_r), and
@@ -20,9 +20,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtrain.data.formats import CHOSEN, REJECTED
+from mtrain.data.preference import CHOSEN, REJECTED
 from mtrain.errors import ConfigError
+from mtrain.models import parameters
 from mtrain.models.base import LOSS_WEIGHTS
+from mtrain.models.lora import is_adapter
+from mtrain.training import losses as losses_lib
 
 LOSSES = ("sigmoid", "ipo")
 # What a DPO step reports (TRL's names), each a mean over the batch's pairs.
@@ -90,3 +93,75 @@ def losses(policy, reference, counts, config: DpoConfig) -> tuple[jax.Array, dic
     total = lambda x: jnp.sum(x * present)  # noqa: E731
     return total(loss), {k: total(v) for k, v in metrics.items()}, jnp.sum(present)
 
+
+
+class Reference:
+    """The reference model of a `Trainer`'s DPO: where LoRA adapters alone train, the model
+    without them, on the same parameters (no second copy: `is_base`); else the model on a
+    frozen copy of the parameters the run started from (`set`), laid out as the parameters
+    (`shardings`: the steps take it as a third argument)."""
+
+    def __init__(self, model, abstract_params, trainable, param_shardings):
+        paths = list(parameters.paths(abstract_params))
+        trained = [p for p in paths if trainable(p)]
+        self.is_base = bool(getattr(model.config, "lora", None)) and len(trained) < len(
+            paths) and all(map(is_adapter, trained))
+        self.model = (model.clone(config=dataclasses.replace(model.config, lora=None))
+                      if self.is_base else model)
+        self.shardings = () if self.is_base else (param_shardings,)
+        self.copy = None
+
+    @property
+    def needs_copy(self) -> bool:
+        return not self.is_base
+
+    def set(self, params) -> None:
+        """The copy: `params` (the run's start), copied and laid out as the parameters."""
+        self.copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                            out_shardings=self.shardings[0])(params)
+
+    def arguments(self) -> tuple:
+        if self.is_base:
+            return ()
+        if self.copy is None:
+            raise ValueError("DPO needs its reference model's parameters: Reference.set")
+        return (self.copy,)
+
+    def params(self, params, copy):
+        """The reference's parameters: the policy's `params` without adapters, or `copy`."""
+        return parameters.select(params, lambda p: not is_adapter(p)) if self.is_base else copy
+
+
+def _token_logps(trainer, params, batch, deterministic, rngs=None, model=None):
+    """(log p of each target [batch, length], the experts' statistics)."""
+    logits, stats = trainer.apply_model(params, batch, deterministic, rngs, stats=True, model=model)
+    _, xent = losses_lib.cross_entropy(logits, batch["targets"],
+                                       losses_lib.loss_weights(batch), classes=trainer.classes)
+    return -xent, stats
+
+
+def sums(trainer, params, batch, rngs, copy):
+    """A `Trainer`'s DPO objective: (loss, minus the chosen completions' log-probability,
+    pairs, tokens, statistics) summed over the pairs of `batch`; the reference's
+    log-probabilities carry no gradient (`copy`: its parameters, where it has a copy). A
+    mixture of experts' auxiliary losses count once per pair."""
+    reference = trainer.reference
+    policy_logps, stats = _token_logps(trainer, params, batch, False, rngs)
+    reference_logps, _ = _token_logps(
+        trainer, jax.lax.stop_gradient(reference.params(params, copy)), batch, True,
+        model=reference.model)
+    policy, counts = pair_sums(policy_logps, batch)
+    ref, _ = pair_sums(jax.lax.stop_gradient(reference_logps), batch)
+    loss, metrics, pairs = losses(policy, ref, counts, trainer.dpo)
+    if "aux_loss" in stats:
+        loss = loss + pairs * stats.pop("aux_loss")
+    tokens = losses_lib.loss_weights(batch).sum().astype(jnp.float32)
+    stats = {**{k: v * pairs for k, v in stats.items()}, **metrics}
+    return loss, -metrics["logps_chosen"], pairs, tokens, stats
+
+
+def eval_sums(trainer, params, batch, copy) -> dict:
+    """The sums over `batch`'s pairs that evaluation adds up (`evaluation.heldout`)."""
+    loss, _, pairs, tokens, stats = sums(trainer, params, batch, None, copy)
+    return {"loss_sum": loss, "num_pairs": pairs, "num_tokens": tokens,
+            **{k: stats[k] for k in METRICS}}

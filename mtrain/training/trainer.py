@@ -16,7 +16,6 @@ steps compile once per value, like once per shape. The trainer knows no kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -28,7 +27,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain.models import moe, parameters
-from mtrain.models.lora import is_adapter
 from mtrain.training import dpo as dpo_lib
 from mtrain.training import freezing, losses
 from mtrain.training import optimizer as optimizer_lib
@@ -68,9 +66,7 @@ class Trainer:
         `trainable` (a predicate of a parameter's path, `freezing`): the parameters that
         train, the others frozen (no gradient, no optimizer state); None: all. `dpo`: the
         batches are preference pairs, and the objective is DPO's (`training.dpo`) against
-        a reference model: with LoRA adapters alone training, the model without them (the
-        frozen base, no second copy); else the parameters the run started from, which
-        `set_reference` gives (a frozen copy)."""
+        a reference model (`dpo.Reference`)."""
         self.model, self.layout, self.mesh = model, layout, mesh
         # Whether the model's kernels want each batch's packing (`models.base`).
         self.uses_packing = bool(getattr(model, "uses_packing", False))
@@ -95,14 +91,6 @@ class Trainer:
         # What the optimizer sees: the trainable parameters (all of them, unless frozen).
         self.trained_names = parameters.select(param_names, self.trainable)
         self.dpo = dpo
-        # DPO's reference: the model without its adapters (where only adapters train), else
-        # a copy of the starting parameters (`set_reference`), laid out as the parameters.
-        lora = getattr(model.config, "lora", None)
-        self.reference_is_base = bool(dpo and lora and self.frozen and all(
-            is_adapter(p) for p in parameters.paths(abstract_params) if self.trainable(p)))
-        self.reference_model = (model.clone(config=dataclasses.replace(model.config, lora=None))
-                                if self.reference_is_base else model)
-        self.reference = None
         trained = parameters.select(abstract_params, self.trainable)
         self.given_optimizer = optimizer  # (for `with_layout`)
         self.optimizer = optimizer_lib.for_parameters(optimizer, self.trained_names)
@@ -131,19 +119,19 @@ class Trainer:
             lambda params: self._start_fn(jax.tree.map(
                 lambda p, a: p.astype(a.dtype), params, self.abstract_state.params)),
             in_shardings=(param_shardings,), out_shardings=self.state_shardings)
-        # (the reference's parameters, where DPO keeps a copy; else nothing: None)
-        self.reference_shardings = (param_shardings if dpo and not self.reference_is_base
-                                    else None)
+        # DPO's reference model (its copy of the parameters a third argument of the steps)
+        self.reference = dpo_lib.Reference(model, abstract_params, self.trainable,
+                                           param_shardings) if dpo else None
+        reference = self.reference.shardings if dpo else ()
         self._train_step = jax.jit(
             self._train_step_fn,
-            in_shardings=(self.state_shardings, self.batch_sharding, self.reference_shardings),
+            in_shardings=(self.state_shardings, self.batch_sharding, *reference),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
         self._eval_step = jax.jit(
             self._eval_step_fn,
-            in_shardings=(self.state_shardings.params, self.batch_sharding,
-                          self.reference_shardings),
+            in_shardings=(self.state_shardings.params, self.batch_sharding, *reference),
             out_shardings=replicated,
         )
         self._token_log_likelihoods = jax.jit(
@@ -158,7 +146,7 @@ class Trainer:
         ids = jnp.zeros(shape or self.batch_shape, jnp.int32)
         return {name: ids for name in batch_keys(self.model.features)}
 
-    def _apply(self, params, batch, deterministic, rngs=None, return_hidden=False,
+    def apply_model(self, params, batch, deterministic, rngs=None, return_hidden=False,
                stats=False, model=None):
         """The model's logits for a packed batch (its `features`, each with segment ids and
         positions); with `return_hidden` its final hidden states and output kernel. The
@@ -202,19 +190,8 @@ class Trainer:
 
     def _losses(self, params, batch, deterministic, rngs=None):
         """(loss, xent, weights, logits) per token; see `losses.cross_entropy`."""
-        logits = self._apply(params, batch, deterministic, rngs)
-        weights = losses.loss_weights(batch)
-        loss, xent = losses.cross_entropy(
-            logits,
-            batch["targets"],
-            weights,
-            z_loss=self.loss_config.z_loss,
-            label_smoothing=self.loss_config.label_smoothing,
-            classes=self.classes,
-        )
-        if self.classes:  # (the rows past the real vocabulary: no prediction either)
-            logits = jnp.where(jnp.arange(logits.shape[-1]) < self.classes, logits, -jnp.inf)
-        return loss, xent, weights, logits
+        return losses.token_losses(self.apply_model(params, batch, deterministic, rngs), batch,
+                                   self.loss_config, self.classes)
 
     @property
     def classes(self) -> int:
@@ -223,58 +200,12 @@ class Trainer:
 
     def _loss_sums(self, params, batch, rngs, reference=None):
         """(loss, cross-entropy, count, tokens, statistics) summed over the training
-        `batch`'s tokens (count: the tokens): with `loss_chunks` > 1 the logits are made a
-        slice at a time (the cross-entropy then carries no gradient). A mixture of experts'
-        auxiliary losses (``aux_loss``, a mean) count once per token, and its statistics are
-        summed x tokens too, so that all add up over microbatches. With DPO, `_dpo_sums`."""
+        `batch` (`losses.token_sums`; with DPO, `dpo.sums`), to add up over microbatches."""
         if self.dpo:
-            return self._dpo_sums(params, batch, rngs, reference)
-        weights = losses.loss_weights(batch)
-        tokens = weights.sum().astype(jnp.float32)
-        c, chunks = self.loss_config, self.loss_chunks
-        out, stats = self._apply(params, batch, False, rngs, chunks > 1, stats=True)
-        if chunks == 1:
-            loss, xent = (x.sum() for x in losses.cross_entropy(
-                out, batch["targets"], weights, z_loss=c.z_loss, label_smoothing=c.label_smoothing,
-                classes=self.classes))
-        else:  # `out` is (hidden, kernel)
-            loss, xent = losses.chunked_cross_entropy(
-                *out, batch["targets"], weights, chunks=chunks, z_loss=c.z_loss,
-                label_smoothing=c.label_smoothing, classes=self.classes)
-        if "aux_loss" in stats:
-            loss = loss + tokens * stats.pop("aux_loss")
-        return loss, xent, tokens, tokens, {k: v * tokens for k, v in stats.items()}
-
-    def _token_logps(self, params, batch, deterministic, rngs=None, model=None):
-        """(log p of each target [batch, length], the experts' statistics)."""
-        logits, stats = self._apply(params, batch, deterministic, rngs, stats=True, model=model)
-        _, xent = losses.cross_entropy(logits, batch["targets"], losses.loss_weights(batch),
-                                       classes=self.classes)
-        return -xent, stats
-
-    def _reference_params(self, params, reference):
-        """The reference model's parameters: `params` without the adapters, or the copy."""
-        if self.reference_is_base:
-            return parameters.select(params, lambda path: not is_adapter(path))
-        return reference
-
-    def _dpo_sums(self, params, batch, rngs, reference):
-        """DPO's (loss, minus the chosen completions' log-probability, pairs, tokens,
-        statistics) summed over the pairs of `batch` (`training.dpo`); the reference's
-        log-probabilities carry no gradient. A mixture of experts' auxiliary losses count
-        once per pair."""
-        policy_logps, stats = self._token_logps(params, batch, False, rngs)
-        reference_logps, _ = self._token_logps(
-            jax.lax.stop_gradient(self._reference_params(params, reference)), batch, True,
-            model=self.reference_model)
-        policy, counts = dpo_lib.pair_sums(policy_logps, batch)
-        reference, _ = dpo_lib.pair_sums(jax.lax.stop_gradient(reference_logps), batch)
-        loss, metrics, pairs = dpo_lib.losses(policy, reference, counts, self.dpo)
-        if "aux_loss" in stats:
-            loss = loss + pairs * stats.pop("aux_loss")
-        tokens = losses.loss_weights(batch).sum().astype(jnp.float32)
-        stats = {**{k: v * pairs for k, v in stats.items()}, **metrics}
-        return loss, -metrics["logps_chosen"], pairs, tokens, stats
+            return dpo_lib.sums(self, params, batch, rngs, reference)
+        out, stats = self.apply_model(params, batch, False, rngs, self.loss_chunks > 1, stats=True)
+        return losses.token_sums(out, stats, batch, self.loss_config, self.loss_chunks,
+                                 self.classes)
 
     def _gradients(self, params, batch: Batch, rngs, normalize: bool, frozen=None,
                    reference=None):
@@ -350,9 +281,7 @@ class Trainer:
     def _eval_step_fn(self, params, batch: Batch, reference=None):
         if self.dpo:  # sums over the pairs, for the mean over the split
             with self.layout.activate(self.mesh):
-                loss, _, pairs, tokens, stats = self._dpo_sums(params, batch, None, reference)
-            return {"loss_sum": loss, "num_pairs": pairs, "num_tokens": tokens,
-                    **{k: stats[k] for k in dpo_lib.METRICS}}
+                return dpo_lib.eval_sums(self, params, batch, reference)
         with self.layout.activate(self.mesh):
             _, xent, weights, logits = self._losses(params, batch, True)
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) & weights
@@ -428,19 +357,12 @@ class Trainer:
             for k, v in batch.items()
         }, packing_of(batch) if self.uses_packing else None)
 
-    def set_reference(self, params) -> None:
-        """DPO's reference model, where it is a copy (`reference_shardings` is not None): the
-        parameters `params` (the run's start), laid out as the parameters are (copied)."""
-        self.reference = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                                 out_shardings=self.reference_shardings)(params)
-
-    def _reference(self):
-        if self.reference_shardings is not None and self.reference is None:
-            raise ValueError("DPO needs its reference model's parameters: set_reference")
-        return self.reference
+    def _reference(self) -> tuple:
+        """The steps' arguments after the batch: DPO's reference copy, where it keeps one."""
+        return self.reference.arguments() if self.dpo else ()
 
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        return self._train_step(state, batch, self._reference())
+        return self._train_step(state, batch, *self._reference())
 
     # ---- what the training loop needs of a stepper (`training.loop.Stepper`) ----
 
@@ -460,10 +382,9 @@ class Trainer:
         """The train step lowered from abstract state and batch (nothing allocated; the
         batch's shapes and packing are `batch`'s if given): its `.as_text()` is the HLO, its
         `.compile()` the program the planner measures."""
-        reference = (None if self.reference_shardings is None else
-                     self.sharded_abstract_state().params)
+        reference = (self.sharded_abstract_state().params,) if self._reference() else ()
         return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch),
-                                      reference)
+                                      *reference)
 
     def compile_train_step(self, batch: PlacedBatch | None = None):
         """The train step compiled ahead of time from abstract shapes (see
@@ -471,7 +392,7 @@ class Trainer:
         return self.lower_train_step(batch).compile()
 
     def eval_step(self, params, batch: Batch) -> dict:
-        return self._eval_step(params, batch, self._reference())
+        return self._eval_step(params, batch, *self._reference())
 
     def token_log_likelihoods(self, params, batch: Batch) -> jax.Array:
         """log p(target token) at every position of `batch` [batch, length] (0 at padding),
