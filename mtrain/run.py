@@ -32,7 +32,7 @@ from etils import epath
 from mtrain import MODES, config
 from mtrain.data import tasks as tasks_lib
 from mtrain.data import user_data
-from mtrain.data.vocabulary import DEFAULT_SIZE
+from mtrain.data.vocabulary import DEFAULT_SIZE, load_vocabulary
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
@@ -133,7 +133,8 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     recorded = (None if restart or settings.mode in ("plan", "import")
                 else _recorded_vocabulary(settings.model_dir))
     started = _recorded_vocabulary(settings.init_from) if settings.init_from else None
-    if not recorded and started and vocab_config.path is None and vocab_config.size is None:
+    if not recorded and started and vocab_config.path is None and vocab_config.size in (
+            None, load_vocabulary(started).vocab_size):
         # a run started from another's parameters reads them with that run's vocabulary
         vocab_config = dataclasses.replace(vocab_config, path=started)
     if not recorded and task.vocabulary_size and vocab_config.size is None \

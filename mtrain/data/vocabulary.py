@@ -85,21 +85,26 @@ def train_vocabulary(
     sentences = (t for t in itertools.islice(texts, max_sentences) if t)
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences,
-        model_writer=model,
-        model_type="unigram",
-        vocab_size=vocab_size,
-        character_coverage=1.0,
-        pad_id=PAD_ID,
-        eos_id=EOS_ID,
-        unk_id=UNK_ID,
-        bos_id=-1,
-        input_sentence_size=0,  # use every sentence given, in order: no random sampling
-        shuffle_input_sentence=False,
-        num_threads=_TRAINER_THREADS,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences,
+            model_writer=model,
+            model_type="unigram",
+            vocab_size=vocab_size,
+            character_coverage=1.0,
+            pad_id=PAD_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
+            bos_id=-1,
+            input_sentence_size=0,  # use every sentence given, in order: no random sampling
+            shuffle_input_sentence=False,
+            num_threads=_TRAINER_THREADS,
+            minloglevel=2,
+        )
+    except RuntimeError as e:  # (too few texts for the size asked, ...)
+        message = str(e).split("] ")[-1]
+        raise VocabularyError(f"cannot train a {vocab_size}-piece vocabulary on these "
+                              f"texts: {message}") from None
     vocab = Vocabulary(model.getvalue(), str(path))
     vocab.save(path)
     return vocab
