@@ -9,10 +9,12 @@ log-probabilities of O(1) logits (test_oracles: logits within 1e-4, the referenc
 ~2e-6); the loss and rewards are beta (0.1) times their differences.
 """
 
+import dataclasses
 import json
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -151,6 +153,7 @@ def test_conversational_pairs_mark_the_answer_after_the_prompt():
     assert again.keys["targets"][0].tolist() == encoded.keys["targets"][0].tolist()
 
 
+@pytest.mark.slow  # (its sibling in the fast tier: test_dpo_steps_on_the_trainer)
 def test_the_first_dpo_step_is_trls(adapted, tmp_path):
     """The policy (the import with its adapter) against the reference (the base without
     it: the same parameters, no copy): the first step's logged loss and rewards are TRL's,
@@ -263,3 +266,68 @@ def test_the_losses_of_the_options():
     assert pairs == 2
     with pytest.raises(Exception, match="dpo.loss='hinge'"):
         dpo.DpoConfig(loss="hinge")
+
+
+def pair_rows(rows, length, half=4, prompt=1, seed=0):
+    """Packed rows of pairs as `preference.split_pairs` leaves them: halves of `half`
+    targets, each its first `prompt` unmarked."""
+    k = np.arange(length) // half
+    prompt_part = np.arange(length) % half < prompt
+    weights = np.where(k % 2 == 0, np.where(prompt_part, 0, preference.CHOSEN),
+                       np.where(prompt_part, preference.REJECTED_PROMPT, preference.REJECTED))
+    tokens = np.random.default_rng(seed).integers(1, 50, (rows, length)).astype(np.int32)
+    return {"targets": tokens, READ_INPUTS: np.roll(tokens, 1, axis=1),
+            "targets_segment_ids": np.broadcast_to(k + 1, tokens.shape).astype(np.int32),
+            "targets_positions": np.broadcast_to(np.arange(length) % half,
+                                                 tokens.shape).astype(np.int32),
+            LOSS_WEIGHTS: np.broadcast_to(weights, tokens.shape).astype(np.int32)}
+
+
+@pytest.mark.parametrize("layouts", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_dpo_steps_on_the_trainer(layouts):
+    """On the trainer: a policy that is its reference (fresh adapters, B zero; a full
+    model and its copy; dropout off, as TRL's) starts at log 2 with zero rewards; steps lower the loss; a
+    model-parallel layout with microbatches gives the losses of one device."""
+    from test_trainer import CONFIG, L
+
+    from mtrain.models.lora import LoraConfig
+
+    from mtrain.training import optimizer
+    from mtrain.training.dpo import DpoConfig
+    from mtrain.training.trainer import Trainer
+
+    # (dropout in the model and the adapters: DPO's policy runs without, as TRL's)
+    lora_config = dataclasses.replace(CONFIG, lora=LoraConfig(rank=4, alpha=8.0, dropout=0.1))
+
+    def run(mesh="", rules="", config=lora_config, trainable="lora", micro=1, steps=3):
+        from mtrain.models.lora import is_adapter
+        from mtrain.models.transformer import DecoderLM
+        from mtrain.parallel.layout import Layout
+
+        layout = Layout(mesh, rules)
+        trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-2), layout,
+                          layout.make_mesh(jax.devices()[:layout.size]), 8, L, seed=3,
+                          trainable=is_adapter if trainable else None,
+                          num_microbatches=micro, dpo=DpoConfig(beta=0.5))
+        state = trainer.init_state()
+        assert trainer.reference.is_base == bool(trainable)
+        if trainer.reference.needs_copy:
+            trainer.reference.set(state.params)
+        out = []
+        for _ in range(steps):
+            state, metrics = trainer.train_step(state, trainer.place_batch(pair_rows(8, L)))
+            out.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        return out
+
+    lora = run()
+    assert lora[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert lora[0]["rewards_chosen"] == 0 and lora[0]["reward_margin"] == 0
+    assert lora[-1]["loss"] < lora[0]["loss"]
+    if layouts:
+        split = run("batch:4;model:2", "batch:batch;d_ff:model;heads:model;vocab:model",
+                    micro=2)
+        np.testing.assert_allclose([m["loss"] for m in split], [m["loss"] for m in lora],
+                                   rtol=1e-4, atol=1e-6)
+    full = run(config=CONFIG, trainable=None, steps=2)
+    assert full[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert full[1]["loss"] < full[0]["loss"]

@@ -36,11 +36,14 @@ METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accura
 @dataclasses.dataclass(frozen=True)
 class DpoConfig:
     """gin ``dpo.*``: `beta` (the KL penalty's weight), `label_smoothing` (conservative
-    DPO: the share of pairs assumed mislabelled), `loss` ('sigmoid' or 'ipo')."""
+    DPO: the share of pairs assumed mislabelled), `loss` ('sigmoid' or 'ipo'),
+    `disable_dropout` (TRL's default: the policy's forward pass without dropout, as the
+    reference's, so that a policy equal to its reference has loss log 2)."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0
     loss: str = "sigmoid"
+    disable_dropout: bool = True
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -146,7 +149,8 @@ def sums(trainer, params, batch, rngs, copy):
     log-probabilities carry no gradient (`copy`: its parameters, where it has a copy). A
     mixture of experts' auxiliary losses count once per pair."""
     reference = trainer.reference
-    policy_logps, stats = _token_logps(trainer, params, batch, False, rngs)
+    policy_logps, stats = _token_logps(trainer, params, batch, trainer.dpo.disable_dropout,
+                                       rngs)
     reference_logps, _ = _token_logps(
         trainer, jax.lax.stop_gradient(reference.params(params, copy)), batch, True,
         model=reference.model)
