@@ -309,6 +309,7 @@ def test_dpo_steps_on_the_trainer(layouts):
                           layout.make_mesh(jax.devices()[:layout.size]), 8, L, seed=3,
                           trainable=is_adapter if trainable else None,
                           num_microbatches=micro, dpo=DpoConfig(beta=0.5))
+        trainer.lower_train_step()  # (what --mode=plan compiles: no copy made, no batch)
         state = trainer.init_state()
         assert trainer.reference.is_base == bool(trainable)
         if trainer.reference.needs_copy:

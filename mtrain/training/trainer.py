@@ -34,7 +34,7 @@ from mtrain.errors import ConfigError
 from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
                                    tree_shardings)
 from mtrain.training.losses import LossConfig
-from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
+from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys, packed_rows, packing_of
 from mtrain.training.placement import PlacedBatch, local_rows
 from mtrain.training.state import TrainState, step_metrics, with_shardings
 
@@ -304,14 +304,14 @@ class Trainer:
         return with_shardings(self.abstract_state, self.state_shardings)
 
     def abstract_batch(self, batch: PlacedBatch | None = None) -> PlacedBatch:
-        """A batch as shapes with its sharding (for ahead-of-time compilation): that of
-        `batch` (a placed batch, with its packing), else one of the model's features with
-        no packing known."""
+        """A batch as shapes with its sharding (for ahead-of-time compilation): that of `batch`
+        (placed, with its packing), else the model's features (and DPO's) unpacked."""
         if batch is not None:
             return jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
         ids = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-        return PlacedBatch({name: ids for name in batch_keys(self.model.features)})
+        keys = batch_keys(self.model.features) + ([READ_INPUTS, LOSS_WEIGHTS] if self.dpo else [])
+        return PlacedBatch({name: ids for name in keys})
 
     def with_layout(self, layout: Layout) -> "Trainer":
         """The same model, optimizer, batch, seed and settings on another layout (over the
@@ -382,9 +382,9 @@ class Trainer:
         """The train step lowered from abstract state and batch (nothing allocated; the
         batch's shapes and packing are `batch`'s if given): its `.as_text()` is the HLO, its
         `.compile()` the program the planner measures."""
-        reference = (self.sharded_abstract_state().params,) if self._reference() else ()
-        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch),
-                                      *reference)
+        state = self.sharded_abstract_state()  # (and DPO's copy of the parameters, shaped so)
+        return self._train_step.lower(state, self.abstract_batch(batch), *(
+            (state.params,) if self.dpo and self.reference.needs_copy else ()))
 
     def compile_train_step(self, batch: PlacedBatch | None = None):
         """The train step compiled ahead of time from abstract shapes (see
