@@ -8,40 +8,30 @@ rows (the cross-entropy of the completions' tokens, the baseline) and DPO on the
 policy's forward and backward, and the reference's forward), with LoRA adapters (the
 reference is the base without them) and with every parameter trained (the reference a
 frozen copy). DPO costs one more forward pass than SFT: about 4/3 of its FLOPs with full
-fine-tuning, and more with LoRA, whose backward pass forms no weight gradients.
+fine-tuning, and more with LoRA, whose backward pass forms no weight gradients. (XLA's FLOP
+count counts a loop's body once: SFT's loss, made a slice of the sequence at a time, is
+undercounted against DPO's, which forms its logits whole; the step times are the measure.)
 
     python benchmarks/dpo.py [--d_model 512] [--layers 4] [--rank 16] [--steps 10]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import numpy as np
 
+from lora import llama_config, parse_args, timed_steps  # (benchmarks/lora.py: the same model and flags)
+
 from mtrain.data.preference import CHOSEN, REJECTED, REJECTED_PROMPT
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
 from mtrain.models.lora import LoraConfig, is_adapter
-from mtrain.models.transformer import DecoderLM, TransformerConfig
+from mtrain.models.transformer import DecoderLM
 from mtrain.parallel.layout import Layout
 from mtrain.training import optimizer
 from mtrain.training.dpo import DpoConfig
 from mtrain.training.trainer import Trainer
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d_model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--length", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10)
-    return p.parse_args()
 
 
 def pair_rows(batch: int, length: int, half: int = 64, prompt: int = 16) -> dict:
@@ -67,32 +57,21 @@ def measure(config, trainable, dpo, batch, steps):
     if dpo and trainer.reference.needs_copy:
         trainer.reference.set(state.params)
     placed = trainer.place_batch(batch)
-    state, metrics = trainer.train_step(state, placed)  # compile and warm up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = trainer.train_step(state, placed)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    state, median = timed_steps(trainer, state, placed, steps)
     cost = trainer.compile_train_step(placed).cost_analysis()
-    return statistics.median(times), (cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)
+    return median, (cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)
 
 
 def main():
-    args = parse_args()
-    d = args.d_model
-    config = TransformerConfig(vocab_size=8192, d_model=d, d_ff=int(d * 2.6875) // 64 * 64,
-                               num_heads=d // 64, num_kv_heads=max(1, d // 256), d_kv=64,
-                               num_layers=args.layers, max_length=args.length,
-                               mlp_activations=("silu", "linear"), position_encoding="rotary")
+    args = parse_args(__doc__)
+    config = llama_config(args)
     lora = dataclasses.replace(config, lora=LoraConfig(rank=args.rank))
     batch = pair_rows(args.batch, args.length)
     results = {}
     for name, cfg, trainable in (("LoRA", lora, is_adapter), ("full", config, None)):
         for objective, dpo in (("SFT", None), ("DPO", DpoConfig())):
             results[name, objective] = measure(cfg, trainable, dpo, batch, args.steps)
-    print(f"model: d_model {d}, {args.layers} layers, batch {args.batch} x {args.length} (2 "
+    print(f"model: d_model {args.d_model}, {args.layers} layers, batch {args.batch} x {args.length} (2 "
           f"pairs a row), AdamW; LoRA rank {args.rank}; {jax.devices()[0].platform}")
     print(f"{'':24s} {'step ms':>9s} {'XLA GFLOPs':>11s}")
     for (name, objective), (t, flops) in results.items():

@@ -29,8 +29,8 @@ from mtrain.training import optimizer
 from mtrain.training.trainer import Trainer
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(doc: str = __doc__):
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--d_model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
@@ -40,13 +40,17 @@ def parse_args():
     return p.parse_args()
 
 
-def measure(config, trainable, batch, steps):
-    layout = Layout("", "")
-    trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-4), layout,
-                      layout.make_mesh(jax.devices()[:1]), *batch["targets"].shape,
-                      trainable=trainable)
-    state = trainer.init_state()
-    placed = trainer.place_batch(batch)
+def llama_config(args) -> TransformerConfig:
+    """The benchmarks' Llama-style decoder of `args.d_model` and `args.layers`."""
+    d = args.d_model
+    return TransformerConfig(vocab_size=8192, d_model=d, d_ff=int(d * 2.6875) // 64 * 64,
+                             num_heads=d // 64, num_kv_heads=max(1, d // 256), d_kv=64,
+                             num_layers=args.layers, max_length=args.length,
+                             mlp_activations=("silu", "linear"), position_encoding="rotary")
+
+
+def timed_steps(trainer, state, placed, steps):
+    """(the state after, the median seconds) of `steps` train steps after a warm-up one."""
     state, metrics = trainer.train_step(state, placed)  # compile and warm up
     jax.block_until_ready(metrics)
     times = []
@@ -55,21 +59,29 @@ def measure(config, trainable, batch, steps):
         state, metrics = trainer.train_step(state, placed)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
+    return state, statistics.median(times)
+
+
+def measure(config, trainable, batch, steps):
+    layout = Layout("", "")
+    trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-4), layout,
+                      layout.make_mesh(jax.devices()[:1]), *batch["targets"].shape,
+                      trainable=trainable)
+    state = trainer.init_state()
+    placed = trainer.place_batch(batch)
+    state, median = timed_steps(trainer, state, placed, steps)
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
     trained = trainer.split(state.params)[0]
     cost = trainer.compile_train_step(placed).cost_analysis()
     flops = (cost[0] if isinstance(cost, list) else cost).get("flops", 0.0)
-    return statistics.median(times), nbytes(state.opt_state), nbytes(trained), nbytes(
+    return median, nbytes(state.opt_state), nbytes(trained), nbytes(
         state.params), flops
 
 
 def main():
     args = parse_args()
     d = args.d_model
-    config = TransformerConfig(vocab_size=8192, d_model=d, d_ff=int(d * 2.6875) // 64 * 64,
-                               num_heads=d // 64, num_kv_heads=max(1, d // 256), d_kv=64,
-                               num_layers=args.layers, max_length=args.length,
-                               mlp_activations=("silu", "linear"), position_encoding="rotary")
+    config = llama_config(args)
     rng = np.random.default_rng(0)
     shape = (args.batch, args.length)
     batch = {"targets": rng.integers(1, 8192, shape).astype(np.int32),
