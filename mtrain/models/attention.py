@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 from mtrain.parallel import layout as layout_lib
 from mtrain.errors import DataError
 from mtrain.models import base, kernels
+from mtrain.models.context import kv_heads_of_shard
 from mtrain.models.kernels import CUDNN_MAX_SEGMENTS, NEG_INF, segment_starts
 
 FLASH_KERNELS = ("auto", "cudnn", "cudnn_segments", "splash", "triton")
@@ -226,7 +227,7 @@ def _sharded(fn, q, k, v, query_ids, memory_ids):
 
     Grouped key/value heads (fewer than the query heads, on ``kv_heads``) go in split as
     ``kv_heads`` is; where that is not as ``heads`` is, each shard cuts the key/value heads
-    its query heads use out of the whole ones (`_kv_heads_of_shard`)."""
+    its query heads use out of the whole ones (`context.kv_heads_of_shard`)."""
     active = layout_lib.active()
     if active is None:
         return fn(q, k, v, query_ids, memory_ids)
@@ -248,33 +249,12 @@ def _sharded(fn, q, k, v, query_ids, memory_ids):
         kv = P(batch, None, None, None)
 
         def local(q, k, v, query_ids, memory_ids):
-            k, v = _kv_heads_of_shard(q.shape[2], k, v, heads)
+            k, v = kv_heads_of_shard(q.shape[2], k, v, heads)
             return fn(q, k, v, query_ids, memory_ids)
 
     free = frozenset(mesh.axis_names) - manual
     return jax.shard_map(local, mesh=mesh, in_specs=(qkv, kv, kv, ids, ids), out_specs=qkv,
                          axis_names=free, check_vma=False)(q, k, v, query_ids, memory_ids)
-
-
-def _kv_heads_of_shard(local_heads: int, k, v, heads_axis: str | None):
-    """The key/value heads [b, m, g', d] that this shard's `local_heads` query heads use,
-    out of all g: a slice where the shard holds whole groups of query heads or part of one
-    (the usual case); else, the heads repeated per query head (a copy, in this shard only)."""
-    g = k.shape[2]
-    if heads_axis is None:
-        return k, v
-    index = jax.lax.axis_index(heads_axis)
-    per_group = local_heads * jax.lax.axis_size(heads_axis) // g  # query heads per kv head
-    first = index * local_heads // per_group
-    if local_heads % per_group == 0:
-        count = local_heads // per_group
-    elif per_group % local_heads == 0:
-        count = 1
-    else:
-        which = (index * local_heads + jnp.arange(local_heads)) // per_group
-        return jnp.take(k, which, axis=2), jnp.take(v, which, axis=2)
-    return (jax.lax.dynamic_slice_in_dim(k, first, count, 2),
-            jax.lax.dynamic_slice_in_dim(v, first, count, 2))
 
 
 # The largest table 'auto' gives cudnn_segments; a batch whose rows need more runs the masked
