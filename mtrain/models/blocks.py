@@ -49,7 +49,7 @@ class Block(nn.Module):
         def attend(name, rotary=None, window=0):
             options = layers.AttentionOptions(
                 c.attention_scale, c.attention_bias, c.qk_norm, c.norm_epsilon,
-                c.norm_scale_offset, window)
+                c.norm_scale_offset, window, c.context_parallel)
             return layers.MultiHeadAttention(
                 c.num_heads, c.d_kv, c.dropout_rate, c.dtype, c.attention, c.flash_kernel,
                 c.flash_max_segments, c.num_kv_heads, rotary, options, c.lora, name=name)

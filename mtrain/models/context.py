@@ -12,9 +12,10 @@ Its queries stay there; the keys and values they need come to them in one of two
   maximum, normaliser and weighted values, all in float32), so that no device ever holds
   more than two blocks of the row's keys and values.
 
-Which key a query sees is decided on *global* positions: each position carries its index
-in the row (`index`), so that causality and sliding windows hold however the positions
-were laid out. Causal attention is load-balanced by that freedom: `balanced_order(length,
+Which key a query sees is decided on positions that travel with the tokens (`index`; the
+model gives its packed positions, which within an example are the distance from its
+start, so that same segment and causality are what they are unsplit), so that causality
+and sliding windows hold however a row's positions were laid out. Causal attention is load-balanced by that freedom: `balanced_order(length,
 n)` cuts a row into 2n chunks and gives device i chunks i and 2n - 1 - i, so that every
 device has the same number of unmasked query-key pairs (the reordering is applied once to
 the batch, not per layer). Packed segment ids travel with their positions.
@@ -32,9 +33,25 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mtrain.parallel import layout as layout_lib
+from mtrain.parallel.layout_syntax import LayoutError
 from mtrain.models.kernels import NEG_INF
 
 MODES = ("gather", "ring")
+
+
+def splits_length() -> bool:
+    """Whether the active layout splits ``length``."""
+    active = layout_lib.active()
+    return active is not None and active[0].ways("length") > 1
+
+
+def length_order(length: int, layout, features=("targets",)) -> np.ndarray | None:
+    """The order a batch's rows are laid out in under `layout` (None: as they are):
+    `balanced_order` where it splits ``length``, for a decoder-only model (`features`);
+    an encoder-decoder's rows stay as they are (its decoder shifts its own inputs)."""
+    ways = layout.ways("length")
+    return balanced_order(length, ways) if ways > 1 and tuple(features) == ("targets",) \
+        else None
 
 
 def balanced_order(length: int, ways: int) -> np.ndarray:
@@ -44,8 +61,8 @@ def balanced_order(length: int, ways: int) -> np.ndarray:
     if ways == 1:
         return np.arange(length)
     if length % (2 * ways):
-        raise ValueError(f"a length split {ways} ways, load-balanced, needs the sequence "
-                         f"length ({length}) to be a multiple of {2 * ways}")
+        raise LayoutError(f"length split {ways} ways (load-balanced: {2 * ways} chunks) needs "
+                          f"run.sequence_length ({length}) to be a multiple of {2 * ways}")
     chunks = np.arange(length).reshape(2 * ways, length // (2 * ways))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]])
                            for i in range(ways)])

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtrain.parallel.layout import constrain
-from mtrain.models import attention, kernels
+from mtrain.models import attention, context, kernels
 from mtrain.models.lora import LoraConfig, project
 from mtrain.models.parameters import normal, param  # noqa: F401 (layers.param, layers.normal)
 from mtrain.models import positions as positions_lib
@@ -53,7 +53,8 @@ class RMSNorm(nn.Module):
 class AttentionOptions:
     """The settings of `MultiHeadAttention` that published families add (see its doc):
     the logits' `scale`, q/k/v biases, per-head q/k RMSNorms (with their epsilon and scale
-    offset) and a sliding `window` (0: none)."""
+    offset), a sliding `window` (0: none), and how self-attention with ``length`` split
+    gets its keys (`context_parallel`, `models.context`)."""
 
     scale: float = 1.0
     bias: bool = False
@@ -61,6 +62,7 @@ class AttentionOptions:
     norm_epsilon: float = 1e-6
     norm_offset: float = 0.0
     window: int = 0
+    context_parallel: str = "gather"
 
 
 # The feed-forward activations by name (T5X's and Mesh-TF's spelling); 'gelu' is the tanh
@@ -223,7 +225,14 @@ class MultiHeadAttention(nn.Module):
         elif o.window:
             mask = mask.windowed(o.window)
         path = self._path(deterministic, single_query, bias is not None)
-        if path == "flash":
+        if (mask.self_attention and not single_query and positions is not None
+                and bias is None and context.splits_length()):
+            # ``length`` split: queries stay, keys come to them (causality by positions,
+            # which restart per packed example as the segment ids do: the same mask)
+            out = context.attend(q, key, value, mask.query, mask.memory, positions, positions,
+                                 causal=mask.causal, window=mask.window, scale=o.scale,
+                                 mode=o.context_parallel)
+        elif path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments, o.scale)
         elif path == "dot_product":

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtrain.models import attention, layers
+from mtrain.models import attention, context, layers
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
 from mtrain.models.blocks import REMAT_POLICIES, period
@@ -45,6 +45,9 @@ class TransformerConfig:
     flash_kernel: str = "auto"
     # cudnn_segments' table: packed examples per row at most.
     flash_max_segments: int = CUDNN_MAX_SEGMENTS
+    # Self-attention with ``length`` split (a layout rule length:<mesh dim>, `context`):
+    # 'gather' (keys and values all-gathered along it) or 'ring' (passed around it).
+    context_parallel: str = "gather"
     # The feed-forward layer's activations: ('relu',) one input projection; several
     # (('gelu', 'linear'): GeGLU as T5.1.1, ('silu', 'linear'): SwiGLU as Llama) one
     # projection each, multiplied (`layers.ACTIVATIONS` has the names).
@@ -150,6 +153,9 @@ class TransformerConfig:
         if self.flash_kernel not in attention.FLASH_KERNELS:
             raise ValueError(f"transformer.flash_kernel must be one of "
                              f"{', '.join(attention.FLASH_KERNELS)}, got {self.flash_kernel!r}")
+        if self.context_parallel not in context.MODES:
+            raise ValueError(f"transformer.context_parallel must be one of "
+                             f"{', '.join(context.MODES)}, got {self.context_parallel!r}")
         if self.flash_max_segments < 1:
             raise ValueError(f"transformer.flash_max_segments must be at least 1, got "
                              f"{self.flash_max_segments}")

@@ -1,12 +1,14 @@
-"""A batch on the devices: `PlacedBatch` (its global arrays and how its examples are packed)
-and `local_rows` (the rows of a global batch that this process's devices hold, and so
-feed)."""
+"""A batch on the devices: `PlacedBatch` (its global arrays and how its examples are packed),
+`place` (a host batch made one) and `local_rows` (the rows of a global batch that this
+process's devices hold, and so feed)."""
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
+from mtrain.models.base import READ_INPUTS
 from mtrain.parallel.layout import LayoutError
 
 
@@ -32,6 +34,28 @@ def _flatten_batch(batch: PlacedBatch):
 jax.tree_util.register_pytree_with_keys(
     PlacedBatch, _flatten_batch,
     lambda aux, arrays: PlacedBatch(dict(zip(aux[0], arrays)), aux[1]))
+
+
+def place(batch: dict, sharding: NamedSharding, shape: tuple[int, int],
+          packing: int | None = None, order: np.ndarray | None = None,
+          start_id: int = 0) -> PlacedBatch:
+    """This process's rows of a global batch of `shape` (`local_rows`) -> global arrays laid
+    out by `sharding`, with `packing`; each row's positions in `order` where one is given
+    (context parallelism's load-balanced order, `models.context.length_order`: the
+    positions, segment ids and weights travel with their tokens, and so does the token each
+    target reads, `READ_INPUTS`, made first where the batch has none: the targets shifted
+    right within their segments, `start_id` first, as the model would)."""
+    if order is not None:
+        if READ_INPUTS not in batch:
+            targets, segments = (np.asarray(batch[k]) for k in ("targets", "targets_segment_ids"))
+            before = np.pad(segments, ((0, 0), (1, 0)))[:, :-1]
+            shifted = np.pad(targets, ((0, 0), (1, 0)))[:, :-1]
+            batch = {**batch, READ_INPUTS: np.where(
+                segments == before, shifted, np.where(segments > 0, start_id, 0)).astype(
+                targets.dtype)}
+        batch = {k: np.asarray(v)[:, order] for k, v in batch.items()}
+    return PlacedBatch({k: jax.make_array_from_process_local_data(sharding, np.asarray(v), shape)
+                        for k, v in batch.items()}, packing)
 
 
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int]:

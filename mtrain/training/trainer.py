@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtrain.models import moe, parameters
+from mtrain.models import context, moe, parameters
 from mtrain.training import dpo as dpo_lib
 from mtrain.training import freezing, losses
 from mtrain.training import optimizer as optimizer_lib
@@ -35,7 +35,7 @@ from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
                                    tree_shardings)
 from mtrain.training.losses import LossConfig
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys, packed_rows, packing_of
-from mtrain.training.placement import PlacedBatch, local_rows
+from mtrain.training.placement import PlacedBatch, local_rows, place
 from mtrain.training.state import TrainState, step_metrics, with_shardings
 
 Batch = dict[str, Any]
@@ -108,6 +108,7 @@ class Trainer:
             step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
         )
         self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
+        self.length_order = context.length_order(sequence_length, layout, model.features)
         layout.check_rules_used()  # every parameter and activation has been laid out above
         logits_per_device = math.prod(  # of one microbatch
             -(-size // layout.ways(name)) for name, size in
@@ -348,14 +349,12 @@ class Trainer:
     def place_batch(self, batch: dict[str, np.ndarray]) -> PlacedBatch:
         """This process's rows of a global batch (`local_rows`) -> global arrays sharded
         along ``batch``, with its packing where the model asks for it. The model may refuse
-        a batch first (its `check_batch`: a `DataError`)."""
+        a batch first (its `check_batch`: a `DataError`). Rows in `length_order` (`place`)."""
         if hasattr(self.model, "check_batch"):
             self.model.check_batch(batch)
-        return PlacedBatch({
-            k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v),
-                                                      self.batch_shape)
-            for k, v in batch.items()
-        }, packing_of(batch) if self.uses_packing else None)
+        return place(batch, self.batch_sharding, self.batch_shape,
+                     packing_of(batch) if self.uses_packing else None, self.length_order,
+                     getattr(self.model.config, "start_id", 0))
 
     def _reference(self) -> tuple:
         """The steps' arguments after the batch: DPO's reference copy, where it keeps one."""
@@ -397,4 +396,5 @@ class Trainer:
     def token_log_likelihoods(self, params, batch: Batch) -> jax.Array:
         """log p(target token) at every position of `batch` [batch, length] (0 at padding),
         the same numbers whose negated sum is `eval_step`'s ``xent_sum``; on every process."""
-        return self._token_log_likelihoods(params, batch)
+        out = self._token_log_likelihoods(params, batch)
+        return out if self.length_order is None else out[:, np.argsort(self.length_order)]
