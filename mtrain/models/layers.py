@@ -225,8 +225,9 @@ class MultiHeadAttention(nn.Module):
         elif o.window:
             mask = mask.windowed(o.window)
         path = self._path(deterministic, single_query, bias is not None)
-        if (mask.self_attention and not single_query and positions is not None
-                and bias is None and context.splits_length()):
+        if (not single_query and isinstance(mask, attention.AttentionMask)
+                and mask.self_attention and positions is not None and bias is None
+                and context.splits_length()):
             # ``length`` split: queries stay, keys come to them (causality by positions,
             # which restart per packed example as the segment ids do: the same mask)
             out = context.attend(q, key, value, mask.query, mask.memory, positions, positions,
