@@ -230,3 +230,26 @@ def test_import_of_a_published_model_then_infer_rerun_and_a_changed_setting(tmp_
     assert code == 128 + signal.SIGTERM, stderr
     assert "stopped by SIGTERM" in stderr.strip().splitlines()[-1], stderr
     assert not (tmp_path / "term").exists() and not (tmp_path / "term.importing").exists()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (that one)
+def test_a_sigterm_whose_exception_python_swallowed_still_stops_the_write(tmp_path, capsys):
+    """SIGTERM handled while Python runs a garbage collector's callback: the handler's
+    exception is ignored there ("Exception ignored in ..."), and the write must stop anyway
+    before its work dir becomes the target (CI once saw an import finish so)."""
+    import gc
+
+    from mtrain.io.work_dirs import Terminated, writing
+
+    target = tmp_path / "out"
+
+    def callback(phase, info):
+        gc.callbacks.remove(callback)
+        os.kill(os.getpid(), signal.SIGTERM)  # (handled at this callback's next instruction)
+
+    with pytest.raises(Terminated):
+        with writing(str(target), ".importing", "the import"):
+            gc.callbacks.append(callback)
+            gc.collect()
+    assert not target.exists() and not os.path.exists(f"{target}.importing")
+    assert "stopped by SIGTERM" in capsys.readouterr().err

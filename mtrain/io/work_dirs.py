@@ -159,8 +159,13 @@ def _claim(work: str, target: str, suffix: str) -> str | None:
 @contextlib.contextmanager
 def _sigterm_raises():
     """SIGTERM raises `Terminated` in the main thread of a single process (with several,
-    JAX's coordination service owns it), so that the work dir is removed on the way out."""
+    JAX's coordination service owns it), so that the work dir is removed on the way out.
+    Yields the signals received: a handler's exception raised where Python ignores it (a
+    garbage collector's callback) is raised again before the work dir is renamed."""
+    received = []
+
     def handler(signum, frame):
+        received.append(signum)
         raise Terminated()
 
     previous = None
@@ -170,7 +175,7 @@ def _sigterm_raises():
         except ValueError:  # not the main thread
             pass
     try:
-        yield
+        yield received
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -191,13 +196,15 @@ def writing(target: str, suffix: str, what: str):
         raise ConfigError(why or f"process 0 could not make {work} to write {what} in")
     distributed.sync(f"mtrain_{suffix.strip('.')}_dir")
     try:
-        with _sigterm_raises():
+        with _sigterm_raises() as received:
             yield work
             if jax.process_index() == 0:
                 # (SIGTERM waits for the rename and the record's removal: a finished
                 # directory never keeps the record)
                 blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 try:
+                    if received:  # (one whose exception was swallowed where it was raised)
+                        raise Terminated()
                     if os.path.isdir(target):
                         os.rmdir(target)  # (checked empty by the caller)
                     os.rename(work, target)
