@@ -22,7 +22,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from lora import llama_config, parse_args, timed_steps  # (benchmarks/lora.py: the same model and flags)
+# (benchmarks/lora.py: the same model, flags and timed loop)
+from lora import llama_config, parse_args, timed_steps
 
 from mtrain.data.preference import CHOSEN, REJECTED, REJECTED_PROMPT
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
@@ -71,8 +72,9 @@ def main():
     for name, cfg, trainable in (("LoRA", lora, is_adapter), ("full", config, None)):
         for objective, dpo in (("SFT", None), ("DPO", DpoConfig())):
             results[name, objective] = measure(cfg, trainable, dpo, batch, args.steps)
-    print(f"model: d_model {args.d_model}, {args.layers} layers, batch {args.batch} x {args.length} (2 "
-          f"pairs a row), AdamW; LoRA rank {args.rank}; {jax.devices()[0].platform}")
+    print(f"model: d_model {args.d_model}, {args.layers} layers, batch {args.batch} x "
+          f"{args.length} (2 pairs a row), AdamW; LoRA rank {args.rank}; "
+          f"{jax.devices()[0].platform}")
     print(f"{'':24s} {'step ms':>9s} {'XLA GFLOPs':>11s}")
     for (name, objective), (t, flops) in results.items():
         print(f"{objective + ' ' + name:24s} {1e3 * t:9.1f} {flops / 1e9:11.1f}")

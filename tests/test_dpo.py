@@ -207,7 +207,8 @@ def test_full_fine_tuning_dpo_resumes_against_its_starting_copy(tmp_path):
         model_dir = tmp_path / name / "m"
         import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
         for steps in stops:
-            assert main(dpo_flags(model_dir, tmp_path / name, f"--gin_param=run.train_steps={steps}",
+            assert main(dpo_flags(model_dir, tmp_path / name,
+                                  f"--gin_param=run.train_steps={steps}",
                                   "--gin_param=run.checkpoint_every=2",
                                   "--gin_param=run.trainable='layer_1/.*'",
                                   "--gin_param=run.optimizer=@adamw",
@@ -286,8 +287,9 @@ def pair_rows(rows, length, half=4, prompt=1, seed=0):
 @pytest.mark.parametrize("layouts", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_dpo_steps_on_the_trainer(layouts):
     """On the trainer: a policy that is its reference (fresh adapters, B zero; a full
-    model and its copy; dropout off, as TRL's) starts at log 2 with zero rewards; steps lower the loss; a
-    model-parallel layout with microbatches gives the losses of one device."""
+    model and its copy; dropout off, as TRL's) starts at log 2 with zero rewards; steps
+    lower the loss; a model-parallel layout with microbatches gives the losses of one
+    device."""
     from test_trainer import CONFIG, L
 
     from mtrain.models.lora import LoraConfig

@@ -151,7 +151,8 @@ def _trim(values, read, weights, splits, length):
     new_splits = np.zeros(len(pair_sizes) + 1, np.int64)
     np.cumsum(pair_sizes, out=new_splits[1:])
     pairs = np.flatnonzero(ok)
-    out = [formats.gather(x, new_splits[:-1][pairs], pair_sizes[pairs]) for x in (values, read, weights)]
+    out = [formats.gather(x, new_splits[:-1][pairs], pair_sizes[pairs])
+           for x in (values, read, weights)]
     return out[0][0], out[1][0], out[2][0], out[0][1], pairs
 
 

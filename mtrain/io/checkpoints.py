@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
 import logging
 import os
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -306,8 +306,9 @@ def restore_params(checkpoints: Checkpoints, step: int, abstract_params, meta: d
     """The parameters of checkpoint `step`, whatever it holds (an import, with or
     without adapters; a run's state, its frozen parameters in a base), laid out as
     `abstract_params`: a base's, or ``run.init_from``'s. `meta`: this run's (its
-    ``model`` must match; `advice`: what its error says to do). Adapters the checkpoint lacks (of a model without them)
-    are zeros from an import, and missing from a run's state."""
+    ``model`` must match; `advice`: what its error says to do). Adapters the checkpoint
+    lacks (of a model without them) are zeros from an import, and missing from a run's
+    state."""
     where = checkpoints.directory / str(step)
     try:
         saved = checkpoints.meta(step)
@@ -318,7 +319,7 @@ def restore_params(checkpoints: Checkpoints, step: int, abstract_params, meta: d
                "state": saved.get("state")}
     if saved.get("imported"):
         return checkpoints.restore(step, _params_only(abstract_params), None, current,
-                            advice).params
+                                   advice).params
     check_compatible(saved, current, where, resume=False, advice=advice)
     base = Base(**saved["base"]) if "base" in saved else None
     own = base.without_frozen(abstract_params) if base else abstract_params
@@ -341,6 +342,7 @@ def restore_params(checkpoints: Checkpoints, step: int, abstract_params, meta: d
         params = parameters.merge(base_params(checkpoints, base, abstract_params, meta, where),
                                   params)
     return params
+
 
 def base_params(checkpoints: Checkpoints, base: Base, abstract_params, meta: dict, where):
     """The frozen parameters of a checkpoint (`where`) whose `base` holds them."""

@@ -15,10 +15,10 @@ Its queries stay there; the keys and values they need come to them in one of two
 Which key a query sees is decided on positions that travel with the tokens (`index`; the
 model gives its packed positions, which within an example are the distance from its
 start, so that same segment and causality are what they are unsplit), so that causality
-and sliding windows hold however a row's positions were laid out. Causal attention is load-balanced by that freedom: `balanced_order(length,
-n)` cuts a row into 2n chunks and gives device i chunks i and 2n - 1 - i, so that every
-device has the same number of unmasked query-key pairs (the reordering is applied once to
-the batch, not per layer). Packed segment ids travel with their positions.
+and sliding windows hold however a row's positions were laid out. Causal attention is
+load-balanced by that freedom: `balanced_order(length, n)` cuts a row into 2n chunks and
+gives device i chunks i and 2n - 1 - i, so that every device has the same number of
+unmasked query-key pairs (the reordering is applied once to the batch, not per layer). Packed segment ids travel with their positions.
 
 `attend` runs either under `jax.shard_map` over the mesh dimensions that split ``batch``,
 ``heads`` and ``length`` in the active layout; without a ``length`` split it is plain
