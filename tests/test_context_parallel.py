@@ -20,25 +20,25 @@ from mtrain.parallel.layout import Layout
 B, L, H, G, D = 2, 32, 4, 2, 8
 
 
-def packed_ids(seed=0):
+def packed_ids(seed=0, length=L):
     """Two rows of packed examples (lengths drawn at random, padding at the end)."""
     rng = np.random.default_rng(seed)
-    rows = []
+    rows, longest = [], max(12, length // 6)
     for _ in range(B):
         ids, segment = [], 1
-        while len(ids) < L - 3:
-            ids += [segment] * int(rng.integers(3, 12))
+        while len(ids) < length - 3:
+            ids += [segment] * int(rng.integers(3, longest))
             segment += 1
-        rows.append((ids[:L - 3] + [0, 0, 0]))
+        rows.append((ids[:length - 3] + [0, 0, 0]))
     return np.asarray(rows, np.int32)
 
 
-def inputs(seed=0):
+def inputs(seed=0, length=L):
     keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (B, L, H, D))
-    k = jax.random.normal(keys[1], (B, L, G, D))
-    v = jax.random.normal(keys[2], (B, L, G, D))
-    cotangent = jax.random.normal(keys[3], (B, L, H, D))
+    q = jax.random.normal(keys[0], (B, length, H, D))
+    k = jax.random.normal(keys[1], (B, length, G, D))
+    v = jax.random.normal(keys[2], (B, length, G, D))
+    cotangent = jax.random.normal(keys[3], (B, length, H, D))
     return q, k, v, cotangent
 
 
@@ -48,19 +48,20 @@ def expected(q, k, v, cotangent, ids, causal, window):
     return reference(q, k, v, mask, scale=0.5), jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
 
 
-def split(ways, mode, q, k, v, cotangent, ids, causal, window, balanced=True):
+def split(ways, mode, q, k, v, cotangent, ids, causal, window, balanced=True, kernel=None):
     """`context.attend` over a mesh splitting ``length`` `ways` ways, in the balanced order
-    (undone on the outputs and gradients)."""
+    (undone on the outputs and gradients), by `kernel` (None: einsum)."""
     layout = Layout(f"model:{ways}", "length:model")
     mesh = layout.make_mesh(jax.devices()[:ways])
-    order = context.balanced_order(L, ways) if balanced else np.arange(L)
-    index = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (B, L))
+    length = q.shape[1]
+    order = context.balanced_order(length, ways) if balanced else np.arange(length)
+    index = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (B, length))
     ids = jnp.asarray(ids)[:, order]
 
     def attention(q, k, v):
         with layout.activate(mesh):
             return context.attend(q, k, v, ids, ids, index, index, causal=causal, window=window,
-                                  scale=0.5, mode=mode)
+                                  scale=0.5, mode=mode, kernel=kernel, balanced=balanced)
 
     @jax.jit
     def run(q, k, v, cotangent):
@@ -78,21 +79,80 @@ CASES = [(ways, mode, causal, window) for ways in (2, 4, 8) for mode in context.
 FAST = {(4, "gather", True, 0)}
 
 
-@pytest.mark.parametrize("ways, mode, causal, window", [
-    case if case in FAST else pytest.param(*case, marks=pytest.mark.slow) for case in CASES])
-def test_split_attention_is_the_reference(ways, mode, causal, window):
-    q, k, v, cotangent = inputs()
-    ids = packed_ids()
+def check_split(ways, mode, causal, window, kernel=None, length=L, balanced=True):
+    q, k, v, cotangent = inputs(length=length)
+    ids = packed_ids(length=length)
     want, want_grads = expected(q, k, v, cotangent, ids, causal, window)
-    got, got_grads = split(ways, mode, q, k, v, cotangent, ids, causal, window)
+    got, got_grads = split(ways, mode, q, k, v, cotangent, ids, causal, window, balanced,
+                           kernel)
     real = (ids > 0)[:, :, None, None]
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-5)
     # (padding queries' outputs are never used: their cotangent is 0 in a model's loss)
     cotangent_real = np.where(real, 1.0, 0.0)
     want_grads = expected(q, k, v, cotangent * cotangent_real, ids, causal, window)[1]
-    got_grads = split(ways, mode, q, k, v, cotangent * cotangent_real, ids, causal, window)[1]
+    got_grads = split(ways, mode, q, k, v, cotangent * cotangent_real, ids, causal, window,
+                      balanced, kernel)[1]
     for name, g, w in zip("qkv", got_grads, want_grads):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("ways, mode, causal, window", [
+    case if case in FAST else pytest.param(*case, marks=pytest.mark.slow) for case in CASES])
+def test_split_attention_is_the_reference(ways, mode, causal, window):
+    check_split(ways, mode, causal, window)
+
+
+def test_the_ring_goes_through_a_block_a_sub_block_at_a_time():
+    """A device's block of 384 keys: the ring's forward and backward take it 128 at a time
+    (`kernels.block_size`), windowed across the sub-blocks' edges."""
+    check_split(2, "ring", True, 130, length=768)
+
+
+# The flash path: splash (Pallas' interpret mode here) on each device's queries, whose
+# length must fill its 128 lanes (so 128 positions a device), its mask on global positions.
+SPLASH = [(2, True, 0, True), (8, True, 5, True), (4, False, 0, True), (4, True, 0, False)]
+
+
+@pytest.mark.parametrize("ways, causal, window, balanced", [
+    case if case == SPLASH[0] else pytest.param(*case, marks=pytest.mark.slow)
+    for case in SPLASH])
+def test_splash_with_length_split_is_the_reference(ways, causal, window, balanced):
+    check_split(ways, "gather", causal, window, "splash", 128 * ways, balanced)
+
+
+@pytest.mark.parametrize("kernel, ways, window", [
+    pytest.param("cudnn", 4, 5, marks=pytest.mark.slow),
+    pytest.param("triton", 2, 0, marks=pytest.mark.slow)])
+def test_gpu_kernels_with_length_split_are_the_reference(monkeypatch, kernel, ways, window):
+    """cuDNN (emulated by jax's XLA implementation of its call) and tokamax's Triton kernel
+    (in Pallas' interpret mode) given the mask of global positions."""
+    from accelerators import on_a_gpu_emulated, triton_interpreted
+
+    calls = (on_a_gpu_emulated if kernel == "cudnn" else triton_interpreted)(monkeypatch)
+    check_split(ways, "gather", True, window, kernel)
+    assert calls and set(calls) == {"cudnn" if kernel == "cudnn" else "triton"}
+
+
+def test_the_ring_holds_no_whole_row_of_keys():
+    """The compiled forward and backward pass of ring attention (8 ways, per device) has no
+    array as long as the whole row with the keys' heads and size; the gathered form does."""
+    length, ways = 256, 8
+    q, k, v, cotangent = inputs(length=length)
+    ids = jnp.asarray(packed_ids(length=length))
+    layout = Layout(f"model:{ways}", "length:model")
+    mesh = layout.make_mesh(jax.devices()[:ways])
+
+    def compiled(mode):
+        def loss(q, k, v):
+            with layout.activate(mesh):
+                out = context.attend(q, k, v, ids, ids, ids, ids, causal=True, mode=mode)
+            return (out * cotangent).sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+
+    whole = f"[{B},{length},{G},{D}]"
+    assert whole in compiled("gather")
+    assert whole not in compiled("ring") and f"[{B},{length // ways},{G},{D}]" in \
+        compiled("ring")
 
 
 def causal_pairs(order, ways):
@@ -192,3 +252,33 @@ def test_a_run_with_length_split_trains_resumes_and_refuses_what_cannot_split(tm
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) <= 3 and message in lines[-1], lines
         assert not os.path.exists(tmp_path / "bad" / "checkpoints")
+
+
+@pytest.mark.slow
+def test_the_flash_path_with_length_split_trains_as_einsum(tmp_path):
+    """Through the command line, 256 tokens a row with ``length`` split 2 ways (128 a
+    device: splash's lanes, in Pallas' interpret mode): the flash path's losses, gathered or
+    passed around the ring, are the einsum path's."""
+    import json
+
+    from tiny_config import TINY
+
+    from mtrain.__main__ import main
+
+    def losses(name, *params):
+        model_dir = tmp_path / name
+        assert main(["--gin_file=tasks/bible_lm.gin", f"--model_dir={model_dir}",
+                     *(f"--gin_param={p}" for p in [
+                         *TINY, "run.mesh_shape='batch:4;model:2'",
+                         "run.layout_rules='batch:batch;length:model'", "run.train_steps=3",
+                         "run.log_every=1", "run.sequence_length=256",
+                         "transformer.max_length=256", "run.eval_every=0",
+                         f"run.data_dir='{tmp_path / 'data'}'", *params])]) == 0
+        with open(model_dir / "metrics.jsonl") as f:
+            return [r["train/loss"] for r in map(json.loads, f) if "train/loss" in r]
+
+    einsum = losses("einsum", "transformer.attention='einsum'")
+    for mode in context.MODES:
+        flash = losses(f"flash_{mode}", "transformer.attention='flash'",
+                       f"transformer.context_parallel='{mode}'")
+        np.testing.assert_allclose(flash, einsum, rtol=2e-5)

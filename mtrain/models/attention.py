@@ -87,11 +87,15 @@ class AttentionMask:
     causal: bool = flax.struct.field(pytree_node=False, default=False)
     self_attention: bool = flax.struct.field(pytree_node=False, default=False)
     window: int = flax.struct.field(pytree_node=False, default=0)
+    balanced: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
-    def of_self(cls, segment_ids: jax.Array, causal: bool) -> "AttentionMask":
-        """Self-attention within the packed segments of `segment_ids`."""
-        return cls(segment_ids, segment_ids, causal, self_attention=True)
+    def of_self(cls, segment_ids: jax.Array, causal: bool,
+                balanced: bool = False) -> "AttentionMask":
+        """Self-attention within the packed segments of `segment_ids`; `balanced`: where a
+        layout splits ``length``, the rows are in `context.balanced_order` (a decoder-only
+        model's, placed so by the trainer: `context.length_order`)."""
+        return cls(segment_ids, segment_ids, causal, self_attention=True, balanced=balanced)
 
     def windowed(self, window: int) -> "AttentionMask":
         """This mask with a sliding `window` (0: none)."""

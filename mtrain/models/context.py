@@ -9,8 +9,10 @@ Its queries stay there; the keys and values they need come to them in one of two
 - ``'ring'`` (ring attention, Liu et al. 2023): the devices pass their blocks of keys and
   values around the ring with `jax.lax.ppermute`, one step per device, each adding the
   block's share of the softmax to its queries' running sums (the online softmax: running
-  maximum, normaliser and weighted values, all in float32), so that no device ever holds
-  more than two blocks of the row's keys and values.
+  maximum, normaliser and weighted values, all in float32). Its backward pass (`_ring`, a
+  custom VJP: flash attention's, with the forward pass's log-sum-exp) passes the blocks
+  around again with their gradients' running sums, so that no device ever holds more than
+  two blocks of the row's keys and values, forward or backward.
 
 Which key a query sees is decided on positions that travel with the tokens (`index`; the
 model gives its packed positions, which within an example are the distance from its
@@ -18,23 +20,34 @@ start, so that same segment and causality are what they are unsplit), so that ca
 and sliding windows hold however a row's positions were laid out. Causal attention is
 load-balanced by that freedom: `balanced_order(length, n)` cuts a row into 2n chunks and
 gives device i chunks i and 2n - 1 - i, so that every device has the same number of
-unmasked query-key pairs (the reordering is applied once to the batch, not per layer). Packed segment ids travel with their positions.
+unmasked query-key pairs (the reordering is applied once to the batch, not per layer).
+Packed segment ids travel with their positions.
 
 `attend` runs either under `jax.shard_map` over the mesh dimensions that split ``batch``,
 ``heads`` and ``length`` in the active layout; without a ``length`` split it is plain
-attention. Its float32 logits are a block [local queries, local keys] at a time.
+attention. On the einsum path its float32 logits are a block [local queries, one device's
+keys] at a time in the ring, [local queries, the row's keys] gathered. On the flash path
+(`transformer.attention='flash'`) the gathered form runs the flash kernel on the device's
+queries and the row's keys: splash with a mask of the row's global positions (`kernels.
+splash`'s `shard`: the block mask of this device's query blocks, computed in the kernel,
+where the device's length is a multiple of its 128 lanes; else the einsum block), cuDNN
+and Triton given the mask on global positions. The ring's blocks are einsum on every
+path (a kernel for each step would have to return and differentiate its log-sum-exp).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mtrain.models import kernels
+from mtrain.models.kernels import NEG_INF
 from mtrain.parallel import layout as layout_lib
 from mtrain.parallel.layout_syntax import LayoutError
-from mtrain.models.kernels import NEG_INF
 
 MODES = ("gather", "ring")
 
@@ -112,38 +125,148 @@ def _finish(share, dtype):
 
 def local_attention(q, k, v, query_ids, memory_ids, query_index, memory_index, *,
                     causal: bool, window: int = 0, scale: float = 1.0, axis: str | None = None,
-                    mode: str = "gather"):
+                    mode: str = "gather", kernel: str | None = None, balanced: bool = False):
     """Attention of this device's queries (inside `shard_map`, ``length`` split over mesh
-    axis `axis`; None: not split) to the whole row's keys, by `mode` (module doc)."""
+    axis `axis`; None: not split) to the whole row's keys, by `mode` (module doc); the
+    gathered form by flash `kernel` where one is named (rows in `balanced_order` where
+    `balanced`, as splash's mask must know), else by einsum."""
     def share(k, v, memory_ids, memory_index):
         mask = visible(query_ids, query_index, memory_ids, memory_index, causal, window)
         return _block(q, k, v, mask, scale)
 
     if axis is None:
         return _finish(share(k, v, memory_ids, memory_index), q.dtype)
-    if mode == "gather":
-        gathered = [jax.lax.all_gather(x, axis, axis=1, tiled=True)
-                    for x in (k, v, memory_ids, memory_index)]
-        return _finish(share(*gathered), q.dtype)
-    if mode != "ring":
+    if mode == "ring":
+        return _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, axis, causal,
+                     window, scale)
+    if mode != "gather":
         raise ValueError(f"context parallelism must be one of {MODES}, got {mode!r}")
+    gather = lambda *xs: [jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+                          for x in xs]
+    if kernel == "splash" and q.shape[1] % 128 == 0:
+        shard = (jax.lax.axis_index(axis), jax.lax.axis_size(axis), balanced)
+
+        # (the backward pass gathers the keys and values again rather than keep them: only
+        # the kernel's residuals, named RESIDUALS, are saved)
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
+            kernels.RESIDUALS))
+        def gathered(q, k, v, query_ids, memory_ids):
+            k, v, memory_ids = gather(k, v, memory_ids)
+            ids = jnp.where(query_ids == 0, memory_ids[:, :1], query_ids)  # (no empty rows)
+            return kernels.splash(q, k, v, ids, memory_ids, causal, window, scale, shard=shard)
+
+        return gathered(q, k, v, query_ids, memory_ids)
+    k, v, memory_ids, memory_index = gather(k, v, memory_ids, memory_index)
+    if kernel in kernels.GPU_KERNELS:
+        mask = visible(query_ids, query_index, memory_ids, memory_index, causal, window)
+        mask |= (query_ids == 0)[:, :, None]  # (padding queries: no empty rows)
+        run = kernels.triton if kernel == "triton" else kernels.cudnn
+        return run(q, k, v, query_ids, memory_ids, causal, window, scale, mask=mask)
+    return _finish(share(k, v, memory_ids, memory_index), q.dtype)
+
+
+def _cut(x, j, size: int):
+    """Sub-block `j` of `size` positions of `x` [b, l, ...]."""
+    return jax.lax.dynamic_slice_in_dim(x, j * size, size, 1)
+
+
+def _next(axis: str, blocks):
+    """`blocks` passed one device on along the ring of mesh axis `axis` (`ppermute`)."""
     n = jax.lax.axis_size(axis)
-    ring = [(i, (i + 1) % n) for i in range(n)]
-    block = (k, v, memory_ids, memory_index)
-    total = share(*block)
-    for _ in range(n - 1):  # (n is the mesh's: unrolled, each step's block then dropped)
-        block = [jax.lax.ppermute(x, axis, ring) for x in block]
-        total = _combine(total, share(*block))
-    return _finish(total, q.dtype)
+    return tuple(jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+                 for x in blocks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, axis, causal, window,
+          scale):
+    """Ring attention, whose backward pass passes the keys and values (and their gradients'
+    running sums) around the ring again rather than keeping every step's block: no device
+    holds more than two blocks of the row's keys and values, forward or backward."""
+    return _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, axis,
+                         causal, window, scale)[0]
+
+
+def _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, axis, causal,
+                  window, scale):
+    def share(blocks):  # a ring block's share, a sub-block of its keys at a time
+        size = kernels.block_size(blocks[0].shape[1])
+
+        def part(j, total=None):
+            k, v, ids, index = (_cut(x, j, size) for x in blocks)
+            share = _block(q, k, v, visible(query_ids, query_index, ids, index, causal,
+                                            window), scale)
+            return share if total is None else _combine(total, share)
+
+        return jax.lax.fori_loop(1, blocks[0].shape[1] // size, part, part(0))
+
+    def step(_, carry):  # (a loop, not unrolled: one step's temporaries at a time)
+        total, blocks = carry
+        blocks = _next(axis, blocks)
+        return _combine(total, share(blocks)), blocks
+
+    blocks = (k, v, memory_ids, memory_index)
+    total, _ = jax.lax.fori_loop(1, jax.lax.axis_size(axis), step, (share(blocks), blocks))
+    peak, norm, _ = total
+    out = _finish(total, q.dtype)
+    logsumexp = peak + jnp.log(jnp.maximum(norm, 1e-30))  # [b, h, lq]
+    return out, (q, k, v, query_ids, memory_ids, query_index, memory_index, out, logsumexp)
+
+
+def _ring_backward(axis, causal, window, scale, saved, d_out):
+    """Flash attention's backward pass, a ring block at a time: with the softmax's
+    log-sum-exp of the forward pass, each block's probabilities are recomputed exactly."""
+    q, k, v, query_ids, memory_ids, query_index, memory_index, out, logsumexp = saved
+    (b, lq, h, d), g = q.shape, k.shape[2]
+    f32 = jnp.float32
+    grouped = lambda x: x.astype(f32).reshape(b, lq, g, h // g, d)  # noqa: E731
+    qg, dog = grouped(q), grouped(d_out)
+    delta = jnp.einsum("blgrk,blgrk->bgrl", dog, grouped(out))  # sum(d_out * out)
+    lse = logsumexp.reshape(b, g, h // g, lq)
+
+    def add(dq, blocks):  # a ring block's share, a sub-block of its keys at a time (the
+        k, v, ids, index, dk, dv = blocks  # gradients' sums travel with their block)
+        size = kernels.block_size(k.shape[1])
+
+        def part(j, carry):
+            dq, dk, dv = carry
+            k_, v_ = (_cut(x, j, size).astype(f32) for x in (k, v))
+            mask = visible(query_ids, query_index, _cut(ids, j, size), _cut(index, j, size),
+                           causal, window)[:, None, None]
+            logits = jnp.einsum("blgrk,bmgk->bgrlm", qg, k_) * scale
+            p = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
+            ds = p * (jnp.einsum("blgrk,bmgk->bgrlm", dog, v_) - delta[..., None]) * scale
+            dq += jnp.einsum("bgrlm,bmgk->blgrk", ds, k_)
+            add = lambda x, y: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                x, _cut(x, j, size) + y, j * size, 1)
+            return (dq, add(dk, jnp.einsum("bgrlm,blgrk->bmgk", ds, qg)),
+                    add(dv, jnp.einsum("bgrlm,blgrk->bmgk", p, dog)))
+
+        dq, dk, dv = jax.lax.fori_loop(0, k.shape[1] // size, part, (dq, dk, dv))
+        return dq, (k, v, ids, index, dk, dv)
+
+    zeros = (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
+    first = add(jnp.zeros_like(qg), (k, v, memory_ids, memory_index, *zeros))
+    dq, blocks = jax.lax.fori_loop(1, jax.lax.axis_size(axis),
+                                   lambda _, c: add(c[0], _next(axis, c[1])), first)
+    dk, dv = _next(axis, blocks[4:])  # (one step on: back on their own device)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), \
+        None, None, None, None
+
+
+_ring.defvjp(_ring_forward, _ring_backward)
 
 
 def attend(q, k, v, query_ids, memory_ids, query_index, memory_index, *, causal: bool,
-           window: int = 0, scale: float = 1.0, mode: str = "gather"):
+           window: int = 0, scale: float = 1.0, mode: str = "gather", kernel: str | None = None,
+           balanced: bool = False):
     """Self-attention (q [b, l, h, d], k and v [b, l, g, d], segment ids and indices [b, l])
     with ``length`` split as the active layout says, under `jax.shard_map` over the mesh
-    axes that split ``batch``, ``heads`` and ``length``; directly without a layout."""
+    axes that split ``batch``, ``heads`` and ``length``; directly without a layout.
+    `kernel`, `balanced`: see `local_attention`."""
     args = (q, k, v, query_ids, memory_ids, query_index, memory_index)
-    kwargs = dict(causal=causal, window=window, scale=scale, mode=mode)
+    kwargs = dict(causal=causal, window=window, scale=scale, mode=mode, kernel=kernel,
+                  balanced=balanced)
     active = layout_lib.active()
     if active is None:
         return local_attention(*args, **kwargs)

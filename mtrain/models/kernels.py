@@ -7,10 +7,16 @@ where it runs."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = -1e9
+# The name of splash's residuals (its outputs and log-sum-exp) with ``length`` split: what a
+# checkpoint policy keeps (`context.local_attention` gathers the keys again in the backward).
+RESIDUALS = "context_attention"
 # The default size of cudnn_segments' table: packed examples per row at most.
 CUDNN_MAX_SEGMENTS = 64
 
@@ -40,7 +46,7 @@ def needs_a_gpu(kernel: str) -> str:
     return f"flash_kernel={kernel!r} needs a GPU; use 'splash' or 'auto' here"
 
 
-def _block(n: int, largest: int = 512) -> int:
+def block_size(n: int, largest: int = 512) -> int:
     """A kernel block size for a sequence of `n`: the largest of 512, 256, 128 (at most
     `largest`) dividing it, else `n` itself (short or odd lengths: one block)."""
     return next((b for b in (512, 256, 128) if b <= largest and n % b == 0), n)
@@ -60,28 +66,40 @@ def _pad(q, k, v, query_ids, memory_ids, multiple: int):
     return widen(q, pad_q), widen(k, pad_m), widen(v, pad_m), query_ids, memory_ids
 
 
-def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, shard=None):
     """Splash attention (its own local mask for a window; the queries scaled first: the
-    kernel's logits are unscaled)."""
+    kernel's logits are unscaled). `shard` (index, ways, balanced): the queries are shard
+    `index` of a row split `ways` ways along ``length`` (the memory the whole row, gathered),
+    in `context.balanced_order` where `balanced`: causality and the window are decided on
+    the row's global positions (`_row_mask_class`), the kernel's block mask is that shard's."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
     length = q.shape[1]
     if scale != 1.0:
         q = q * jnp.asarray(scale, q.dtype)
-    q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 128)  # its lanes
-    heads, g, shape = q.shape[2], k.shape[2], (q.shape[1], k.shape[1])
-    if window:
+    if shard is None:
+        q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 128)  # lanes
+    elif not (causal or window):
+        shard = None  # (every shard's mask the same: the whole row's segments alone)
+    heads, g = q.shape[2], k.shape[2]
+    shape = (k.shape[1] if shard else q.shape[1], k.shape[1])  # (sharded: the whole row's)
+    if shard is not None:
+        one = _row_mask_class()(shape, shard[1] if shard[2] else 1, causal, window)
+    elif window:
         one = splash_lib.LocalMask(shape, (window - 1, 0 if causal else window - 1), 0)
     else:
         one = splash_lib.CausalMask(shape) if causal else splash_lib.FullMask(shape)
-    bq, bkv = _block(shape[0]), _block(shape[1])
+    bq, bkv = block_size(q.shape[1]), block_size(k.shape[1])
     sizes = splash_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
                               block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
                               block_q_dq=bq, block_kv_dq=bkv)
     make = splash_lib.make_splash_mha if g == heads else splash_lib.make_splash_mqa
     kernel = make(splash_lib.MultiHeadMask([one] * (heads // g if g < heads else heads)),
-                  block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                  block_sizes=sizes, head_shards=1, q_seq_shards=shard[1] if shard else 1,
+                  residual_checkpoint_name=RESIDUALS if shard else None,
                   interpret=jax.default_backend() != "tpu")
+    if shard is not None:
+        kernel = _shard_of(kernel, shard[0], shard[1])
 
     def one_row(q, k, v, qs, ks):  # [l, h, d] -> the kernel's [h, l, d]
         ids = splash_lib.SegmentIds(q=qs, kv=ks)
@@ -97,23 +115,85 @@ def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
     return jax.vmap(one_row)(q, k, v, query_ids, memory_ids)[:, :length]
 
 
-def triton(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+def _shard_of(kernel, index, ways: int):
+    """A splash kernel made for `ways` query shards (`q_seq_shards`), cut to shard `index`
+    (a traced value: `jax.lax.axis_index`) as `shard_map` would cut it by the kernel's
+    `manual_sharding_spec`: its block masks along their query blocks, its `q_sequence`."""
+    def cut(x, axis):
+        if x is None:
+            return None
+        size = x.shape[axis] // ways
+        return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis)
+
+    def of(info):
+        return None if info is None else info._replace(
+            data_next=cut(info.data_next, 1), mask_next=cut(info.mask_next, 1),
+            block_mask=cut(info.block_mask, 1), q_sequence=cut(info.q_sequence, 0))
+
+    return type(kernel)(of(kernel.fwd_mask_info), of(kernel.dq_mask_info),
+                        of(kernel.dkv_mask_info), **kernel.kwargs)
+
+
+@functools.cache
+def _row_mask_class():
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask
+
+    class RowMask(splash_attention_mask._ComputableMask):  # (splash's lazily computed kind)
+        """Splash's mask of a whole row's attention whose positions are laid out in
+        `context.balanced_order(length, ways)` (ways 1: in order), on both axes: query or
+        key index p holds global position `position(p)`, causality and the window are
+        decided on those (the kernel computes it per block, from integer arithmetic)."""
+
+        def __init__(self, shape, ways: int, causal: bool, window: int):
+            chunk = shape[0] // (2 * ways)
+
+            def position(p):  # chunk d or 2 ways - 1 - d of device d = p // (2 chunk)
+                d, r = p // (2 * chunk), p % (2 * chunk)
+                return (d + (r // chunk) * (2 * ways - 1 - 2 * d)) * chunk + r % chunk
+
+            def visible(q, k):  # q: global positions already (`q_sequence`)
+                distance = q - position(k)
+                seen = distance >= 0 if causal else distance == distance
+                return seen & (distance < window) & (-distance < window) if window else seen
+
+            super().__init__(shape, visible)
+            self.q_sequence = position(np.arange(shape[0], dtype=np.int32)).astype(np.int32)
+            self.key = (shape, ways, causal, window)
+
+        def __eq__(self, other):
+            return isinstance(other, RowMask) and self.key == other.key
+
+        def __hash__(self):
+            return hash(self.key)
+
+    return RowMask
+
+
+def triton(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, mask=None):
     """tokamax's Triton kernel given the packed mask (as `_cudnn`, a window's band in it);
-    with `causal` it also skips the blocks above the diagonal."""
+    with `causal` it also skips the blocks above the diagonal. `mask` [b, lq, lm]: who sees
+    whom, given (context parallelism's, on global positions), in place of all that."""
     if jax.default_backend() != "gpu":
         raise ValueError(f"transformer.{needs_a_gpu('triton')}")
     import tokamax
 
+    if mask is not None:
+        return tokamax.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                             implementation="triton")
     mask = packed_mask(query_ids, memory_ids, causal, window)
     return tokamax.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
                                          implementation="triton")
 
 
-def cudnn(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+def cudnn(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, mask=None):
     """cuDNN's flash attention given the packed mask; `is_causal` and its own
-    `local_window_size` as well, so that it skips the blocks outside them."""
+    `local_window_size` as well, so that it skips the blocks outside them. `mask` [b, lq,
+    lm]: who sees whom, given (context parallelism's, on global positions; even lengths)."""
     if jax.default_backend() != "gpu":
         raise ValueError(f"transformer.{needs_a_gpu('cudnn')}")
+    if mask is not None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                            implementation="cudnn")
     length = q.shape[1]
     # cuDNN takes a mask (as a bias) in training only over even lengths.
     q, k, v, query_ids, memory_ids = _pad(q, k, v, query_ids, memory_ids, 2)

@@ -230,9 +230,13 @@ class MultiHeadAttention(nn.Module):
                 and context.splits_length()):
             # ``length`` split: queries stay, keys come to them (causality by positions,
             # which restart per packed example as the segment ids do: the same mask)
+            kernel = self.flash_kernel if self.flash_kernel != "auto" else \
+                attention.default_kernel()
             out = context.attend(q, key, value, mask.query, mask.memory, positions, positions,
                                  causal=mask.causal, window=mask.window, scale=o.scale,
-                                 mode=o.context_parallel)
+                                 mode=o.context_parallel, balanced=mask.balanced,
+                                 kernel=(kernel if kernel != "cudnn_segments" else "cudnn")
+                                 if path == "flash" else None)
         elif path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments, o.scale)

@@ -126,7 +126,7 @@ class DecoderLM(_PackingAware, nn.Module):
         else:
             if inputs is None:
                 inputs = layers.shift_right(targets, segment_ids, c.start_id)
-            mask = attention.AttentionMask.of_self(segment_ids, causal=True)
+            mask = attention.AttentionMask.of_self(segment_ids, causal=True, balanced=True)
         embed = layers.Embed(c.vocab_size, c.d_model, c.dtype, name="token_embedding")
         x = _embed(c, embed, inputs)
         if c.position_encoding == "learned":
