@@ -66,6 +66,10 @@ class Files:
     file_kind: str | None = None
     chat_template: str | None = None
 
+    def __post_init__(self):  # a number is a fraction held out (0: none), whatever its type
+        if isinstance(self.validation, (int, float)) and not isinstance(self.validation, bool):
+            object.__setattr__(self, "validation", float(self.validation) or None)
+
     def splits(self) -> dict[str, list]:
         """The files of each split named (a Hugging Face dataset folder: its splits)."""
         named = {"train": self.train, "validation": self.validation, "test": self.test}

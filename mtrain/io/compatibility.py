@@ -20,10 +20,13 @@ def _name(key: str) -> str:
 
 def _differences(saved: dict, current: dict) -> list[str]:
     """'name=saved there, current here' for each key of `saved` whose value differs (keys
-    a checkpoint lacks, written by an older mtrain, are not compared)."""
+    a checkpoint lacks, written by an older mtrain, are not compared; nor is
+    ``max_length`` where this model has no learned position table to shape, as an older
+    mtrain recorded it for every model)."""
     current = json.loads(json.dumps(current))  # tuples -> lists, as the saved JSON has them
+    unshaped = {"max_length"} - set(current) if "d_model" in current else set()
     return [f"{_name(k)}={saved[k]!r} there, {current.get(k)!r} here"
-            for k in sorted(saved) if saved[k] != current.get(k)]
+            for k in sorted(saved) if saved[k] != current.get(k) and k not in unshaped]
 
 
 def check_compatible(saved: dict, current: dict, where, resume: bool,

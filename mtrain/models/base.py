@@ -39,14 +39,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 
-def shape_field(default: Any) -> Any:
-    """A config field that changes parameter shapes (see `shape_fields`)."""
-    return dataclasses.field(default=default, metadata={"shape": True})
+def shape_field(default: Any, when: Callable[[Any], bool] | None = None) -> Any:
+    """A config field that changes parameter shapes (see `shape_fields`); with `when`, only
+    in a config for which `when(config)` holds (``max_length``: a learned position table's)."""
+    return dataclasses.field(default=default, metadata={"shape": True, "when": when})
 
 
 def shape_fields(config: Any) -> dict[str, Any]:
@@ -56,7 +57,8 @@ def shape_fields(config: Any) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if not f.metadata.get("shape"):
+        when = f.metadata.get("when")
+        if not f.metadata.get("shape") or (when is not None and not when(config)):
             continue
         if dataclasses.is_dataclass(value):
             out.update({f"{f.name}.{k}": v for k, v in shape_fields(value).items()})

@@ -32,7 +32,8 @@ class TransformerConfig:
     num_encoder_layers: int = shape_field(0)  # encoder-decoder only; 0: as many as num_layers
     dropout_rate: float = 0.0
     shared_embedding_and_softmax: bool = shape_field(False)
-    max_length: int = shape_field(512)
+    # (the positions a learned table holds; with any other encoding, shapes nothing)
+    max_length: int = shape_field(512, when=lambda c: c.position_encoding == "learned")
     activation_dtype: str = "float32"  # 'bfloat16': activations and matmuls (params stay f32)
     remat_policy: str = "none"  # per layer: 'none', 'full' (recompute all), 'dots' (keep matmuls)
     scan_layers: bool = shape_field(False)  # each layer stack one scanned Block: compile time flat in depth

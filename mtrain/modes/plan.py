@@ -63,7 +63,8 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
         results = auto_layout_lib.auto_layout(
             exp.trainer.with_layout, devices, target_spec,
             progress=lambda message: log.info("auto-layout %s", message),
-            experts=bool(getattr(exp.model_config, "moe_every", 0)))
+            experts=bool(getattr(exp.model_config, "moe_every", 0)),
+            sequence_length=exp.trainer.batch_shape[1])
         report = {"model": describe, "num_devices": devices, "target": target,
                   "candidates": [{"mesh_shape": c.mesh_shape, "layout_rules": c.layout_rules,
                                   "parameter_layout_rules": c.parameter_layout_rules,

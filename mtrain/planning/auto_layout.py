@@ -22,6 +22,9 @@ _MODEL_RULES = ("batch:batch;d_ff:model;heads:model;vocab:model",
                 "batch:batch;d_model:model")
 _3D_RULES = ("batch:batch;d_ff:model;heads:model;vocab:model;d_model:embed",)
 _FSDP_RULES = "d_model:batch"
+# Context parallelism (`models.context`), tried from this sequence length on.
+_LENGTH_RULES = "batch:batch;length:seq"
+LONG = 8192
 
 
 def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -32,13 +35,16 @@ def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
             for rest in _factorizations(n // d, parts - 1)]
 
 
-def candidate_layouts(num_devices: int, experts: bool = False) -> list[tuple[str, str, str]]:
+def candidate_layouts(num_devices: int, experts: bool = False,
+                      long: bool = False) -> list[tuple[str, str, str]]:
     """(mesh shape, layout rules, parameter layout rules) candidates for `num_devices`
     devices: pure data and pure model parallelism, every 2-D batch x model mesh with each of
     the model rules, every 3-D batch x model x embed mesh, and each of those whose layout
     rules leave d_model whole once more with FSDP's parameter rules. With `experts` (a
     mixture of experts), each also with the experts split over `batch` (expert
-    parallelism) and, where it has a `model` dimension, over `model`."""
+    parallelism) and, where it has a `model` dimension, over `model`. With `long` (a long
+    sequence, `LONG`), ``length`` split over a ``seq`` mesh dimension as well: alone,
+    beside ``batch``, and beside ``batch`` and the paper's ``model`` split."""
     if num_devices == 1:
         return [("", "", "")]
     out = [(f"batch:{num_devices}", "batch:batch"),
@@ -47,6 +53,12 @@ def candidate_layouts(num_devices: int, experts: bool = False) -> list[tuple[str
         out += [(f"batch:{b};model:{m}", rules) for rules in _MODEL_RULES]
     for b, m, e in _factorizations(num_devices, 3):
         out += [(f"batch:{b};model:{m};embed:{e}", rules) for rules in _3D_RULES]
+    if long:
+        out += [(f"seq:{num_devices}", "length:seq")]
+        out += [(f"batch:{b};seq:{s}", _LENGTH_RULES)
+                for b, s in _factorizations(num_devices, 2)]
+        out += [(f"batch:{b};seq:{s};model:{m}", f"{_LENGTH_RULES};{_MODEL_RULES[0][12:]}")
+                for b, s, m in _factorizations(num_devices, 3)]
     if experts:
         out += [(mesh, f"{rules};experts:{dim}") for mesh, rules in list(out)
                 for dim in ("batch", "model") if f"{dim}:" in mesh]
@@ -66,13 +78,14 @@ class Candidate:
 
 def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, target: Target,
                 progress: Callable[[str], None] = lambda message: None,
-                experts: bool = False) -> list[Candidate]:
-    """Every candidate layout for `num_devices` (`experts`: of a mixture of experts, see
+                experts: bool = False, sequence_length: int = 0) -> list[Candidate]:
+    """Every candidate layout for `num_devices` (`experts`: of a mixture of experts; a
+    `sequence_length` of `LONG` or more: with ``length`` splits too; see
     `candidate_layouts`), best first: those that fit ranked by estimated step time, then
     those that do not fit (least memory first), then the illegal ones. A candidate whose
     parameters and optimizer state alone overflow the target is not compiled."""
     results = []
-    candidates = candidate_layouts(num_devices, experts)
+    candidates = candidate_layouts(num_devices, experts, sequence_length >= LONG)
     for i, (mesh_shape, rules, parameter_rules) in enumerate(candidates):
         c = Candidate(mesh_shape, rules, parameter_rules)
         results.append(c)

@@ -216,6 +216,8 @@ def _step_model_lines(p: Plan) -> list[str]:
         f"attention; the larger of these two is held)",
         f"  gradients         {size_text(m['gradient_bytes']):>12}",
         f"  layer working set {size_text(m['working_bytes']):>12}   (one layer's backward)",
+        *([f"  keys/values in    {size_text(m['context_bytes']):>12}   (a layer's, received "
+           f"with length split)"] if m['context_bytes'] else []),
         f"  loss logits       {size_text(m['logits_bytes']):>12}",
         f"  optimizer update  {size_text(m['update_bytes']):>12}   (the largest parameter's)",
     ]

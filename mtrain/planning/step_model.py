@@ -18,6 +18,10 @@ counts instead what a step keeps:
   activations as the backward pass goes: the peak holds the larger of the two;
 - one layer's backward working set, the loss's logits (a slice of them with `loss.chunks`)
   and the largest parameter's optimizer update;
+- with ``length`` split (context parallelism, `models.context`), the keys and values a
+  layer receives: all-gathered, the whole row's and their float32 gradients (on a GPU also
+  the mask of global positions its kernel takes); passed around the ring, two blocks of
+  them and a sub-block's float32 logits;
 - under parameter layout rules (FSDP), one layer's parameters gathered for use and their
   float32 gradient before it is reduce-scattered.
 
@@ -52,6 +56,7 @@ class StepModel:
     saved_activation_bytes: float
     gradient_bytes: float
     working_bytes: float  # one layer's backward working set
+    context_bytes: float  # a layer's keys and values received with ``length`` split
     logits_bytes: float
     update_bytes: float
     total_bytes: float
@@ -81,6 +86,12 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     `model_flops`: the step's analytic FLOPs on all devices."""
     a = 2 if c.activation_dtype == "bfloat16" else 4
     kernel = attention_kernel(c)
+    # ``length`` split (`models.context`): the ring is a custom VJP that saves what a flash
+    # kernel saves and works a sub-block of at most 512 keys at a time
+    split = layout.ways("length") if c.position_encoding != "relative_bias" else 1
+    context = c.context_parallel if split > 1 else None
+    if context == "ring":
+        kernel = "flash"
 
     def per(name: str, size: int) -> float:
         return size / layout.ways(name)
@@ -128,6 +139,16 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         if kernel == "dense":
             everything += attentions * heads * length * a  # the softmax weights
         saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
+        # with ``length`` split, per token of this device: gathered, the whole row's keys
+        # and values and their float32 gradients (and on a GPU the mask of global positions
+        # its kernel takes, with the bias cuDNN makes of it); in the ring, two blocks of
+        # them and a sub-block of float32 logits, probabilities and their gradients
+        if context == "gather":
+            logits += split * 2 * gk * (a + 4)
+            if kernel == "flash" and target.device == "GPU":
+                logits += length * (1 + a)
+        elif context == "ring":
+            logits += 2 * 2 * gk * (a + 4) + 4 * heads * min(512, length // split) * 4
         return saved, everything + logits  # + the logits' gradient while it runs
 
     decoder = [layer(kind != "lm", is_moe(c, i)) for i in range(c.num_layers)]
@@ -153,12 +174,17 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     efficiency = EFFICIENCY.get(target.name, DEFAULT_EFFICIENCY)
     compute = model_flops * (1 + recompute) / layout.size / (target.peak_flops * efficiency)
     traffic = 0.0
-    if kernel == "dense":  # logits written and read, weights written and read, x3 for backward
-        rows = batch_size / layout.ways("batch") * heads * length * length
+    if kernel == "dense" or context == "ring":  # logits written and read, weights written
+        # and read, x3 for backward (the ring: its einsum blocks, this device's queries)
+        rows = batch_size / layout.ways("batch") * heads * length * length / split
         passes = 3 * (4 + 4 + a + a)
         traffic = len(stack) * rows * passes / target.hbm_bandwidth
+    received = (batch_size / num_microbatches / layout.ways("batch") * length
+                * (split - 1) / split * 2 * gk * a) if context else 0.0
     return StepModel(
-        attention=kernel, saved_activation_bytes=saved, gradient_bytes=gradient_bytes,
-        working_bytes=working, logits_bytes=logits, update_bytes=update, total_bytes=total,
+        attention=f"{kernel}, length split {split} ways ({context})" if context else kernel,
+        saved_activation_bytes=saved, gradient_bytes=gradient_bytes,
+        working_bytes=working, context_bytes=received, logits_bytes=logits,
+        update_bytes=update, total_bytes=total,
         compute_seconds=compute, attention_traffic_seconds=traffic,
         step_seconds=compute + traffic, efficiency=efficiency)
