@@ -218,7 +218,8 @@ def test_training_with_length_split_is_training_on_one_device(mesh, mode):
 @pytest.mark.slow
 def test_a_run_with_length_split_trains_resumes_and_refuses_what_cannot_split(tmp_path, capsys):
     """Through the command line: ``length`` split over its own mesh dimension beside
-    ``batch`` and ``model``, 2 steps, then resumed to 4 (the same losses as 4 at once); a
+    ``batch`` and ``model``, 2 steps, then resumed to 4 (the same losses as 4 at once), and
+    generation from it under the same layout; a
     sequence that does not cut into 2n chunks and ``length`` with ``d_ff`` on one mesh
     dimension are one line each, nothing written."""
     import json
@@ -244,6 +245,12 @@ def test_a_run_with_length_split_trains_resumes_and_refuses_what_cannot_split(tm
     assert main(argv(tmp_path / "twice", "run.train_steps=2")) == 0
     assert main(argv(tmp_path / "twice", "run.train_steps=4")) == 0
     assert losses(tmp_path / "twice")[-2:] == losses(tmp_path / "once")[-2:]
+    # generation decodes a position a step: ``length`` splits nowhere there
+    (tmp_path / "prompts.txt").write_text("In the beginning\nAnd God said\n")
+    assert main(argv(tmp_path / "once", "decoding.max_decode_length=4") + [
+        "--mode=infer", f"--input_file={tmp_path / 'prompts.txt'}",
+        f"--output_file={tmp_path / 'continued.txt'}"]) == 0
+    assert len((tmp_path / "continued.txt").read_text().splitlines()) == 2
     for bad, message in (("run.sequence_length=30", "multiple of 4"),
                          ("run.layout_rules='batch:batch;length:model;d_ff:model'",
                           "are both split over mesh dimension 'model'")):
@@ -300,7 +307,7 @@ def test_a_llama3_import_fine_tunes_at_4x_its_context_with_length_split(tmp_path
 
     if not os.path.isdir(ORACLES):
         pytest.skip("no ../shared/oracles")
-    corpus = os.path.join(ORACLES, "..", "corpora", "bible_kjv_lsg.tsv.xz")
+    corpus = os.path.join(os.path.dirname(__file__), "..", "data", "bible_kjv_lsg.tsv.xz")
     books = {}
     with lzma.open(corpus, "rt", encoding="utf-8") as f:
         next(f)

@@ -74,7 +74,8 @@ class Generator(BatchedDecoder):
         """`prompts` [batch, length] continued; `prompted` is 1 on each row's prompt;
         `starts` [batch] the id each row reads first, `stops` [batch, 2] the ids ending it."""
         model, config = self.trainer.model, self.config
-        with self.trainer.layout.activate(self.trainer.mesh):
+        # (a decoding step is one position: ``length`` splits nowhere)
+        with self.trainer.layout.without("length").activate(self.trainer.mesh):
             cache = empty_cache(model, (), prompts.shape[0], self.length)
 
             def tokens_to_logits(ids, cache):

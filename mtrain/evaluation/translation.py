@@ -75,9 +75,9 @@ class BatchedDecoder:
         self.batch_size = config.batch_size or trainer.batch_shape[0]
         if self.batch_size < 1:
             raise ValueError(f"decoding.batch_size must be positive, got {config.batch_size}")
-        self.sharding = trainer.layout.sharding(trainer.mesh, ("batch", "length"),
-                                                (self.batch_size, self.length),
-                                                tensor=f"decoding.batch_size {self.texts}")
+        self.sharding = trainer.layout.without("length").sharding(  # (see `_decode_fn`)
+            trainer.mesh, ("batch", "length"), (self.batch_size, self.length),
+            tensor=f"decoding.batch_size {self.texts}")
         self.max_decode_length = config.max_decode_length or self.length
         longest = getattr(trainer.model.config, "max_length", self.max_decode_length)
         if self.max_decode_length > longest:
@@ -122,7 +122,8 @@ class Translator(BatchedDecoder):
         """The best output of each row of `inputs` [batch, length]: its ids where
         `segments` is 1 (a sentence, any ids, 0 too), nothing where it is 0."""
         model, config = self.trainer.model, self.config
-        with self.trainer.layout.activate(self.trainer.mesh):
+        # (a decoding step is one position: ``length`` splits nowhere)
+        with self.trainer.layout.without("length").activate(self.trainer.mesh):
             segments = segments.astype(jnp.int32)
             positions = jnp.where(segments > 0, jnp.arange(inputs.shape[1])[None, :], 0)
             encoded = model.apply({"params": params}, inputs, segments, positions,

@@ -252,6 +252,14 @@ class Layout:
     ) -> NamedSharding:
         return NamedSharding(mesh, self.partition_spec(names, shape, tensor, parameter))
 
+    def without(self, tensor_dim: str) -> "Layout":
+        """This layout with `tensor_dim` split nowhere (incremental decoding's ``length``:
+        one position a step), on the same mesh; itself where nothing splits it."""
+        if tensor_dim not in self.rules and tensor_dim not in dict(self.parameter_rules):
+            return self
+        keep = lambda rules: [r for r in rules if r[0] != tensor_dim]  # noqa: E731
+        return Layout(self.mesh_shape, keep(self.layout_rules), keep(self.parameter_rules))
+
     @contextlib.contextmanager
     def activate(self, mesh: Mesh):
         """Makes `constrain` place activations on `mesh` by this layout (use while tracing)."""
