@@ -102,6 +102,7 @@ def test_split_attention_is_the_reference(ways, mode, causal, window):
     check_split(ways, mode, causal, window)
 
 
+@pytest.mark.slow
 def test_the_ring_goes_through_a_block_a_sub_block_at_a_time():
     """A device's block of 384 keys: the ring's forward and backward take it 128 at a time
     (`kernels.block_size`), windowed across the sub-blocks' edges."""
@@ -113,9 +114,8 @@ def test_the_ring_goes_through_a_block_a_sub_block_at_a_time():
 SPLASH = [(2, True, 0, True), (8, True, 5, True), (4, False, 0, True), (4, True, 0, False)]
 
 
-@pytest.mark.parametrize("ways, causal, window, balanced", [
-    case if case == SPLASH[0] else pytest.param(*case, marks=pytest.mark.slow)
-    for case in SPLASH])
+@pytest.mark.slow  # (Pallas' interpreter: seconds a case; the einsum blocks' fast ones above)
+@pytest.mark.parametrize("ways, causal, window, balanced", SPLASH)
 def test_splash_with_length_split_is_the_reference(ways, causal, window, balanced):
     check_split(ways, "gather", causal, window, "splash", 128 * ways, balanced)
 
@@ -185,7 +185,7 @@ def test_without_a_layout_it_is_plain_attention():
 @pytest.mark.parametrize("mesh, mode", [
     pytest.param("batch:1;model:8", "gather", marks=pytest.mark.slow),
     pytest.param("batch:1;model:8", "ring", marks=pytest.mark.slow),
-    ("batch:4;model:2", "ring"),
+    pytest.param("batch:4;model:2", "ring", marks=pytest.mark.slow),
 ])
 def test_training_with_length_split_is_training_on_one_device(mesh, mode):
     """The language model's training losses and its scores (in the rows' own order) with
