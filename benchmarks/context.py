@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
@@ -29,6 +27,7 @@ import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from lora import timed_steps  # noqa: E402
 
 from mtrain.models.transformer import DecoderLM, TransformerConfig  # noqa: E402
 from mtrain.parallel.layout import Layout  # noqa: E402
@@ -43,15 +42,8 @@ def measure(config, ways: int, batch, steps: int):
                       layout.make_mesh(jax.devices()[:ways]), *batch["targets"].shape)
     state, placed = trainer.init_state(), trainer.place_batch(batch)
     temp = trainer.compile_train_step(placed).memory_analysis().temp_size_in_bytes
-    state, metrics = trainer.train_step(state, placed)  # compile and warm up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = trainer.train_step(state, placed)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return temp, statistics.median(times), float(metrics["loss"])
+    _, seconds, metrics = timed_steps(trainer, state, placed, steps, metrics_too=True)
+    return temp, seconds, float(metrics["loss"])
 
 
 def main():

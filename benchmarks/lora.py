@@ -49,8 +49,9 @@ def llama_config(args) -> TransformerConfig:
                              mlp_activations=("silu", "linear"), position_encoding="rotary")
 
 
-def timed_steps(trainer, state, placed, steps):
-    """(the state after, the median seconds) of `steps` train steps after a warm-up one."""
+def timed_steps(trainer, state, placed, steps, metrics_too: bool = False):
+    """(the state after, the median seconds) of `steps` train steps after a warm-up one;
+    with `metrics_too`, the last step's metrics as well."""
     state, metrics = trainer.train_step(state, placed)  # compile and warm up
     jax.block_until_ready(metrics)
     times = []
@@ -59,7 +60,7 @@ def timed_steps(trainer, state, placed, steps):
         state, metrics = trainer.train_step(state, placed)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    return state, statistics.median(times)
+    return (state, statistics.median(times)) + ((metrics,) if metrics_too else ())
 
 
 def measure(config, trainable, batch, steps):
