@@ -155,6 +155,47 @@ def test_the_ring_holds_no_whole_row_of_keys():
         compiled("ring")
 
 
+@pytest.mark.parametrize("mode, causal", [
+    pytest.param("gather", False, marks=pytest.mark.slow), ("ring", True)])
+def test_t5_relative_bias_with_length_split_is_the_reference(mode, causal):
+    """T5's relative position bias, made block by block from the positions (its table's
+    gradient too), 4 ways: the reference's with the dense [heads, length, length] bias."""
+    from mtrain.models.positions import RelativeTable
+
+    ways, length = 4, 64  # (the ring's blocks of 16: a distance past max_distance 20)
+    q, k, v, cotangent = inputs(2, length)
+    ids = packed_ids(2, length)
+    cotangent = cotangent * (ids > 0)[:, :, None, None]
+    table = RelativeTable(jax.random.normal(jax.random.key(5), (H, 16)), not causal, 16, 20)
+    mask = AttentionMask.of_self(jnp.asarray(ids), causal)
+    rows = jnp.arange(length)
+
+    def want(q, k, v, t):
+        bias = table.replace(table=t).between(rows, rows)[None]
+        return (reference(q, k, v, mask, bias=bias, scale=0.5) * cotangent).sum()
+
+    layout = Layout(f"model:{ways}", "length:model")
+    mesh = layout.make_mesh(jax.devices()[:ways])
+    order = context.balanced_order(length, ways)
+    index = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (B, length))
+    placed = jnp.asarray(ids)[:, order]
+
+    def got(q, k, v, t):
+        with layout.activate(mesh):
+            out = context.attend(q, k, v, placed, placed, index, index, causal=causal,
+                                 scale=0.5, mode=mode, bias=table.replace(table=t))
+        return (out * cotangent[:, order]).sum()
+
+    expected = jax.value_and_grad(want, argnums=(0, 1, 2, 3))(q, k, v, table.table)
+    split = jax.jit(jax.value_and_grad(got, argnums=(0, 1, 2, 3)))(
+        *(x[:, order] for x in (q, k, v)), table.table)
+    np.testing.assert_allclose(split[0], expected[0], rtol=2e-5)
+    undo = np.argsort(order)
+    for name, g, w in zip("qkv", split[1], expected[1]):
+        np.testing.assert_allclose(g[:, undo], w, atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(split[1][3], expected[1][3], atol=1e-4, err_msg="table")
+
+
 def causal_pairs(order, ways):
     """The unmasked causal query-key pairs of each device's queries, in `order`."""
     per = len(order) // ways
@@ -410,3 +451,38 @@ def test_the_flash_path_with_length_split_8_ways_needs_a_quarter_of_the_memory()
     ring, collectives = temporaries("batch:batch;length:model", 16384, "ring")
     assert ring <= temporaries("batch:batch", 16384)[0] / 4
     assert collectives["collective-permute"]["count"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", context.MODES)
+def test_a_t5_encoder_decoder_with_length_split_trains_as_on_one_device(mode):
+    """T5's relative position bias in both stacks, ``length`` split 4 ways beside ``batch``
+    (the encoder's and the decoder's self-attention split, their rows in order): the losses
+    and parameters of one device."""
+    import dataclasses
+
+    from test_encoder_decoder import B as ROWS, CONFIG as T5, L as LENGTH, packed_pairs
+
+    from mtrain.models.transformer import EncoderDecoder
+    from mtrain.training import optimizer
+    from mtrain.training.trainer import Trainer
+
+    config = dataclasses.replace(T5, dropout_rate=0.0, position_encoding="relative_bias",
+                                 context_parallel=mode)
+
+    def train(mesh_shape, rules):
+        layout = Layout(mesh_shape, rules)
+        trainer = Trainer(EncoderDecoder(config), optimizer.adafactor(1e-2), layout,
+                          layout.make_mesh(jax.devices()[:layout.size]), ROWS, LENGTH, seed=1)
+        assert trainer.length_order is None
+        state, losses = trainer.init_state(), []
+        for batch in packed_pairs(3):
+            state, metrics = trainer.train_step(state, trainer.place_batch(batch))
+            losses.append(float(metrics["loss"]))
+        return losses, jax.device_get(state.params)
+
+    want, want_params = train("", "")
+    got, params = train("batch:2;model:4", "batch:batch;length:model")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                           params, want_params)

@@ -21,7 +21,9 @@ and sliding windows hold however a row's positions were laid out. Causal attenti
 load-balanced by that freedom: `balanced_order(length, n)` cuts a row into 2n chunks and
 gives device i chunks i and 2n - 1 - i, so that every device has the same number of
 unmasked query-key pairs (the reordering is applied once to the batch, not per layer).
-Packed segment ids travel with their positions.
+Packed segment ids travel with their positions, and T5's relative position bias is made for
+each block from them (`positions.RelativeTable`; its table's gradient summed in the ring's
+backward pass).
 
 `attend` runs either under `jax.shard_map` over the mesh dimensions that split ``batch``,
 ``heads`` and ``length`` in the active layout; without a ``length`` split it is plain
@@ -93,19 +95,34 @@ def visible(query_ids, query_index, memory_ids, memory_index, causal: bool, wind
     return mask
 
 
-def _block(q, k, v, mask, scale):
+def _block(q, k, v, mask, scale, bias=None):
     """One block's share of the online softmax: (its maximum logit [b, h, lq], the sum of
     exp(logit - maximum) [b, h, lq], the weighted values [b, lq, h, d], all float32) for
-    q [b, lq, h, d], k and v [b, lm, g, d] (g dividing h) and `mask` [b, lq, lm]."""
+    q [b, lq, h, d], k and v [b, lm, g, d] (g dividing h), `mask` [b, lq, lm] and `bias`
+    (None, or [b, h, lq, lm] float32 added to the scaled logits)."""
     (b, lq, h, d), g = q.shape, k.shape[2]
     grouped = q.reshape(b, lq, g, h // g, d)
     logits = jnp.einsum("blgrk,bmgk->bgrlm", grouped, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None], logits * scale, NEG_INF)
+    logits = logits * scale + _grouped_bias(bias, g)
+    logits = jnp.where(mask[:, None, None], logits, NEG_INF)
     peak = logits.max(axis=-1)
     weights = jnp.where(mask[:, None, None], jnp.exp(logits - peak[..., None]), 0.0)
     values = jnp.einsum("bgrlm,bmgk->blgrk", weights, v.astype(jnp.float32))
     return (peak.reshape(b, h, lq), weights.sum(-1).reshape(b, h, lq),
             values.reshape(b, lq, h, d))
+
+
+def _grouped_bias(bias, g: int):
+    """`bias` [b, h, lq, lm] as [b, g, h / g, lq, lm] (0 for None)."""
+    if bias is None:
+        return 0.0
+    b, h, lq, lm = bias.shape
+    return bias.reshape(b, g, h // g, lq, lm)
+
+
+def _bias(table, query_index, memory_index):
+    """The relative bias [b, h, lq, lm] of `table` (a `positions.RelativeTable`, or None)."""
+    return None if table is None else table.between(query_index, memory_index)
 
 
 def _combine(a, b):
@@ -125,20 +142,25 @@ def _finish(share, dtype):
 
 def local_attention(q, k, v, query_ids, memory_ids, query_index, memory_index, *,
                     causal: bool, window: int = 0, scale: float = 1.0, axis: str | None = None,
-                    mode: str = "gather", kernel: str | None = None, balanced: bool = False):
+                    mode: str = "gather", kernel: str | None = None, balanced: bool = False,
+                    bias=None):
     """Attention of this device's queries (inside `shard_map`, ``length`` split over mesh
     axis `axis`; None: not split) to the whole row's keys, by `mode` (module doc); the
     gathered form by flash `kernel` where one is named (rows in `balanced_order` where
-    `balanced`, as splash's mask must know), else by einsum."""
+    `balanced`, as splash's mask must know), else by einsum. `bias`: T5's relative bias (a
+    `positions.RelativeTable`, its heads this device's) of each block's positions (einsum
+    blocks only: no kernel takes it)."""
     def share(k, v, memory_ids, memory_index):
         mask = visible(query_ids, query_index, memory_ids, memory_index, causal, window)
-        return _block(q, k, v, mask, scale)
+        return _block(q, k, v, mask, scale, _bias(bias, query_index, memory_index))
 
     if axis is None:
         return _finish(share(k, v, memory_ids, memory_index), q.dtype)
+    if bias is not None:
+        kernel = None
     if mode == "ring":
-        return _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, axis, causal,
-                     window, scale)
+        return _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, bias, axis,
+                     causal, window, scale)
     if mode != "gather":
         raise ValueError(f"context parallelism must be one of {MODES}, got {mode!r}")
     gather = lambda *xs: [jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
@@ -177,25 +199,25 @@ def _next(axis: str, blocks):
                  for x in blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, axis, causal, window,
-          scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, bias, axis, causal,
+          window, scale):
     """Ring attention, whose backward pass passes the keys and values (and their gradients'
     running sums) around the ring again rather than keeping every step's block: no device
     holds more than two blocks of the row's keys and values, forward or backward."""
-    return _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, axis,
-                         causal, window, scale)[0]
+    return _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, bias,
+                         axis, causal, window, scale)[0]
 
 
-def _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, axis, causal,
-                  window, scale):
+def _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, bias, axis,
+                  causal, window, scale):
     def share(blocks):  # a ring block's share, a sub-block of its keys at a time
         size = kernels.block_size(blocks[0].shape[1])
 
         def part(j, total=None):
             k, v, ids, index = (_cut(x, j, size) for x in blocks)
             share = _block(q, k, v, visible(query_ids, query_index, ids, index, causal,
-                                            window), scale)
+                                            window), scale, _bias(bias, query_index, index))
             return share if total is None else _combine(total, share)
 
         return jax.lax.fori_loop(1, blocks[0].shape[1] // size, part, part(0))
@@ -210,13 +232,14 @@ def _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, axi
     peak, norm, _ = total
     out = _finish(total, q.dtype)
     logsumexp = peak + jnp.log(jnp.maximum(norm, 1e-30))  # [b, h, lq]
-    return out, (q, k, v, query_ids, memory_ids, query_index, memory_index, out, logsumexp)
+    return out, (q, k, v, query_ids, memory_ids, query_index, memory_index, bias, out,
+                 logsumexp)
 
 
 def _ring_backward(axis, causal, window, scale, saved, d_out):
     """Flash attention's backward pass, a ring block at a time: with the softmax's
     log-sum-exp of the forward pass, each block's probabilities are recomputed exactly."""
-    q, k, v, query_ids, memory_ids, query_index, memory_index, out, logsumexp = saved
+    q, k, v, query_ids, memory_ids, query_index, memory_index, bias, out, logsumexp = saved
     (b, lq, h, d), g = q.shape, k.shape[2]
     f32 = jnp.float32
     grouped = lambda x: x.astype(f32).reshape(b, lq, g, h // g, d)  # noqa: E731
@@ -224,34 +247,45 @@ def _ring_backward(axis, causal, window, scale, saved, d_out):
     delta = jnp.einsum("blgrk,blgrk->bgrl", dog, grouped(out))  # sum(d_out * out)
     lse = logsumexp.reshape(b, g, h // g, lq)
 
-    def add(dq, blocks):  # a ring block's share, a sub-block of its keys at a time (the
-        k, v, ids, index, dk, dv = blocks  # gradients' sums travel with their block)
+    def add(dq, d_table, blocks):  # a ring block's share, a sub-block of its keys at a
+        k, v, ids, index, dk, dv = blocks  # time (the gradients' sums travel with it)
         size = kernels.block_size(k.shape[1])
 
         def part(j, carry):
-            dq, dk, dv = carry
-            k_, v_ = (_cut(x, j, size).astype(f32) for x in (k, v))
-            mask = visible(query_ids, query_index, _cut(ids, j, size), _cut(index, j, size),
-                           causal, window)[:, None, None]
-            logits = jnp.einsum("blgrk,bmgk->bgrlm", qg, k_) * scale
+            dq, d_table, dk, dv = carry
+            k_, v_, index_ = (_cut(x, j, size) for x in (k, v, index))
+            k_, v_ = k_.astype(f32), v_.astype(f32)
+            mask = visible(query_ids, query_index, _cut(ids, j, size), index_, causal,
+                           window)[:, None, None]
+            logits = jnp.einsum("blgrk,bmgk->bgrlm", qg, k_) * scale + _grouped_bias(
+                _bias(bias, query_index, index_), g)
             p = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
-            ds = p * (jnp.einsum("blgrk,bmgk->bgrlm", dog, v_) - delta[..., None]) * scale
+            d_logits = p * (jnp.einsum("blgrk,bmgk->bgrlm", dog, v_) - delta[..., None])
+            if bias is not None:  # each bucket's share: a sum over the positions it holds
+                buckets = bias.buckets(query_index, index_).reshape(-1)
+                d_table += jax.ops.segment_sum(
+                    jnp.moveaxis(d_logits.reshape(b, h, -1), 1, 2).reshape(-1, h), buckets,
+                    bias.num_buckets).T
+            ds = d_logits * scale
             dq += jnp.einsum("bgrlm,bmgk->blgrk", ds, k_)
             add = lambda x, y: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
                 x, _cut(x, j, size) + y, j * size, 1)
-            return (dq, add(dk, jnp.einsum("bgrlm,blgrk->bmgk", ds, qg)),
+            return (dq, d_table, add(dk, jnp.einsum("bgrlm,blgrk->bmgk", ds, qg)),
                     add(dv, jnp.einsum("bgrlm,blgrk->bmgk", p, dog)))
 
-        dq, dk, dv = jax.lax.fori_loop(0, k.shape[1] // size, part, (dq, dk, dv))
-        return dq, (k, v, ids, index, dk, dv)
+        dq, d_table, dk, dv = jax.lax.fori_loop(0, k.shape[1] // size, part,
+                                                (dq, d_table, dk, dv))
+        return dq, d_table, (k, v, ids, index, dk, dv)
 
     zeros = (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
-    first = add(jnp.zeros_like(qg), (k, v, memory_ids, memory_index, *zeros))
-    dq, blocks = jax.lax.fori_loop(1, jax.lax.axis_size(axis),
-                                   lambda _, c: add(c[0], _next(axis, c[1])), first)
+    d_table = jnp.zeros((h, bias.num_buckets), f32) if bias is not None else jnp.zeros(())
+    first = add(jnp.zeros_like(qg), d_table, (k, v, memory_ids, memory_index, *zeros))
+    dq, d_table, blocks = jax.lax.fori_loop(
+        1, jax.lax.axis_size(axis), lambda _, c: add(c[0], c[1], _next(axis, c[2])), first)
     dk, dv = _next(axis, blocks[4:])  # (one step on: back on their own device)
+    d_bias = None if bias is None else bias.replace(table=d_table.astype(bias.table.dtype))
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), \
-        None, None, None, None
+        None, None, None, None, d_bias
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -259,32 +293,37 @@ _ring.defvjp(_ring_forward, _ring_backward)
 
 def attend(q, k, v, query_ids, memory_ids, query_index, memory_index, *, causal: bool,
            window: int = 0, scale: float = 1.0, mode: str = "gather", kernel: str | None = None,
-           balanced: bool = False):
+           balanced: bool = False, bias=None):
     """Self-attention (q [b, l, h, d], k and v [b, l, g, d], segment ids and indices [b, l])
     with ``length`` split as the active layout says, under `jax.shard_map` over the mesh
     axes that split ``batch``, ``heads`` and ``length``; directly without a layout.
-    `kernel`, `balanced`: see `local_attention`."""
+    `kernel`, `balanced`, `bias`: see `local_attention`."""
     args = (q, k, v, query_ids, memory_ids, query_index, memory_index)
     kwargs = dict(causal=causal, window=window, scale=scale, mode=mode, kernel=kernel,
                   balanced=balanced)
     active = layout_lib.active()
     if active is None:
-        return local_attention(*args, **kwargs)
+        return local_attention(*args, bias=bias, **kwargs)
     layout, mesh = active
     batch, heads, length = (layout.mesh_dim_for(n) for n in ("batch", "heads", "length"))
     kv_heads = heads if k.shape[2] == q.shape[2] else layout.mesh_dim_for("kv_heads")
     if kv_heads != heads:
         kv_heads = None  # (grouped heads split otherwise than the queries': whole here)
 
-    def local(q, k, v, *ids):
+    def local(q, k, v, *ids_and_bias):
         if kv_heads != heads and heads is not None:
             k, v = kv_heads_of_shard(q.shape[2], k, v, heads)
-        return local_attention(q, k, v, *ids, axis=length, **kwargs)
+        ids, table = ids_and_bias[:4], ids_and_bias[4:]
+        return local_attention(q, k, v, *ids, axis=length, bias=table[0] if table else None,
+                               **kwargs)
 
     qkv, kv, ids = P(batch, length, heads, None), P(batch, length, kv_heads, None), P(batch,
                                                                                        length)
-    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, kv, kv, ids, ids, ids, ids),
-                         out_specs=qkv, check_vma=False)(*args)
+    table = () if bias is None else (bias,)  # (its heads, as the queries')
+    specs = (qkv, kv, kv, ids, ids, ids, ids) + (
+        () if bias is None else (bias.replace(table=P(heads, None)),))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv,
+                         check_vma=False)(*args, *table)
 
 
 def kv_heads_of_shard(local_heads: int, k, v, heads_axis: str | None):

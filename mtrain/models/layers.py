@@ -225,9 +225,10 @@ class MultiHeadAttention(nn.Module):
         elif o.window:
             mask = mask.windowed(o.window)
         path = self._path(deterministic, single_query, bias is not None)
+        table = bias if isinstance(bias, positions_lib.RelativeTable) else None
         if (not single_query and isinstance(mask, attention.AttentionMask)
-                and mask.self_attention and positions is not None and bias is None
-                and context.splits_length()):
+                and mask.self_attention and positions is not None
+                and (bias is None or table is not None) and context.splits_length()):
             # ``length`` split: queries stay, keys come to them (causality by positions,
             # which restart per packed example as the segment ids do: the same mask)
             kernel = self.flash_kernel if self.flash_kernel != "auto" else \
@@ -236,7 +237,7 @@ class MultiHeadAttention(nn.Module):
                                  causal=mask.causal, window=mask.window, scale=o.scale,
                                  mode=o.context_parallel, balanced=mask.balanced,
                                  kernel=(kernel if kernel != "cudnn_segments" else "cudnn")
-                                 if path == "flash" else None)
+                                 if path == "flash" else None, bias=table)
         elif path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments, o.scale)

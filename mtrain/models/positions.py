@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,11 +117,34 @@ def relative_bucket(relative: jax.Array, bidirectional: bool, num_buckets: int,
     return bucket + jnp.where(distance < exact, distance, far)
 
 
+@flax.struct.dataclass
+class RelativeTable:
+    """A stack's relative position bias as its table [heads, buckets] and bucketing, for
+    attention that makes the bias of each block of query and key positions itself
+    (`models.context`, with ``length`` split: no [length, length] bias exists whole)."""
+
+    table: jax.Array
+    bidirectional: bool = flax.struct.field(pytree_node=False, default=True)
+    num_buckets: int = flax.struct.field(pytree_node=False, default=32)
+    max_distance: int = flax.struct.field(pytree_node=False, default=128)
+
+    def between(self, query_index: jax.Array, memory_index: jax.Array) -> jax.Array:
+        """The bias [..., heads, lq, lm] (float32) between positions [..., lq] and
+        [..., lm] (row indices, or positions within packed examples: the same distances)."""
+        return jnp.moveaxis(jnp.take(self.table, self.buckets(query_index, memory_index),
+                                     axis=1), 0, -3)
+
+    def buckets(self, query_index: jax.Array, memory_index: jax.Array) -> jax.Array:
+        return relative_bucket(memory_index[..., None, :] - query_index[..., :, None],
+                               self.bidirectional, self.num_buckets, self.max_distance)
+
+
 class RelativeBias(nn.Module):
     """T5's relative position bias: a learned scalar per head and bucket, ``relative_bias``
     [heads, relative_buckets], added to the attention logits of every layer of one stack.
     `__call__(query_index, memory_index)` ([length] and [memory_length] row indices, or
-    positions) gives the bias [1, heads, length, memory_length] in float32."""
+    positions) gives the bias [1, heads, length, memory_length] in float32; with both None,
+    the `RelativeTable` to make it from block by block."""
 
     num_heads: int
     num_buckets: int = 32
@@ -128,13 +152,15 @@ class RelativeBias(nn.Module):
     bidirectional: bool = True
 
     @nn.compact
-    def __call__(self, query_index: jax.Array, memory_index: jax.Array) -> jax.Array:
+    def __call__(self, query_index: jax.Array | None,
+                 memory_index: jax.Array | None) -> jax.Array | RelativeTable:
         names = ("heads", "relative_buckets")
         table = self.param("relative_bias", nn.with_logical_partitioning(
             nn.initializers.normal(stddev=1.0), names), (self.num_heads, self.num_buckets),
             jnp.float32)
-        table = use_parameter(table, names, "parameter relative_bias")
-        buckets = relative_bucket(memory_index[None, :] - query_index[:, None],
-                                  self.bidirectional, self.num_buckets, self.max_distance)
-        bias = jnp.take(table, buckets, axis=1)  # [heads, length, memory_length]
+        table = RelativeTable(use_parameter(table, names, "parameter relative_bias"),
+                              self.bidirectional, self.num_buckets, self.max_distance)
+        if query_index is None:
+            return table
+        bias = table.between(query_index, memory_index)  # [heads, length, memory_length]
         return constrain(bias[None], (None, "heads", "length", "memory_length"))

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from mtrain.parallel.layout import constrain
-from mtrain.models import attention, counts, layers
+from mtrain.models import attention, context, counts, layers
 from mtrain.models import positions as positions_lib
 from mtrain.models.blocks import (block_class, is_moe, layer_stack, layer_window, run_layers,
                                   scanned_blocks)
@@ -157,8 +157,11 @@ def _relative_bias(c: TransformerConfig, module: positions_lib.RelativeBias, len
                    decode_index=None):
     """A stack's relative position bias [1, heads, length, memory_length] from `module`, for
     `length` queries: over themselves, or while decoding (from `decode_index` on) over every
-    position up to max_length (the attention cuts it to its cache)."""
+    position up to max_length (the attention cuts it to its cache). With ``length`` split,
+    its `RelativeTable`: attention makes each block's (`models.context`)."""
     queries = jnp.arange(length)
+    if decode_index is None and context.splits_length():  # (each block makes its own)
+        return module(None, None)
     if decode_index is None:
         return module(queries, queries)
     return module(decode_index + queries, jnp.arange(c.max_length))

@@ -88,7 +88,7 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     kernel = attention_kernel(c)
     # ``length`` split (`models.context`): the ring is a custom VJP that saves what a flash
     # kernel saves and works a sub-block of at most 512 keys at a time
-    split = layout.ways("length") if c.position_encoding != "relative_bias" else 1
+    split = layout.ways("length")
     context = c.context_parallel if split > 1 else None
     if context == "ring":
         kernel = "flash"
