@@ -286,12 +286,18 @@ def test_a_run_with_length_split_trains_resumes_and_refuses_what_cannot_split(tm
     assert main(argv(tmp_path / "twice", "run.train_steps=2")) == 0
     assert main(argv(tmp_path / "twice", "run.train_steps=4")) == 0
     assert losses(tmp_path / "twice")[-2:] == losses(tmp_path / "once")[-2:]
-    # generation decodes a position a step: ``length`` splits nowhere there
-    (tmp_path / "prompts.txt").write_text("In the beginning\nAnd God said\n")
+    # generation decodes a position a step: ``length`` splits nowhere there; a prompt
+    # longer than the row keeps its end, and says so
+    long = " ".join(["And God said, Let there be light: and there was light."] * 6)
+    (tmp_path / "prompts.txt").write_text(f"In the beginning\n{long}\n")
+    capsys.readouterr()
     assert main(argv(tmp_path / "once", "decoding.max_decode_length=4") + [
         "--mode=infer", f"--input_file={tmp_path / 'prompts.txt'}",
         f"--output_file={tmp_path / 'continued.txt'}"]) == 0
     assert len((tmp_path / "continued.txt").read_text().splitlines()) == 2
+    assert ("1 of 2 input lines were longer than 32 tokens (run.sequence_length) and kept "
+            "their last 28 tokens (what the continuation follows), leaving room for 4 new "
+            "ones") in capsys.readouterr().err
     for bad, message in (("run.sequence_length=30", "multiple of 4"),
                          ("run.layout_rules='batch:batch;length:model;d_ff:model'",
                           "are both split over mesh dimension 'model'")):

@@ -135,10 +135,27 @@ def test_layouts_never_change_the_generated_tokens(scan):
         params = trainer.init_state().params
         generator = generation.Generator(trainer, Vocab(), DecodingConfig(), seed=0)
         outputs.append(generator(params, prompts))
-        assert generator.truncated == 1  # the 16-token prompt, cut to leave one position
+        assert generator.truncated == 1  # the 16-token prompt, cut to its last 8
     assert all(o == outputs[0] for o in outputs[1:]), outputs
-    assert len(outputs[0][2].split()) <= 1  # one position left after the cut prompt
     assert max(len(o.split()) for o in outputs[0]) > 1
+
+
+def test_a_prompt_longer_than_the_row_keeps_its_end():
+    """A prompt of 20 ids in rows of 16, with decoding.max_decode_length 5: its last 11 ids
+    (the continuation follows them), 5 positions left for new ones; with the default (the
+    whole row) half the row is left. Prompts that fit are kept whole."""
+    layout = Layout()
+    trainer = Trainer(DecoderLM(CONFIG), optimizer.adafactor(1e-3), layout,
+                      layout.make_mesh(jax.devices()[:1]), 8, 16, seed=3)
+    prompt = " ".join(str(i) for i in range(2, 22))
+    for config, kept in ((DecodingConfig(max_decode_length=5), 11), (DecodingConfig(), 8)):
+        generator = generation.Generator(trainer, Vocab(), config, seed=0)
+        ids, lengths, _, _ = generator.encode_batch([prompt, "5 6 7"])
+        assert lengths == [kept, 3] and generator.truncated == 1
+        assert ids[0, :kept].tolist() == list(range(22 - kept, 22))
+        assert "kept their last %d tokens" % kept in generator.truncation_note()
+    continued = generator(trainer.init_state().params, [prompt])[0]
+    assert 1 <= len(continued.split()) <= 8
 
 
 def test_the_generator_continues_a_prompt_holding_id_0_as_the_model_does():

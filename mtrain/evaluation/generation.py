@@ -89,10 +89,12 @@ class Generator(BatchedDecoder):
 
     def encode_batch(self, texts: Sequence[str | Prompt]
                      ) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
-        """[batch_size, length] prompt ids (cut to leave one position, counted in
-        `truncated`), each prompt's length, the id each row reads first and the [batch_size,
-        2] ids that end it. A text is read after the model's start id, without EOS, as an
-        LM example begins; a `Prompt` is read as its ids are, the first one first."""
+        """[batch_size, length] prompt ids, each prompt's length, the id each row reads
+        first and the [batch_size, 2] ids that end it. A text is read after the model's
+        start id, without EOS, as an LM example begins; a `Prompt` is read as its ids are,
+        the first one first. A prompt that does not fit the row keeps its end (what the
+        continuation follows; a chat's generation prompt): its last `kept` ids, which leave
+        room for `room` new ones (counted in `truncated`)."""
         ids = np.zeros((self.batch_size, self.length), np.int32)
         eos, lengths = self.vocab.eos_id, []
         starts, stops = self._text_rows()
@@ -103,10 +105,24 @@ class Generator(BatchedDecoder):
             else:
                 tokens = self.vocab.encode(text)
             if len(tokens) > self.length - 1:
-                tokens, self.truncated = tokens[:self.length - 1], self.truncated + 1
+                tokens, self.truncated = tokens[-self.kept:], self.truncated + 1
             ids[row, :len(tokens)] = tokens
             lengths.append(len(tokens))
         return ids, lengths, starts, stops
+
+    @property
+    def room(self) -> int:
+        """The new ids a cut prompt leaves room for: decoding.max_decode_length, at most
+        half the row."""
+        return max(1, min(self.max_decode_length, self.length // 2))
+
+    @property
+    def kept(self) -> int:
+        return self.length - self.room
+
+    def truncation_note(self) -> str:
+        return (f"and kept their last {self.kept} tokens (what the continuation follows), "
+                f"leaving room for {self.room} new ones")
 
     def _text_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The start ids and stop ids of a batch of texts: the model's start id, and EOS."""

@@ -147,6 +147,9 @@ class Translator(BatchedDecoder):
                 self.max_decode_length, alpha=config.alpha, eos_id=self.vocab.eos_id)
             return sequences[:, 0]  # the best hypothesis of each sentence
 
+    def truncation_note(self) -> str:
+        return f"and were cut to it before {self.verb}ing"
+
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """[batch_size, length] input ids (EOS appended, trimmed: counted in `truncated`;
         0 after them and in the rows past the texts) and segment ids (1 on each text's ids,

@@ -90,8 +90,8 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
             out.close()
     if decoder.truncated:
         log.warning("%d of %d input lines were longer than %d tokens (run.sequence_length) "
-                    "and were cut to it before %sing", decoder.truncated, len(lines),
-                    decoder.length, verb)
+                    "%s", decoder.truncated, len(lines), decoder.length,
+                    decoder.truncation_note())
     log.info("%sed %d lines in %.0f s", verb, len(lines), time.time() - progress.started)
     return len(lines)
 
