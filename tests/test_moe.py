@@ -122,6 +122,14 @@ def test_auxiliary_losses_equal_their_formulas():
     _, _, balanced = route(even, jnp.ones((1, 4)), top_k=1, capacity=4)
     np.testing.assert_allclose(float(balanced["load_balance_loss"]), 1.0, rtol=1e-6)
     np.testing.assert_allclose(float(stats["router_z_loss"]), np.log(4.0) ** 2, rtol=1e-6)
+    # Per group, averaged over the groups (Mesh-TF's, GShard's): the lopsided group beside
+    # its mirror image (expert 1 preferred) is as lopsided as alone, 1.125, where f and P of
+    # the whole batch would be even (1.0); a group of padding alone is not counted.
+    mirror = logits[..., ::-1]
+    padding = jnp.zeros((1, 4, 2))
+    _, _, both = route(jnp.concatenate([logits, mirror, padding]),
+                       jnp.array([[1.0] * 4, [1.0] * 4, [0.0] * 4]), top_k=1, capacity=4)
+    np.testing.assert_allclose(float(both["load_balance_loss"]), 1.125, rtol=1e-6)
     np.testing.assert_allclose(float(stats["busiest_expert_share"]), 3 / 4, rtol=1e-6)
     assert float(stats["dropped_fraction"]) == 0.0
     _, _, tight = route(logits, jnp.ones((1, 4)), top_k=1, capacity=1)

@@ -29,8 +29,10 @@ slots of an expert on ``expert_capacity``, the tokens of a group on ``group``.
 
 The layer sows its statistics into the ``moe_stats`` collection (`STATS`), which the
 trainer reads (`summary`): the Switch load-balancing loss ``num_experts x sum_i f_i P_i``
-(f_i: the fraction of tokens with expert i among their top_k choices; P_i: the mean router
-probability of expert i), the router z-loss (the mean of logsumexp(logits)^2), the
+(f_i: the fraction of a group's tokens with expert i among their top_k choices; P_i: the
+mean router probability of expert i over the group's tokens), per group and averaged over
+the groups, as Mesh-TF and GShard compute it (a batch-wide f and P would not see two groups
+imbalanced in opposite directions), the router z-loss (the mean of logsumexp(logits)^2), the
 fraction of the tokens' expert choices dropped, the busiest expert's share of the choices,
 and `aux_loss`, what the layer adds to the training loss.
 """
@@ -129,11 +131,16 @@ def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None
     tokens = jnp.maximum(real.sum(), 1.0)
     chosen = choice.sum(2).astype(jnp.float32)  # [g, s, e]: 1 where e is among the choices
     per_expert = chosen.sum((0, 1))
-    f = per_expert / tokens
-    p = jnp.einsum("gse,gs->e", probs, real) / tokens
+    # the load-balancing loss of each group (f and P of its own tokens: the imbalance that
+    # makes a group drop tokens), averaged over the groups that hold real tokens
+    in_group = real.sum(1)  # [g]
+    f = chosen.sum(1) / jnp.maximum(in_group, 1.0)[:, None]  # [g, e]
+    p = jnp.einsum("gse,gs->ge", probs, real) / jnp.maximum(in_group, 1.0)[:, None]
+    routed = (in_group > 0).astype(jnp.float32)
+    balance = e * jnp.sum(routed * jnp.sum(f * p, -1)) / jnp.maximum(routed.sum(), 1.0)
     z = jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
     choices = jnp.maximum(top_k * real.sum(), 1.0)
-    stats = {"load_balance_loss": e * jnp.sum(f * p), "router_z_loss": z,
+    stats = {"load_balance_loss": balance, "router_z_loss": z,
              "dropped_fraction": 1.0 - kept.sum() / choices,
              "busiest_expert_share": per_expert.max() / choices}
     return dispatch, combine, stats
