@@ -154,6 +154,7 @@ def test_sliding_windows_and_a_scale_match_the_reference(on, monkeypatch, kernel
     assert np.abs((full - windowed)[ids > 0]).max() > 0.1
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_cudnn_call_is_the_packed_mask(monkeypatch):
     """The cuDNN kernel needs a GPU; mtrain's part of it (the mask and the call of
     `jax.nn.dot_product_attention`) runs here through jax's XLA implementation."""
@@ -405,6 +406,7 @@ def test_packing_is_the_smallest_power_of_two_that_holds_the_fullest_row():
                        "targets": rows_of(40)}) == 8
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_auto_fits_the_segment_table_to_each_batch(monkeypatch):
     """On a Hopper GPU (cuDNN emulated), 'auto' attention runs cuDNN's packed layout with a
     table of each placed batch's packing, compiling each table once, and the masked kernel

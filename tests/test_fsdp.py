@@ -83,6 +83,7 @@ def test_a_scanned_stack_gathers_and_reduces_a_layer_at_a_time_as_much_as_the_un
     assert shaped[1]["all-reduce"] == shaped[0]["all-reduce"] == 0
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_fsdp_with_scanned_rematerialised_layers_microbatches_and_flash_attention():
     """The speed levers under FSDP: parameters gathered inside the scanned (and
     rematerialised) layer, gradients accumulated in shards over microbatches, flash

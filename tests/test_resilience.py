@@ -241,6 +241,7 @@ def test_ctrl_c_ignored_from_the_start_stays_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_steps_taken_again_after_a_resume_are_recorded_once(data_dir, tmp_path):
     """A run that logged steps it had not checkpointed (killed while it wrote the checkpoint
     of step 6: here it is removed) takes them again when resumed: metrics.jsonl and the
@@ -399,6 +400,7 @@ def test_train_steps_below_the_checkpoint_evaluates_it_as_its_step(data_dir, tmp
     assert [r["step"] for r in evals] == [4]
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_config_changes_on_resume(data_dir, tmp_path, capsys):
     """Settings that decide the data, the model or the optimizer state are refused in one
     line naming each (nothing renamed or written); the schedules, the mesh and layout and the

@@ -108,6 +108,7 @@ def train_sgp(sgp, steps, state=None):
     return sgp_state, metrics
 
 
+@pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)
 def test_overlap_sgp_converges():
     t = trainer("batch:8")
     start = heldout_loss(t, t.init_state().params)
