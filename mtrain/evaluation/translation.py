@@ -103,6 +103,10 @@ class BatchedDecoder:
     def batches(self, params, texts: Sequence[str]) -> Iterator[list[str]]:
         raise NotImplementedError
 
+    def truncation_note(self) -> str:
+        """What became of the `truncated` texts, for the log after "longer than N tokens"."""
+        return f"and were cut to it before {self.verb}ing"
+
 
 class Translator(BatchedDecoder):
     """Translates batches of sentences with the model and layout of `trainer`."""
@@ -146,9 +150,6 @@ class Translator(BatchedDecoder):
                 tokens_to_logits, cache, self.batch_size, config.beam_size,
                 self.max_decode_length, alpha=config.alpha, eos_id=self.vocab.eos_id)
             return sequences[:, 0]  # the best hypothesis of each sentence
-
-    def truncation_note(self) -> str:
-        return f"and were cut to it before {self.verb}ing"
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """[batch_size, length] input ids (EOS appended, trimmed: counted in `truncated`;

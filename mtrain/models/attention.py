@@ -109,9 +109,8 @@ class AttentionMask:
         return kernels.packed_mask(self.query, self.memory, self.causal, self.window)
 
     def kernel_query_ids(self) -> jax.Array:
-        """The query segment ids given to a flash kernel: padding (0) takes the segment of
-        memory position 0, so that every row of the kernel's mask sees a position."""
-        return jnp.where(self.query == 0, self.memory[:, :1], self.query)
+        """The query segment ids given to a flash kernel (`kernels.seeing_query_ids`)."""
+        return kernels.seeing_query_ids(self.query, self.memory)
 
 
 def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,

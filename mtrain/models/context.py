@@ -174,7 +174,7 @@ def local_attention(q, k, v, query_ids, memory_ids, query_index, memory_index, *
             kernels.RESIDUALS))
         def gathered(q, k, v, query_ids, memory_ids):
             k, v, memory_ids = gather(k, v, memory_ids)
-            ids = jnp.where(query_ids == 0, memory_ids[:, :1], query_ids)  # (no empty rows)
+            ids = kernels.seeing_query_ids(query_ids, memory_ids)  # (no empty rows)
             return kernels.splash(q, k, v, ids, memory_ids, causal, window, scale, shard=shard)
 
         return gathered(q, k, v, query_ids, memory_ids)

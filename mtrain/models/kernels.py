@@ -42,6 +42,12 @@ def band(length: int, memory_length: int, causal: bool, window: int = 0):
     return mask
 
 
+def seeing_query_ids(query_ids, memory_ids):
+    """The query segment ids given to a flash kernel: padding (0) takes the segment of
+    memory position 0, so that every row of the kernel's mask sees a position."""
+    return jnp.where(query_ids == 0, memory_ids[:, :1], query_ids)
+
+
 def needs_a_gpu(kernel: str) -> str:
     return f"flash_kernel={kernel!r} needs a GPU; use 'splash' or 'auto' here"
 
