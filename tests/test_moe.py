@@ -146,13 +146,14 @@ def _no_drops(**kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 @pytest.mark.parametrize("scan", [False, True])
-def test_lm_decoding_equals_the_teacher_forced_pass(scan):
+def test_lm_decoding_equals_the_teacher_forced_pass(scan, dispatch):
     """With room for every token (no drops), the experts' layers decode one token at a time
     as the full forward pass computes them (a scanned stack: a group of a dense and an
-    expert layer, scanned)."""
-    c = TransformerConfig(**{**TINY, "num_layers": 4}, scan_layers=scan, moe=_no_drops(),
-                          position_encoding="rotary")
+    expert layer, scanned), by either dispatch."""
+    c = TransformerConfig(**{**TINY, "num_layers": 4}, scan_layers=scan,
+                          moe=_no_drops(dispatch=dispatch), position_encoding="rotary")
     model = DecoderLM(c)
     tokens = jnp.asarray(np.random.default_rng(7).integers(1, 64, (2, 24)), jnp.int32)
     ids, pos = jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(24), tokens.shape)

@@ -182,11 +182,13 @@ def _experts(config: dict, fam: str, arch: dict, fields: dict, defaults: dict):
                        "moe.normalize_top_k": "norm_topk_prob",
                        "moe.expert_d_ff": "moe_intermediate_size",
                        "transformer.moe_every": "decoder_sparse_step"}
-    dropless = experts / top_k  # capacity = every token of the group: none dropped
+    # Hugging Face drops no token: dropless dispatch (grouped matmuls); a capacity that
+    # holds every token of a group where a user picks moe.dispatch = 'capacity'
+    dropless = experts / top_k
     # Hugging Face adds its auxiliary loss only where output_router_logits says so.
     aux = get(config, "router_aux_loss_coef", 0.0) if get(
         config, "output_router_logits", False) else 0.0
-    defaults = defaults | {"moe.capacity_factor_train": dropless,
+    defaults = defaults | {"moe.dispatch": "dropless", "moe.capacity_factor_train": dropless,
                            "moe.capacity_factor_eval": dropless,
                            "moe.load_balance_loss": float(aux), "moe.router_z_loss": 0.0}
     return arch, fields, defaults

@@ -19,8 +19,9 @@ of `DecoderLM` or `EncoderDecoder`, not a model of its own:
 - ``Qwen3MoeForCausalLM``: Qwen3's with experts every ``decoder_sparse_step`` layers
   (``moe_intermediate_size`` each), the top-k gates renormalised as ``norm_topk_prob`` says.
 - ``MixtralForCausalLM``: Llama's with experts in every layer, the top-k gates always
-  renormalised (``moe.normalize_top_k``); no capacity limit (``moe.capacity_factor_*`` =
-  experts / top_k, so that no token is dropped).
+  renormalised (``moe.normalize_top_k``); no token dropped: ``moe.dispatch='dropless'``
+  (grouped matmuls), and where a user picks ``'capacity'``, ``moe.capacity_factor_*`` =
+  experts / top_k.
 - ``Gemma3ForCausalLM`` (text): sliding and full layers by ``layer_types`` (each with its
   RoPE: ``transformer.rotary_local_max_wavelength`` for the sliding ones), RMSNorms that
   scale by 1 + w (``norm_scale_offset``) before and after each sublayer (``post_norms``),

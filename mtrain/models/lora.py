@@ -84,8 +84,42 @@ def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...
     """``einsum(spec, x, w)`` (``w`` the parameter `name` of `module`, of logical `names`),
     with its adapter where `lora` targets it (module doc)."""
     y = jnp.einsum(spec, x, w)
-    if not lora or not lora.rank or not lora.targets_path(_parameter_path(module, name)):
+    adapter = _adapter(module, name, spec, w, names, lora)
+    if adapter is None:
         return y
+    a, b, a_letters, b_letters, r = adapter
+    inputs, out = spec.split("->")
+    xs = inputs.split(",")[0]
+    if lora.dropout:
+        x = nn.Dropout(lora.dropout)(x, deterministic=deterministic)
+    hidden = "".join(c for c in xs if c in out) + r
+    low = jnp.einsum(f"{xs},{a_letters}->{hidden}", x, a)
+    return y + lora.scale * jnp.einsum(f"{hidden},{b_letters}->{out}", low, b)
+
+
+def adapted(module: nn.Module, name: str, spec: str, w, names: tuple[str, ...],
+            lora: LoraConfig | None):
+    """The weight `w` of `project`'s `spec` with its adapter merged in (w + scale a b, the
+    same parameters) where `lora` targets it, for a computation that cannot take the
+    factored form (dropless experts' grouped matmuls): the merged weight and its gradient
+    are as large as the weight. Refuses adapter dropout, which applies to the input."""
+    adapter = _adapter(module, name, spec, w, names, lora)
+    if adapter is None:
+        return w
+    if lora.dropout:
+        raise ValueError(f"lora.dropout applies to the input of {name!r}, which the dropless "
+                         f"experts' grouped matmuls take merged: set lora.dropout = 0.0 or "
+                         f"moe.dispatch = 'capacity'")
+    a, b, a_letters, b_letters, _ = adapter
+    ws = spec.split("->")[0].split(",")[1]
+    return w + lora.scale * jnp.einsum(f"{a_letters},{b_letters}->{ws}", a, b).astype(w.dtype)
+
+
+def _adapter(module, name, spec, w, names, lora):
+    """The adapter parameters of weight `name` ((a, b, their einsum letters, the rank's
+    letter)), or None where `lora` does not target it."""
+    if not lora or not lora.rank or not lora.targets_path(_parameter_path(module, name)):
+        return None
     inputs, out = spec.split("->")
     xs, ws = inputs.split(",")
     r = "r" if "r" not in spec else next(c for c in "zyxwvutsq" if c not in spec)
@@ -103,11 +137,7 @@ def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...
     b = param(module, f"{name}_lora_b", nn.initializers.zeros,
               tuple(w.shape[ws.index(c)] if c != r else lora.rank for c in b_letters),
               tuple(name_of.get(c, RANK) for c in b_letters), w.dtype)
-    if lora.dropout:
-        x = nn.Dropout(lora.dropout)(x, deterministic=deterministic)
-    hidden = "".join(c for c in xs if c in out) + r
-    low = jnp.einsum(f"{xs},{''.join(a_letters)}->{hidden}", x, a)
-    return y + lora.scale * jnp.einsum(f"{hidden},{''.join(b_letters)}->{out}", low, b)
+    return a, b, "".join(a_letters), "".join(b_letters), r
 
 
 def merged(w, a, b, scale: float):

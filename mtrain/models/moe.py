@@ -47,12 +47,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtrain.models import layers
-from mtrain.models.lora import LoraConfig, project
+from mtrain.models import dropless, layers
+from mtrain.models.grouped import GROUPED_KERNELS
+from mtrain.models.lora import LoraConfig, adapted, project
 from mtrain.models.base import shape_field
 from mtrain.parallel.layout import constrain
 
 STATS = "moe_stats"  # the collection the layers sow their statistics into
+DISPATCHES = ("capacity", "dropless")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,12 @@ class MoEConfig:
     # Switch's single gate stays the probability); True always (Hugging Face's Mixtral, a
     # Qwen3-MoE with norm_topk_prob); False never.
     normalize_top_k: bool | None = None
+    # 'capacity': one-hot dispatch into each expert's slots (GShard, Switch, Mesh-TF; tokens
+    # beyond an expert's capacity are dropped); 'dropless': every choice computed, tokens
+    # sorted by expert into grouped matmuls (`dropless`), with `grouped_kernel` (`grouped`).
+    dispatch: str = "capacity"
+    grouped_kernel: str = "auto"
+    ragged_all_to_all: bool | None = None  # under experts:batch; None: where the backend has it
 
     @property
     def renormalizes(self) -> bool:
@@ -89,6 +97,11 @@ class MoEConfig:
         if self.group_size < 1 or self.expert_d_ff < 0:
             raise ValueError(f"moe.group_size must be at least 1 and moe.expert_d_ff at least "
                              f"0, got {self.group_size} and {self.expert_d_ff}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if self.grouped_kernel not in GROUPED_KERNELS:
+            raise ValueError(f"moe.grouped_kernel must be one of {GROUPED_KERNELS}, got "
+                             f"{self.grouped_kernel!r}")
         if self.load_balance_loss < 0 or self.router_z_loss < 0:
             raise ValueError("moe.load_balance_loss and moe.router_z_loss must not be negative")
 
@@ -103,31 +116,26 @@ class MoEConfig:
         return max(1, min(group, math.ceil(self.top_k * group * factor / self.num_experts)))
 
 
-def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None):
-    """Top-k routing with a capacity per expert, on router `logits` [groups, group, experts]
-    (float32) of tokens `real` [groups, group] (1.0, or 0.0 for padding).
-
-    Returns ``(dispatch, combine, stats)``: `dispatch` [groups, group, experts, capacity] is
-    1 where a token takes an expert's slot, `combine` the same weighted by the token's gate
-    (renormalised over its top_k when `normalize`; None: where top_k > 1), and `stats` the
-    layer's statistics (see the module doc; not yet weighted)."""
-    g, s, e = logits.shape
+def choose(logits, real, top_k: int, normalize: bool | None = None):
+    """Each token's top_k experts from router `logits` [groups, group, experts] (float32)
+    of tokens `real` [groups, group] (1.0, or 0.0 for padding): ``(probs, gates, index,
+    choice)``, `gates` and `index` [groups, group, top_k] (the gates renormalised over the
+    top_k when `normalize`; None: where top_k > 1), `choice` their one-hot [groups, group,
+    top_k, experts] (int32, 0 for padding)."""
+    e = logits.shape[-1]
     probs = jax.nn.softmax(logits, axis=-1)
     gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
     if top_k > 1 if normalize is None else normalize:
         gates = gates / gates.sum(-1, keepdims=True)
     choice = jax.nn.one_hot(index, e, dtype=jnp.int32) * real[..., None, None].astype(jnp.int32)
-    # Slots in priority order: every token's first choice, then every second choice, ...
-    ranked = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
-    position = (jnp.cumsum(ranked, axis=1) - 1).reshape(g, top_k, s, e).transpose(0, 2, 1, 3)
-    slot = jnp.sum(position * choice, axis=-1)  # [g, s, k]: the slot each choice would take
-    kept = (choice.sum(-1) > 0) & (slot < capacity)  # [g, s, k]
-    expert = jax.nn.one_hot(index, e, dtype=jnp.float32) * kept[..., None]
-    place = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # out of range: all 0
-    dispatch = jnp.einsum("gske,gskc->gsec", expert, place)
-    combine = jnp.einsum("gske,gskc->gsec", expert * gates[..., None], place)
+    return probs, gates, index, choice
 
+
+def statistics(logits, probs, choice, real, kept_choices) -> dict:
+    """The layer's statistics (module doc; not yet weighted) of a routing `choose` made,
+    with `kept_choices` of the tokens' choices given a place."""
     real = real.astype(jnp.float32)
+    e, top_k = logits.shape[-1], choice.shape[2]
     tokens = jnp.maximum(real.sum(), 1.0)
     chosen = choice.sum(2).astype(jnp.float32)  # [g, s, e]: 1 where e is among the choices
     per_expert = chosen.sum((0, 1))
@@ -140,10 +148,31 @@ def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None
     balance = e * jnp.sum(routed * jnp.sum(f * p, -1)) / jnp.maximum(routed.sum(), 1.0)
     z = jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
     choices = jnp.maximum(top_k * real.sum(), 1.0)
-    stats = {"load_balance_loss": balance, "router_z_loss": z,
-             "dropped_fraction": 1.0 - kept.sum() / choices,
-             "busiest_expert_share": per_expert.max() / choices}
-    return dispatch, combine, stats
+    return {"load_balance_loss": balance, "router_z_loss": z,
+            "dropped_fraction": 1.0 - kept_choices / choices,
+            "busiest_expert_share": per_expert.max() / choices}
+
+
+def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None):
+    """Top-k routing with a capacity per expert, on router `logits` [groups, group, experts]
+    (float32) of tokens `real` [groups, group] (1.0, or 0.0 for padding).
+
+    Returns ``(dispatch, combine, stats)``: `dispatch` [groups, group, experts, capacity] is
+    1 where a token takes an expert's slot, `combine` the same weighted by the token's gate
+    (renormalised over its top_k when `normalize`; None: where top_k > 1), and `stats` the
+    layer's statistics (`statistics`)."""
+    g, s, e = logits.shape
+    probs, gates, index, choice = choose(logits, real, top_k, normalize)
+    # Slots in priority order: every token's first choice, then every second choice, ...
+    ranked = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
+    position = (jnp.cumsum(ranked, axis=1) - 1).reshape(g, top_k, s, e).transpose(0, 2, 1, 3)
+    slot = jnp.sum(position * choice, axis=-1)  # [g, s, k]: the slot each choice would take
+    kept = (choice.sum(-1) > 0) & (slot < capacity)  # [g, s, k]
+    expert = jax.nn.one_hot(index, e, dtype=jnp.float32) * kept[..., None]
+    place = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # out of range: all 0
+    dispatch = jnp.einsum("gske,gskc->gsec", expert, place)
+    combine = jnp.einsum("gske,gskc->gsec", expert * gates[..., None], place)
+    return dispatch, combine, statistics(logits, probs, choice, real, kept.sum())
 
 
 class MoeFeedForward(nn.Module):
@@ -174,11 +203,11 @@ class MoeFeedForward(nn.Module):
                               ("d_model", "experts_unsplit"))  # float32
         logits = jnp.einsum("gsd,de->gse", xg.astype(jnp.float32), router)
         logits = constrain(logits, ("batch", "group", "experts_unsplit"))
+        if m.dispatch == "dropless":
+            return self._dropless(x, logits, real, deterministic)
         capacity = m.capacity(s, train=not deterministic)
         dispatch, combine, stats = route(logits, real, m.top_k, capacity, m.renormalizes)
-        for name, value in {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
-                            + m.router_z_loss * stats["router_z_loss"]}.items():
-            self.sow(STATS, name, value, init_fn=lambda: 0.0, reduce_fn=lambda _, new: new)
+        self._sow(stats)
 
         # Each token into its slots, on the devices of its group; then to those of its
         # expert (the all-to-all, where experts and groups split over the same mesh
@@ -206,6 +235,44 @@ class MoeFeedForward(nn.Module):
         y = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out)
         y = constrain(y, ("batch", "group", "d_model")).reshape(b, length, d)
         return constrain(y, ("batch", "length", "d_model"))
+
+
+    def _sow(self, stats):
+        m = self.config
+        for name, value in {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
+                            + m.router_z_loss * stats["router_z_loss"]}.items():
+            self.sow(STATS, name, value, init_fn=lambda: 0.0, reduce_fn=lambda _, new: new)
+
+    def _dropless(self, x, logits, real, deterministic: bool):
+        """The experts with ``dispatch='dropless'`` (`dropless`): the same routing and
+        statistics (none dropped), the same parameters."""
+        m, dt = self.config, self.dtype
+        b, length, d = x.shape
+        e, f = m.num_experts, self.d_ff
+        _, gates, index, choice = choose(logits, real, m.top_k, m.renormalizes)
+        probs = jax.nn.softmax(logits, axis=-1)
+        self._sow(statistics(logits, probs, choice, real, choice.sum()))
+        index = jnp.where(real[..., None] > 0, index, e).reshape(b, length, m.top_k)
+        gates = gates.reshape(b, length, m.top_k)
+        wis = []
+        for i in range(len(self.activations)):
+            name = "wi" if len(self.activations) == 1 else f"wi_{i}"
+            wis.append(self._weight(name, layers.normal(d**-0.5), (e, d, f),
+                                    ("experts", "d_model", "d_ff"), "egcd,edf->egcf"))
+        wo = self._weight("wo", layers.normal(f**-0.5), (e, f, d),
+                          ("experts", "d_ff", "d_model"), "egcf,efd->egcd")
+        train_dropout = self.dropout_rate > 0 and not deterministic
+        y = dropless.experts(x.astype(dt), index, gates, wis, wo, activations=self.activations,
+                             kernel=m.grouped_kernel, ragged=m.ragged_all_to_all,
+                             dropout_rate=self.dropout_rate,
+                             key=self.make_rng("dropout") if train_dropout else None)
+        return constrain(y, ("batch", "length", "d_model"))
+
+    def _weight(self, name, init, shape, names, spec):
+        """An expert weight as the grouped matmuls use it: with its adapter merged in where
+        `lora` targets it (`lora.adapted`)."""
+        w = layers.param(self, name, init, shape, names, self.dtype)
+        return adapted(self, name, spec, w, names, self.lora)
 
 
 def summary(stats) -> dict:

@@ -49,6 +49,9 @@ class CollectiveStats:
     count: int = 0
     bytes_sent: float = 0.0  # per device, per step
     parameter_shaped_bytes: float = 0.0  # of which buffers shaped like parameters (gradients)
+    # of which the padding of dropless experts' padded all-to-alls (what a ragged all-to-all
+    # does not send when routing is balanced: `mtrain.models.dropless`)
+    padding_bytes: float = 0.0
 
 
 @dataclasses.dataclass
@@ -66,6 +69,7 @@ class HloCost:
             mine.count += times * s.count
             mine.bytes_sent += times * s.bytes_sent
             mine.parameter_shaped_bytes += times * s.parameter_shaped_bytes
+            mine.padding_bytes += times * s.padding_bytes
 
     @property
     def collective_bytes(self) -> float:
@@ -115,8 +119,15 @@ def hlo_cost(hlo_text: str, num_devices: int,
                           for i in range(len(elements))]
                 kept = [e for e, s in zip(elements, sliced) if not s]
                 if kept:
-                    _add_collective(direct[current].collectives[op], op, kept, g,
-                                    parameter_shapes)
+                    stats = direct[current].collectives[op]
+                    before = stats.bytes_sent
+                    _add_collective(stats, op, kept, g, parameter_shapes)
+                    # a block of routed rows padded to the most one device could send: a
+                    # ragged all-to-all sends the rows, 1/n of it when routing is balanced
+                    padded = re.search(r"routed_rows_1_in_(\d+)", rest)
+                    if padded:
+                        share = 1 / int(padded.group(1))
+                        stats.padding_bytes += (stats.bytes_sent - before) * (1 - share)
                 if any(sliced):  # as reduce-scatters producing the slices
                     _add_collective(direct[current].collectives["reduce-scatter"],
                                     "reduce-scatter",
@@ -218,6 +229,9 @@ def _note_calls(op: str, rest: str, calls: list) -> None:
     if op == "while":
         body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+        # A loop that runs as often as the data say (a grouped matmul's tiles in use) names
+        # what balanced routing makes of it (`mtrain.models.grouped`).
+        trips = trips or re.search(r"balanced_trips_(\d+)", rest)
         calls.append(([body], int(trips.group(1)) if trips else 1))
         return
     branches = re.search(r"branch_computations=\{([^}]*)\}", rest)

@@ -149,7 +149,9 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
     traffic = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                + 2 * memory.temp_size_in_bytes)
     hbm = traffic / target.hbm_bandwidth
-    comm = sum(s.bytes_sent for s in comms.values()) / target.interconnect_bandwidth
+    # every target has a ragged all-to-all: it sends the routed rows, not XLA:CPU's padding
+    comm = sum(s.bytes_sent - s.padding_bytes for s in comms.values()) \
+        / target.interconnect_bandwidth
     step = max(compute, hbm) + comm
     executed = analytic - 2 * frozen_matmul * batch * length
     estimate = None
@@ -260,6 +262,9 @@ def format_plan(p: Plan, describe: str = "") -> str:
             lines.append(f"  {kind:<19}{s['count']:>4} ops {size_text(s['bytes_sent']):>12}"
                          + (f"   ({size_text(shaped)} parameter-shaped: gradients, weights)"
                             if shaped else "   (activations)"))
+            if s["padding_bytes"]:
+                lines.append(f"{'':30}of which {size_text(s['padding_bytes'])} padding: a ragged "
+                             f"all-to-all (GPU, TPU) sends only routed rows")
     if not any(s["count"] for s in p.collectives.values()):
         lines.append("  none")
     lines += [

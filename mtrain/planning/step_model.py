@@ -109,6 +109,11 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     m = c.moe
     if m:  # an expert's slots per token, and its d_ff where `experts` leaves it split
         slots = m.top_k * m.capacity_factor_train
+        if m.dispatch == "dropless":  # rows for the most that could arrive: all devices'
+            e_axis = layout.mesh_dim_for("experts")
+            exchanged = e_axis is not None and e_axis in (layout.mesh_dim_for("batch"),
+                                                          layout.mesh_dim_for("length"))
+            slots = m.top_k * (layout.ways("experts") if exchanged else 1)
         fe = m.expert_d_ff / (1 if layout.mesh_dim_for("experts") == layout.mesh_dim_for("d_ff")
                               else layout.ways("d_ff"))
         group = m.group_length(length)
@@ -118,13 +123,15 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         layer: self-attention over `length` positions (and encoder-decoder attention over
         as many), then the feed-forward block, or with `experts` the mixture of experts:
         each token in top_k x capacity_factor slots (inputs, hidden, outputs), and the
-        dispatch and combine tensors, group x slots per token (float32)."""
+        dispatch and combine tensors, group x slots per token (float32); dropless, top_k
+        rows (experts exchanged by all-to-all: as many per device of `experts`: the most
+        that could arrive) and no dispatch tensors."""
         attentions = 2 if cross else 1
         ffn = gates * f + d  # wi, wo
         routing = 0.0
         if experts:
             ffn = slots * (d + gates * fe + d) + d
-            routing = 2 * group * slots * 4
+            routing = 2 * group * slots * 4 if m.dispatch == "capacity" else 0.0
         matmul_outputs = attentions * (hk + 2 * gk + d) + ffn  # q k v, o; the feed-forward
         residuals = attentions * (hk * a + heads * 4)  # a flash kernel's output and lse
         if kernel == "dense":  # logits (float32) and weights @ values are matmuls too
