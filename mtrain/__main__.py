@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--auto_layout", action="store_true",
                    help="--mode=plan: try every 1-, 2- and 3-D mesh of --devices devices with "
                         "the candidate layout rules; print the fastest that fit as gin lines")
+    p.add_argument("--prompt_length", type=int, default=None, metavar="N",
+                   help="--mode=plan, a decoder-only LM: generation's figures (prefill, first "
+                        "token, tokens/s) for prompts of N tokens (default: half the row)")
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="--mode=plan --auto_layout: the number of devices to lay the model out "
                         "on (default: the size of run.mesh_shape)")
@@ -229,6 +232,9 @@ def main(argv=None) -> int:
     if args.restart and args.mode not in (None, "train"):
         print("mtrain: error: --restart goes with --mode=train", file=sys.stderr)
         return 2
+    if args.prompt_length is not None and (args.mode != "plan" or args.prompt_length < 1):
+        print("mtrain: error: --prompt_length (at least 1) goes with --mode=plan", file=sys.stderr)
+        return 2
     if args.cpu_devices is not None:
         if args.cpu_devices < 1:
             print("mtrain: error: --cpu_devices must be at least 1", file=sys.stderr)
@@ -307,7 +313,8 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["restart"] = True
         if args.mode == "plan":
             kwargs["plan_options"] = {"target": args.target, "output_format": args.format,
-                                      "auto_layout": args.auto_layout, "devices": plan_devices}
+                                      "auto_layout": args.auto_layout, "devices": plan_devices,
+                                      "prompt_length": args.prompt_length}
             if args.auto_layout:  # the search replaces the configured mesh and rules
                 kwargs.update(mesh_shape="", layout_rules="", parameter_layout_rules="")
         run_lib.run(**kwargs)

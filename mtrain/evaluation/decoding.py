@@ -130,45 +130,62 @@ def filter_logits(logits, top_k: int = 0, top_p: float = 1.0):
 
 def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int, rng,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           eos_id: int = 1, start_id: int = 0, *, prompt_lengths) -> jax.Array:
+           eos_id: int = 1, start_id: int = 0, *, prompt_lengths, prefill=None,
+           prefill_length: int | None = None) -> jax.Array:
     """[batch, length] int32: each row's prompt (its first `prompt_lengths` [batch] ids of
     `prompts` [batch, length], any id, 0 too) followed by its continuation: at most
     `max_decode_len` tokens, ended by EOS, then 0s. A row's output is its first
     ``min(prompt_length + max_decode_len, length)`` ids cut after the first EOS of the
     continuation (the 0s after that are no tokens). Greedy for `temperature` 0, else sampled
-    from softmax(logits / temperature) after `filter_logits`, with the key
+    from softmax(logits / temperature) after `filter_logits`, each row with the key
     ``fold_in(rng, position)``. The model reads `start_id` first
     (`TransformerConfig.start_id`; or [batch] ids, one per row: a prompt read as it is, its
     first id read first). `eos_id`: an id, or [batch, k] ids each of which ends its row
-    (a chat's end of turn and EOS)."""
+    (a chat's end of turn and EOS).
+
+    Each row is at its own position (the cache's index is per row). Without `prefill` the
+    prompts are fed a token a step, as the continuation is. With `prefill(ids, counts,
+    cache) -> cache` (a model's one pass into the empty cache: `DecoderLM.prefill`), the
+    first `prefill_length` (default: all) positions of every row are read in one pass, of
+    which each row keeps its prompt's; the steps then start at each row's first new token."""
     batch, length = prompts.shape
+    rows = jnp.arange(batch)
     prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
     stop = jnp.minimum(prompt_lengths + max_decode_len, length)
     stops = jnp.asarray(eos_id, jnp.int32)
     stops = stops.reshape(1, 1) if stops.ndim == 0 else stops  # [1 or batch, k]
+    starts = jnp.broadcast_to(jnp.asarray(start_id, jnp.int32), (batch,))
+    position, last = jnp.zeros((batch,), jnp.int32), starts
+    if prefill is not None:  # read: the start id, then the prompt
+        n = length if prefill_length is None else prefill_length
+        reads = jnp.concatenate([starts[:, None], prompts[:, :n - 1]], axis=1)
+        position = jnp.minimum(prompt_lengths, n)
+        cache = prefill(reads, position, cache)
+        last = jnp.where(position > 0, prompts[rows, jnp.maximum(position - 1, 0)], starts)
+    seqs = jnp.where(jnp.arange(length)[None, :] < position[:, None], prompts, 0)
 
     def cond(state):
-        index, _, _, done, _ = state
-        return (index < length) & ~jnp.all(done)
+        position, _, _, done, _ = state
+        return jnp.any((position < length) & ~done)
 
     def body(state):
-        index, last, seqs, done, cache = state
+        position, last, seqs, done, cache = state
         logits, cache = tokens_to_logits(last[:, None], cache)
         if temperature == 0.0:
             token = jnp.argmax(logits, axis=-1)
         else:
             logits = filter_logits(logits / temperature, top_k, top_p)
-            token = jax.random.categorical(jax.random.fold_in(rng, index), logits)
-        prompted = index < prompt_lengths
-        token = jnp.where(prompted, prompts[:, index], jnp.where(done, 0, token)).astype(jnp.int32)
-        seqs = lax.dynamic_update_slice_in_dim(seqs, token[:, None], index, axis=1)
+            keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, position)
+            token = jax.vmap(jax.random.categorical)(keys, logits)
+        prompted = position < prompt_lengths
+        fed = prompts[rows, jnp.minimum(position, length - 1)]
+        token = jnp.where(prompted, fed, jnp.where(done, 0, token)).astype(jnp.int32)
+        seqs = seqs.at[rows, position].set(token, mode="drop")
         ended = jnp.any(token[:, None] == stops, axis=-1)
-        done = done | (~prompted & ended) | (index + 1 >= stop)
-        return index + 1, token, seqs, done, cache
+        done = done | (~prompted & ended) | (position + 1 >= stop)
+        return position + 1, token, seqs, done, cache
 
-    starts = jnp.broadcast_to(jnp.asarray(start_id, jnp.int32), (batch,))
-    state = (jnp.array(0, jnp.int32), starts,
-             jnp.zeros((batch, length), jnp.int32), stop <= prompt_lengths, cache)
+    state = (position, last, seqs, stop <= position, cache)
     return lax.while_loop(cond, body, state)[2]
 
 

@@ -64,15 +64,16 @@ class Generator(BatchedDecoder):
         self._generate = jax.jit(
             self._generate_fn, in_shardings=(trainer.state_shardings.params, self.sharding,
                                              self.sharding, replicated, replicated, replicated),
-            out_shardings=replicated)
+            out_shardings=replicated, static_argnums=(6,))
 
     def _replicated(self, x: np.ndarray) -> jax.Array:
         """A host array every process holds whole, on every device of the mesh."""
         return jax.make_array_from_callback(x.shape, self.replicated, lambda index: x[index])
 
-    def _generate_fn(self, params, prompts, prompted, starts, stops, rng):
+    def _generate_fn(self, params, prompts, prompted, starts, stops, rng, prefill_length=0):
         """`prompts` [batch, length] continued; `prompted` is 1 on each row's prompt;
-        `starts` [batch] the id each row reads first, `stops` [batch, 2] the ids ending it."""
+        `starts` [batch] the id each row reads first, `stops` [batch, 2] the ids ending it;
+        `prefill_length`: the positions read in one pass (0: none, a token a step)."""
         model, config = self.trainer.model, self.config
         # (a decoding step is one position: ``length`` splits nowhere)
         with self.trainer.layout.without("length").activate(self.trainer.mesh):
@@ -83,9 +84,16 @@ class Generator(BatchedDecoder):
                                                 method=model.decode_step, mutable=["cache"])
                 return self.real(logits), variables["cache"]
 
+            def prefill(ids, counts, cache):
+                _, variables = model.apply({"params": params, "cache": cache}, ids, counts,
+                                           method=model.prefill, mutable=["cache"])
+                return variables["cache"]
+
             return sample(tokens_to_logits, cache, prompts, self.max_decode_length, rng,
                           config.temperature, config.top_k, config.top_p, stops, starts,
-                          prompt_lengths=prompted.sum(axis=1))
+                          prompt_lengths=prompted.sum(axis=1),
+                          prefill=prefill if prefill_length else None,
+                          prefill_length=prefill_length or None)
 
     def encode_batch(self, texts: Sequence[str | Prompt]
                      ) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
@@ -143,13 +151,22 @@ class Generator(BatchedDecoder):
         rng = jax.random.fold_in(jax.random.key(self.seed), number)
         out = np.asarray(jax.device_get(self._generate(
             params, self.place(ids), self.place(prompted), self._replicated(starts),
-            self._replicated(stops), rng)))
+            self._replicated(stops), rng, self.prefill_length(lengths))))
         kept = []
         for row, n, ends in zip(out, lengths, stops):
             new = row[n:min(n + self.max_decode_length, self.length)].tolist()
             end = next((k for k, t in enumerate(new) if t in ends), None)
             kept.append(new if end is None else new[:end + 1])
         return kept
+
+    def prefill_length(self, lengths: list[int]) -> int:
+        """The positions a batch of prompts of `lengths` reads in one pass: the longest
+        prompt's, rounded up to a power of two (at least 16, at most the row: a compile per
+        bucket, not per batch); 0 without `decoding.prefill` or where the model has no
+        `prefill` (an encoder-decoder)."""
+        if not self.config.prefill or not hasattr(self.trainer.model, "prefill"):
+            return 0
+        return min(self.length, max(16, 1 << (max(lengths, default=0) - 1).bit_length()))
 
     def batches(self, params, texts: Sequence[str | Prompt]) -> Iterator[list[str]]:
         """The continuations of `texts` (without the prompt and the id that ended them), a

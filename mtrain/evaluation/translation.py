@@ -49,6 +49,9 @@ class DecodingConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # An LM reads each batch's prompts in one pass into its cache (False: a token a step,
+    # as before; the same tokens)
+    prefill: bool = True
 
 
 class BatchedDecoder:

@@ -12,7 +12,7 @@ why attention logits are not divided by sqrt(d_kv) (the query initialiser absorb
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -217,6 +217,9 @@ class MultiHeadAttention(nn.Module):
             inverse = np.asarray(self.rotary_frequencies, np.float32)
             q = positions_lib.rotate(q, positions, inverse)
             key = positions_lib.rotate(key, positions, inverse)
+        if isinstance(decode_index, Prefill):  # the cache's first positions, then as a pass
+            self._fill(key, value, decode_index.count, o.window)
+            decode_index = None
         single_query = decode_index is not None or mask.query is None
         if decode_index is not None:
             key, value, mask = self._cached(key, value, decode_index, o.window)
@@ -260,7 +263,8 @@ class MultiHeadAttention(nn.Module):
         """Writes this position's key and value into the cache; returns all cached keys and
         values and the mask of the positions written so far. With a `window`, the cache is a
         ring of min(window, length) positions: position p is written at p mod its size, so
-        that it holds exactly the window that the next query sees."""
+        that it holds exactly the window that the next query sees. `index`: a scalar, or
+        one per row ([batch]: each row at its own position)."""
         initialised = self.has_variable("cache", "cached_key")
         length = key.shape[1]
         size = min(window, length) if window and not initialised else None
@@ -272,10 +276,32 @@ class MultiHeadAttention(nn.Module):
             return key, value, kernels.band(length, length, True, window)[None, None]
         slots = cached_key.value.shape[1]
         at = index % slots if window else index
+        if jnp.ndim(index):  # a position per row (past the cache: written nowhere)
+            rows = jnp.arange(key.shape[0])
+            cached_key.value = cached_key.value.at[rows, at].set(key[:, 0], mode="drop")
+            cached_value.value = cached_value.value.at[rows, at].set(value[:, 0], mode="drop")
+            mask = jnp.arange(slots)[None, :] <= index[:, None]
+            return cached_key.value, cached_value.value, mask[:, None, None, :]
         cached_key.value = jax.lax.dynamic_update_slice_in_dim(cached_key.value, key, at, 1)
         cached_value.value = jax.lax.dynamic_update_slice_in_dim(cached_value.value, value, at, 1)
         mask = jnp.arange(slots) <= index  # (a full ring: every slot is inside the window)
         return cached_key.value, cached_value.value, mask[None, None, None, :]
+
+    def _fill(self, key, value, count, window: int = 0):
+        """A prefill's write into the empty cache: of the prompt's keys and values [b, n,
+        ...], each row's first `count` [b] positions, position p at slot p (in a window's
+        ring, p mod its size: each slot holds the last position written there)."""
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape,
+                                     value.dtype)
+        slots, n = cached_key.value.shape[1], key.shape[1]
+        s = jnp.arange(slots)[None, :]
+        position = s + slots * ((count[:, None] - 1 - s) // slots)  # [b, slots]
+        written = s < count[:, None]
+        take = jnp.clip(position, 0, n - 1)[:, :, None, None]
+        for variable, new in ((cached_key, key), (cached_value, value)):
+            variable.value = jnp.where(written[:, :, None, None],
+                                       jnp.take_along_axis(new, take, axis=1), variable.value)
 
 
 class Embed(nn.Module):
@@ -313,14 +339,28 @@ def shift_right(targets: jax.Array, segment_ids: jax.Array, start_id: int = 0) -
 
 
 class DecodeIndex(nn.Module):
-    """The position incremental decoding is at: a scalar in the "cache" collection, returned
-    and then advanced by each decoding step (not by the `init` that creates the cache)."""
+    """The position incremental decoding is at: in the "cache" collection, returned and then
+    advanced by each decoding step (not by the `init` that creates the cache): a scalar
+    shared by the rows, or with `rows` one per row of `batch` (a decoder-only LM's: its rows'
+    prompts are prefilled to their own lengths). `advance`: by how many (a prefill: [batch],
+    each row's prompt)."""
+
+    rows: bool = False
 
     @nn.compact
-    def __call__(self):
+    def __call__(self, batch: int = 1, advance=1):
         initialised = self.has_variable("cache", "index")
-        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        index = self.variable("cache", "index",
+                              lambda: jnp.zeros((batch,) if self.rows else (), jnp.int32))
         i = index.value
         if initialised:
-            index.value = i + 1
+            index.value = i + advance
         return i
+
+
+class Prefill(NamedTuple):
+    """In place of a decoding index: the layers see a prompt's positions from 0 in one pass
+    (a causal mask, the flash kernels where configured) and write each row's first `count`
+    [batch] keys and values into an empty cache (`MultiHeadAttention`)."""
+
+    count: jax.Array

@@ -20,6 +20,7 @@ segment ids and positions, in that order.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from mtrain.parallel.layout import constrain
@@ -112,17 +113,24 @@ class DecoderLM(_PackingAware, nn.Module):
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
-                 return_hidden: bool = False, decode: bool = False, inputs=None):
+                 return_hidden: bool = False, decode: bool = False, inputs=None,
+                 prefill=None):
         """`inputs` (optional, [b, l]): the token read before each target, where the data
         says (a chat's first token is read, not predicted: `data.formats`); by default the
-        targets shifted right within their segments, `start_id` first."""
+        targets shifted right within their segments, `start_id` first. `decode`: `targets`
+        are the tokens to feed from each row's cache index on (`decode_step`); with
+        `prefill` [b], into an empty cache, of which each row keeps its first `prefill`."""
         c = self.config
         decode_index = mask = None
-        if decode:  # `targets` are the tokens to feed, the index says where (decode_step)
-            decode_index = layers.DecodeIndex(name="decode_index")()
+        steps = jnp.broadcast_to(jnp.arange(targets.shape[1]), targets.shape)
+        if decode and prefill is not None:  # one pass over the prompts (`prefill`)
+            layers.DecodeIndex(rows=True, name="decode_index")(targets.shape[0], prefill)
+            inputs, positions, decode_index = targets, steps, layers.Prefill(prefill)
+            mask = attention.AttentionMask.of_self(jnp.ones_like(targets), causal=True)
+        elif decode:  # `targets` are the tokens to feed, the index says where (decode_step)
+            decode_index = layers.DecodeIndex(rows=True, name="decode_index")(targets.shape[0])
             inputs = targets
-            positions = decode_index + jnp.broadcast_to(jnp.arange(targets.shape[1]),
-                                                        targets.shape)
+            positions = decode_index[:, None] + steps
         else:
             if inputs is None:
                 inputs = layers.shift_right(targets, segment_ids, c.start_id)
@@ -140,7 +148,7 @@ class DecoderLM(_PackingAware, nn.Module):
         bias = None
         if c.position_encoding == "relative_bias":
             bias = _relative_bias(c, _relative_bias_table(c, False, "relative_bias"),
-                                  inputs.shape[1], decode_index)
+                                  inputs.shape[1], None if prefill is not None else decode_index)
         x = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
         x = _norm(c, "final_norm")(x)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
@@ -151,6 +159,14 @@ class DecoderLM(_PackingAware, nn.Module):
         `config.start_id` first), as `EncoderDecoder.decode_step`: the cache is made by
         `init` of this method with `ids` [n, max_length]."""
         return self(ids, None, None, deterministic=True, decode=True)[:, -1]
+
+    def prefill(self, ids, counts):
+        """Fills an empty cache (made as `decode_step`'s) in one pass: `ids` [n, length] the
+        tokens each row reads first (`config.start_id`, then its prompt), of which row r
+        keeps its first `counts` [n] (its cache index after); what `decode_step` feeds next
+        is row r's id ``counts[r]``. Returns the hidden states (the caller wants the cache)."""
+        return self(ids, None, None, deterministic=True, decode=True, prefill=counts,
+                    return_hidden=True)
 
 
 def _relative_bias(c: TransformerConfig, module: positions_lib.RelativeBias, length: int,
@@ -164,6 +180,11 @@ def _relative_bias(c: TransformerConfig, module: positions_lib.RelativeBias, len
         return module(None, None)
     if decode_index is None:
         return module(queries, queries)
+    if jnp.ndim(decode_index):  # each row at its own position: [b, heads, length, max_length]
+        table = module(None, None)
+        bias = jax.vmap(lambda i: table.between(i + queries, jnp.arange(c.max_length)))(
+            decode_index)
+        return constrain(bias, ("batch", "heads", "length", "memory_length"))
     return module(decode_index + queries, jnp.arange(c.max_length))
 
 

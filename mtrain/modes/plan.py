@@ -43,12 +43,13 @@ def describe_model(c) -> str:
 
 def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
          auto_layout: bool = False, devices: int | None = None, top: int = 5,
-         out=None) -> dict:
+         out=None, prompt_length: int | None = None) -> dict:
     """``--mode=plan``: compiles the train step for the configured mesh and prints what it
     needs per device and how long it would take on `target` (see `planner`); with
     `auto_layout`, ranks every mesh and layout of `devices` (default: the mesh's size)
     devices instead. Prints text or, with `output_format` 'json', one JSON object to `out`
-    (default stdout); returns that object."""
+    (default stdout); returns that object. `prompt_length`: the prompts of a decoder-only
+    LM's generation figures (default: half the row)."""
     if target not in TARGETS:
         raise ConfigError(f"unknown --target {target!r}; use one of {', '.join(TARGETS)}")
     if output_format not in ("text", "json"):
@@ -74,7 +75,8 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
         text = auto_layout_lib.format_auto_layout(results, devices, target, top)
     else:
         compiled = exp.stepper.compile_train_step() if exp.stepper is not exp.trainer else None
-        result = planner.plan(exp.trainer, target_spec, compiled=compiled)
+        result = planner.plan(exp.trainer, target_spec, compiled=compiled,
+                              prompt_length=prompt_length)
         report = {"model": describe, **result.to_dict()}
         text = planner.format_plan(result, describe)
     out = out or sys.stdout

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from mtrain.planning import step_model
+from mtrain.planning import inference, step_model
 from mtrain.planning.hlo_cost import hlo_cost
 from mtrain.parallel.layout import is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
@@ -86,6 +86,7 @@ class Plan:
     step_seconds: float
     tokens_per_second: float
     mfu: float  # analytic FLOPs / (step time x peak x devices): the best this layout can do
+    inference: dict  # a decoder-only LM's `inference.estimate` ({} for others)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,8 +98,11 @@ class Plan:
         return lines
 
 
-def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
-    """Compiles `trainer`'s train step (unless `compiled` is given) and estimates its cost."""
+def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | None = None
+         ) -> Plan:
+    """Compiles `trainer`'s train step (unless `compiled` is given) and estimates its cost;
+    for a decoder-only LM, also generation's from prompts of `prompt_length` tokens (default
+    half the row) to the end of the row (`inference`)."""
     compiled = compiled or trainer.compile_train_step()
     layout, n = trainer.layout, trainer.layout.size
     abstract, shardings = trainer.abstract_state, trainer.state_shardings
@@ -188,6 +192,9 @@ def plan(trainer: Trainer, target: Target, compiled=None) -> Plan:
         compute_seconds=compute, memory_seconds=hbm, communication_seconds=comm,
         step_seconds=step, tokens_per_second=batch * length / step,
         mfu=executed / (step * target.peak_flops * n),  # (frozen weights: 4 per token)
+        inference=inference.estimate(model.config, layout, target, batch, length,
+                                     prompt_length or length // 2, param_bytes)
+        if hasattr(model, "prefill") and isinstance(model.config, TransformerConfig) else {},
     )
 
 
@@ -280,6 +287,18 @@ def format_plan(p: Plan, describe: str = "") -> str:
         f"collectives {seconds_text(p.communication_seconds)}",
         f"  step ~{seconds_text(p.step_seconds)}, {p.tokens_per_second:,.0f} tokens/s, "
         f"MFU {'at most ' if p.memory_basis.startswith('XLA') else '~'}{100 * p.mfu:.0f}%",
+    ]
+    if p.inference:
+        e = p.inference
+        lines += [
+            f"inference (--prompt_length {e['prompt_length']}, then {e['new_tokens']} new "
+            f"tokens, batch {e['batch_size']}):",
+            f"  prefill {seconds_text(e['prefill_seconds'])}, first token after "
+            f"{seconds_text(e['time_to_first_token'])} (a token a step: "
+            f"{seconds_text(e['token_loop_time_to_first_token'])}), then "
+            f"{seconds_text(e['decode_step_seconds'])} a step, "
+            f"{e['tokens_per_second']:,.0f} tokens/s"]
+    lines += [
         ("verdict: FITS" if p.fits else "verdict: DOES NOT FIT") +
         f" in {p.target} memory: {size_text(p.total_bytes)} of {size_text(p.hbm_bytes)} per device "
         f"({100 * p.total_bytes / p.hbm_bytes:.0f}%)",
