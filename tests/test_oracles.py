@@ -82,19 +82,22 @@ def test_decoder_only_logits_are_hugging_faces(imported, family):
                                expected["long_logits"], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
-def test_imported_experts_are_dropless_on_every_kernel(imported, family):
+@pytest.mark.parametrize("family,setting", [
+    ("mixtral", "moe.grouped_kernel='megablox'"),
+    *[pytest.param(f, s, marks=pytest.mark.slow) for f, s in (
+        ("mixtral", "moe.grouped_kernel='ragged_dot'"), ("mixtral", "moe.dispatch='capacity'"),
+        ("qwen3_moe", "moe.grouped_kernel='megablox'"),
+        ("qwen3_moe", "moe.dispatch='capacity'"))]])
+def test_imported_experts_are_dropless_on_every_kernel(imported, family, setting):
     """An import of experts dispatches dropless (the test above: its logits); Megablox's
     kernel (Pallas's interpreter) and XLA's ragged_dot give them too, and so does capacity
     dispatch with its slot for every token."""
     assert "moe.dispatch = 'dropless'" in (imported[family] / "config.gin").read_text()
     expected = oracle(family)
-    for setting in ("moe.grouped_kernel='megablox'", "moe.grouped_kernel='ragged_dot'",
-                    "moe.dispatch='capacity'"):
-        exp, params, _ = load(imported[family], setting)
-        np.testing.assert_allclose(lm_logits(exp.trainer.model, {"params": params},
-                                             expected["input_ids"]),
-                                   expected["logits"], atol=ATOL, rtol=0, err_msg=setting)
+    exp, params, _ = load(imported[family], setting)
+    np.testing.assert_allclose(lm_logits(exp.trainer.model, {"params": params},
+                                         expected["input_ids"]),
+                               expected["logits"], atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow  # (the fast tier keeps its siblings; the full suite runs it)

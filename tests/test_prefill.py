@@ -70,8 +70,12 @@ def _paths(config: TransformerConfig, lengths, temperature: float, prefill_lengt
     return loop, once[0], once[1]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("name", list(CONFIGS))
+FAST = {("rotary, a window of 4 on layer 0", 0.0), ("learned, scanned, windows", 1.0)}
+
+
+@pytest.mark.parametrize("name,temperature", [
+    (n, t) if (n, t) in FAST else pytest.param(n, t, marks=pytest.mark.slow)
+    for n in CONFIGS for t in (0.0, 1.0)])
 def test_prefill_gives_the_tokens_of_the_token_loop(name, temperature):
     """Prompts of 9, 3, 0 and 20 ids (past the window; 20 past the 16 positions prefilled:
     its last 4 are read a token a step)."""
@@ -120,7 +124,7 @@ ORACLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
-@pytest.mark.parametrize("family", ["mistral_sw", "qwen3_moe",
+@pytest.mark.parametrize("family", ["mistral_sw", pytest.param("qwen3_moe", marks=pytest.mark.slow),
                                     pytest.param("gemma3", marks=pytest.mark.slow),
                                     pytest.param("llama3", marks=pytest.mark.slow)])
 def test_prefill_gives_hugging_faces_greedy_ids(tmp_path, family):
