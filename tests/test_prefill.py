@@ -86,16 +86,25 @@ def test_prefill_gives_the_tokens_of_the_token_loop(name, temperature):
     assert len(set(np.asarray(loop)[0, 9:19].tolist())) > 1  # (a continuation, not a stutter)
 
 
-@pytest.mark.slow  # (the splash kernel in Pallas's interpreter; the fast tier: einsum)
-def test_a_flash_kernel_runs_the_prefill_under_layouts():
-    """`attention='flash'` (splash, interpreted here): the prefill runs the kernel (a
-    decoding step keeps einsum), through `Generator` on one device and on batch:4;model:2:
-    the same continuations as the token loop."""
+@pytest.mark.slow  # (the kernels in Pallas's interpreter or emulated; the fast tier: einsum)
+@pytest.mark.parametrize("kernel", ["splash", "triton"])
+def test_the_flash_kernels_run_the_prefill_under_layouts(kernel, monkeypatch):
+    """`attention='flash'`: the prefill runs the kernel (a decoding step keeps einsum):
+    splash (TPU, interpreted here) on one device and on batch:4;model:2, Triton (GPU,
+    interpreted: `accelerators`) on one device; the continuations of `Generator` are the
+    token loop's. (cuDNN takes bfloat16 only, in which two paths' tokens may part on another
+    CPU; the prefill calls it as training does, which test_flash_attention checks.)"""
+    import accelerators
+
+    calls = {"triton": accelerators.triton_interpreted}.get(kernel, lambda m: None)(monkeypatch)
     config = TransformerConfig(**{**BASE, "vocab_size": 128, "max_length": 32},
-                               attention="flash", mlp_activations=("silu", "linear"))
+                               attention="flash", flash_kernel=kernel,
+                               mlp_activations=("silu", "linear"))
     prompts = ["5 6 7", "9", "3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", "20 21"]
     outputs = []
-    for mesh_shape, rules in [("", ""), ("batch:4;model:2", "batch:batch;heads:model")]:
+    layouts = [("", "")] + ([("batch:4;model:2", "batch:batch;heads:model")]
+                            if kernel == "splash" else [])
+    for mesh_shape, rules in layouts:
         layout = Layout(mesh_shape, rules)
         trainer = Trainer(DecoderLM(config), optimizer.adafactor(1e-3), layout,
                           layout.make_mesh(jax.devices()[:layout.size]), 4, 32, seed=3)
@@ -103,6 +112,9 @@ def test_a_flash_kernel_runs_the_prefill_under_layouts():
         for prefill in (True, False):
             generator = generation.Generator(trainer, _Vocab(), DecodingConfig(prefill=prefill))
             outputs.append(generator(params, prompts))
+            if calls is not None:  # the prefill called the kernel; the token loop did not
+                assert bool(calls) == prefill, (kernel, calls)
+                calls.clear()
         assert generator.prefill_length([3, 1, 18, 2]) == 0
         assert generation.Generator(trainer, _Vocab(), DecodingConfig()).prefill_length(
             [3, 1, 18, 2]) == 32
