@@ -18,6 +18,7 @@ import pytest
 
 from mtrain.evaluation import decoding, generation
 from mtrain.evaluation.translation import DecodingConfig, empty_cache
+from mtrain.models.moe import MoEConfig
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.parallel.layout import Layout
 from mtrain.training import optimizer
@@ -30,6 +31,9 @@ CONFIGS = {
     "relative bias": dict(position_encoding="relative_bias", num_kv_heads=4),
     "learned, scanned, windows": dict(position_encoding="learned", scan_layers=True,
                                       attention_windows=(4, 0)),
+    # (capacity dispatch: a decoding step's group is one token, which no capacity drops)
+    "experts, capacity 0.5": dict(moe_every=1, moe=MoEConfig(
+        num_experts=4, top_k=2, expert_d_ff=32, group_size=8, capacity_factor_eval=0.5)),
 }
 
 
@@ -70,7 +74,8 @@ def _paths(config: TransformerConfig, lengths, temperature: float, prefill_lengt
     return loop, once[0], once[1]
 
 
-FAST = {("rotary, a window of 4 on layer 0", 0.0), ("learned, scanned, windows", 1.0)}
+FAST = {("rotary, a window of 4 on layer 0", 0.0), ("learned, scanned, windows", 1.0),
+        ("experts, capacity 0.5", 0.0)}
 
 
 @pytest.mark.parametrize("name,temperature", [

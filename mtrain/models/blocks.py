@@ -68,8 +68,11 @@ class Block(nn.Module):
         y = norm("mlp_norm")(x)
         if self.moe:
             real = None if mask is None or mask.query is None else mask.query > 0
+            # decoding (a step or a prefill) drops no token: a step's group is its one
+            # token, which no capacity binds, and a prefill must compute what steps would
             y = MoeFeedForward(c.moe, c.moe.expert_d_ff, c.dropout_rate, c.dtype,
-                               c.mlp_activations, c.lora, name="mlp")(y, deterministic, real)
+                               c.mlp_activations, c.lora, name="mlp")(
+                y, deterministic, real, dropless=decode_index is not None)
         else:
             y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, c.mlp_activations,
                                       c.lora, name="mlp")(y, deterministic)

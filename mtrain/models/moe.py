@@ -180,7 +180,8 @@ class MoeFeedForward(nn.Module):
     d_model] -> [batch, length, d_model]. `activations` as `layers.DenseReluDense`'s (gated
     activations apply in every expert); parameters ``router`` [d_model, experts_unsplit],
     ``wi`` (or ``wi_0``, ``wi_1``, ...) [experts, d_model, d_ff] and ``wo`` [experts, d_ff,
-    d_model]. `nonpadding` [batch, length]: the real tokens (None: all)."""
+    d_model]. `nonpadding` [batch, length]: the real tokens (None: all). `dropless`: so
+    whatever `config.dispatch` (decoding: what a capacity would drop is no decoding step's)."""
 
     config: MoEConfig
     d_ff: int
@@ -190,7 +191,7 @@ class MoeFeedForward(nn.Module):
     lora: LoraConfig | None = None  # each expert's adapters where it targets them (`lora`)
 
     @nn.compact
-    def __call__(self, x, deterministic: bool, nonpadding=None):
+    def __call__(self, x, deterministic: bool, nonpadding=None, dropless: bool = False):
         m, dt = self.config, self.dtype
         b, length, d = x.shape
         e, f = m.num_experts, self.d_ff
@@ -203,7 +204,7 @@ class MoeFeedForward(nn.Module):
                               ("d_model", "experts_unsplit"))  # float32
         logits = jnp.einsum("gsd,de->gse", xg.astype(jnp.float32), router)
         logits = constrain(logits, ("batch", "group", "experts_unsplit"))
-        if m.dispatch == "dropless":
+        if m.dispatch == "dropless" or dropless:
             return self._dropless(x, logits, real, deterministic)
         capacity = m.capacity(s, train=not deterministic)
         dispatch, combine, stats = route(logits, real, m.top_k, capacity, m.renormalizes)
