@@ -125,10 +125,8 @@ def _exchanged(rows, expert, sizes, e_local: int, axis: str, ragged: bool, compu
         here = jax.lax.axis_index(axis)
         block_starts = jnp.arange(n) * m
         their_offsets = jax.lax.all_to_all(offsets, axis, 0, 0, tiled=True)
-        send = lambda x, out, sizes, place, got: ragged_all_to_all(  # noqa: E731
-            x, out, sizes[0], sizes[1], place, got, axis)
-        inbox = send(rows, jnp.zeros((n * m, d), rows.dtype), (offsets, counts),
-                     jnp.full((n,), here * m, jnp.int32), received_counts)
+        inbox = ragged_all_to_all(rows, jnp.zeros((n * m, d), rows.dtype), offsets, counts,
+                                  jnp.full((n,), here * m, jnp.int32), received_counts, axis)
     else:
         blocks = jnp.arange(m) - offsets[expert // e_local]  # a row's place in its block
         outbox = jnp.zeros((n, m, d), rows.dtype).at[expert // e_local, blocks].set(rows)
@@ -142,8 +140,8 @@ def _exchanged(rows, expert, sizes, e_local: int, axis: str, ragged: bool, compu
     out = compute(inbox[order], received_sizes.sum(0), m)
     outbox = jnp.zeros_like(out).at[order].set(out)
     if ragged:
-        return send(outbox, jnp.zeros((m, d), rows.dtype), (block_starts, received_counts),
-                    their_offsets, counts)
+        return ragged_all_to_all(outbox, jnp.zeros((m, d), rows.dtype), block_starts,
+                                 received_counts, their_offsets, counts, axis)
     with jax.named_scope(f"routed_rows_1_in_{n}"):
         back = jax.lax.all_to_all(outbox.reshape(n, m, d), axis, 0, 0, tiled=True)
     return back.at[expert // e_local, blocks].get(mode="fill", fill_value=0)  # (padding: 0)

@@ -237,7 +237,6 @@ class MoeFeedForward(nn.Module):
         y = constrain(y, ("batch", "group", "d_model")).reshape(b, length, d)
         return constrain(y, ("batch", "length", "d_model"))
 
-
     def _sow(self, stats):
         m = self.config
         for name, value in {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
@@ -250,8 +249,7 @@ class MoeFeedForward(nn.Module):
         m, dt = self.config, self.dtype
         b, length, d = x.shape
         e, f = m.num_experts, self.d_ff
-        _, gates, index, choice = choose(logits, real, m.top_k, m.renormalizes)
-        probs = jax.nn.softmax(logits, axis=-1)
+        probs, gates, index, choice = choose(logits, real, m.top_k, m.renormalizes)
         self._sow(statistics(logits, probs, choice, real, choice.sum()))
         index = jnp.where(real[..., None] > 0, index, e).reshape(b, length, m.top_k)
         gates = gates.reshape(b, length, m.top_k)

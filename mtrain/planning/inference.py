@@ -44,12 +44,11 @@ def estimate(c, layout, target, batch: int, length: int, prompt_length: int,
     prefill = max(prefill_flops / devices / target.peak_flops,
                   parameter_bytes / target.hbm_bandwidth)
     decode = step(prompt + new / 2)  # (the mean context of the new tokens)
-    loop = sum(step(t + 0.5) for t in range(0, prompt, max(1, prompt // 64))) \
-        * prompt / len(range(0, prompt, max(1, prompt // 64)))
+    sampled = range(0, prompt, max(1, prompt // 64))  # (the prompt's steps, a sample of)
+    loop = prompt * sum(step(t + 0.5) for t in sampled) / len(sampled)
     return {"prompt_length": prompt, "new_tokens": new, "batch_size": batch,
             "prefill_seconds": prefill, "decode_step_seconds": decode,
             "time_to_first_token": prefill + step(prompt),
             "token_loop_time_to_first_token": loop + step(prompt),
             "tokens_per_second": batch / decode,
             "total_seconds": prefill + new * decode}
-
