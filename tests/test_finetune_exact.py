@@ -51,8 +51,8 @@ def stacked(params: dict, config: TransformerConfig) -> dict:
 
 def trainer(config, opt, mesh_shape="", rules=""):
     layout = Layout(mesh_shape, rules)
-    return Trainer(DecoderLM(config), opt, layout, layout.make_mesh(jax.devices()[:layout.size]),
-                   B, L, seed=0, loss_config=LossConfig(z_loss=0.0))
+    return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=layout.make_mesh(jax.devices()[:layout.size]),
+                   batch_size=B, sequence_length=L, seed=0, objective=LanguageModeling(LossConfig(z_loss=0.0)))
 
 
 def run(trainer_, params, batches):
@@ -89,6 +89,24 @@ CASES = [  # (optimizer, model, the scanned run's layout)
 ]
 
 
+# The most elements of a parameter (a fraction; at least one) whose gradient is at rounding
+# level: a sum of a batch's terms that cancel to within float32's eps of their magnitudes
+# (a rare token's embedding row, an expert's weight that a few tokens pull both ways).
+# AdamW divides each element's gradient by its own root mean square, so there rounding is
+# the sign and size of a step of up to about the learning rate, and the two runs part by
+# that much (measured: 1 to 3 elements of 16,384, by 2e-5 to 1e-4 at a rate of 1e-2, on an
+# Intel Xeon; none on an AMD EPYC). A bug of the kind this file catches (decayed norm
+# scales, a stack's statistics) moves every element of the parameters it touches.
+ROUNDING_LEVEL = 1e-3
+
+
+def same_update(got: np.ndarray, want: np.ndarray, rtol: float) -> bool:
+    """Whether `got` is `want` to `rtol` of its largest magnitude, but for at most
+    `ROUNDING_LEVEL` of its elements (and at least one)."""
+    far = np.abs(got - want) > rtol * np.abs(want).max()
+    return far.sum() <= max(1, int(ROUNDING_LEVEL * far.size))
+
+
 @pytest.mark.parametrize("name, config, layout", CASES)
 def test_scanning_the_layers_changes_no_update(name, config, layout):
     """A scanned and an unscanned run (on one device) from the same parameters, the
@@ -97,10 +115,12 @@ def test_scanning_the_layers_changes_no_update(name, config, layout):
     Tolerances: the two runs compute the same numbers in another order (a scan against
     unrolled layers, a vmapped update against one per layer, a split layout's partial
     sums), so they part only by float32 rounding (eps 1.2e-7) grown by 20 steps of
-    normalised updates (measured: losses 2.4e-7 relative, parameters 6e-7 of their
+    normalised updates (measured: losses 2.4e-7 relative, parameters 6e-7 to 2e-5 of their
     largest magnitude). Statistics of the whole stack, or decayed scanned norm scales,
     move the losses by 8e-5 to 7e-4 and the parameters by 2e-2 to 9e-2 (measured with the
-    code before this test): 1e-5 and 1e-4 sit between, with a margin both ways."""
+    code before this test), in every element: 1e-5 and 1e-4 sit between, with a margin
+    both ways. `same_update` allows the few elements whose gradient is at rounding level
+    (`ROUNDING_LEVEL`)."""
     opt = OPTIMIZERS[name]()
     plain = trainer(config, opt)
     scanned = trainer(dataclasses.replace(config, scan_layers=True), opt, *layout)
@@ -112,7 +132,7 @@ def test_scanning_the_layers_changes_no_update(name, config, layout):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_params),
                             jax.tree.leaves(stacked(want_params, config))):
-        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), jax.tree_util.keystr(path)
+        assert same_update(a, b, 1e-4), jax.tree_util.keystr(path)
     if name == "adafactor_factored" and layout == SPLIT:
         # A stacked weight's per-layer factored moments keep `layers` and the dimension
         # they did not reduce: wi's column moments [layers, d_ff] are split as d_ff is.

@@ -206,18 +206,20 @@ def finish(procs):
 def test_a_mixture_killed_at_random_resumes_with_the_rows_of_an_unbroken_run(tmp_path):
     """A mixture's run killed (SIGKILL) after a checkpoint picked at random, then run again,
     takes the steps an unbroken run takes: each source's position is in the checkpoint. One
-    process with 2 workers ends bit for bit as an unbroken process; two processes (no
-    workers) within 1e-5, the order of float32 sums in their collectives (see the first
-    test). The realised proportions are in the train log."""
+    process with 2 workers, and two processes (no workers), each end bit for bit as an
+    unbroken run of as many processes: two processes sum in another order than one (their
+    collectives), and this tiny run's unstable losses grow that order's 1e-7 to 0.5% in
+    8 steps. The realised proportions are in the train log."""
     params = [*TINY, *mixture(tmp_path), "run.train_steps=8"]
     mesh = "--gin_param=run.mesh_shape='batch:4;model:2'"
-    finish(launch(1, tmp_path / "unbroken", params, mesh))
-    expected = losses(tmp_path / "unbroken")
-    with open(tmp_path / "unbroken" / "metrics.jsonl") as f:
-        last = [r for r in map(json.loads, f) if "train/loss" in r][-1]
-    assert abs(last["train/mixture/code"] - 0.25) < 0.02, last
     rng = random.Random(48)
     for processes, workers in ((1, 2), (2, 0)):
+        unbroken = tmp_path / f"unbroken{processes}"
+        finish(launch(processes, unbroken, params, mesh))
+        expected = losses(unbroken)
+        with open(unbroken / "metrics.jsonl") as f:
+            last = [r for r in map(json.loads, f) if "train/loss" in r][-1]
+        assert abs(last["train/mixture/code"] - 0.25) < 0.02, last
         model_dir = tmp_path / f"run{processes}"
         killed_after = rng.choice([2, 4, 6])
         run = [*params, f"run.data_workers={workers}"]
@@ -231,7 +233,4 @@ def test_a_mixture_killed_at_random_resumes_with_the_rows_of_an_unbroken_run(tmp
         got = losses(model_dir)
         assert sorted(got) == list(range(1, 9)), (processes, sorted(got))
         for step in range(killed_after + 1, 9):
-            if processes == 1:
-                assert got[step] == expected[step], (processes, step)
-            else:
-                assert got[step] == pytest.approx(expected[step], rel=1e-5), (processes, step)
+            assert got[step] == expected[step], (processes, step)
