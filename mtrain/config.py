@@ -30,6 +30,8 @@ import dataclasses
 import inspect
 import logging
 import os
+import types
+import typing
 
 import gin
 
@@ -89,6 +91,45 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
         raise ConfigError(f"bad gin config: {message}") from None
     finally:
         root.level = level
+    check_types()
+
+
+# The configurables whose parameters declare their types: a binding of another type (a
+# float where an int is meant: ``lora.rank=2.5``) is a one-line error when the config is
+# parsed, before it reaches jax as a shape.
+TYPED = {"run": RunConfig, "vocabulary": VocabularyConfig, "transformer": TransformerConfig,
+         "moe": MoEConfig, "lora": LoraConfig, "rope_scaling": RopeScaling, "loss": LossConfig,
+         "dpo": DpoConfig, "decoding": DecodingConfig, "adafactor": optimizer.adafactor,
+         "adamw": optimizer.adamw, "learning_rate_schedule": optimizer.learning_rate_schedule,
+         "files": Files}
+
+
+def _fits(value, hint) -> bool:
+    """Whether `value` is of the declared type `hint` (int, float, bool, str, or one of
+    them or None); any other hint fits anything."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return True
+    checks = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}
+    if not all(o in checks or o is type(None) for o in options):
+        return True
+    return any(checks[o](value) for o in options if o in checks)
+
+
+def check_types() -> None:
+    """Raises ConfigError for the first binding of a `TYPED` configurable whose value is
+    not of its parameter's declared type."""
+    for name, target in TYPED.items():
+        hints = typing.get_type_hints(target)
+        for parameter, value in gin.get_bindings(name, resolve_references=False).items():
+            hint = hints.get(parameter)
+            if hint is not None and not _fits(value, hint):
+                wanted = " or ".join(getattr(o, "__name__", str(o)) for o in (
+                    typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)))
+                raise ConfigError(f"{name}.{parameter} must be {wanted.replace('NoneType', 'None')}, "
+                                  f"got {value!r}")
 
 
 def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:

@@ -139,7 +139,11 @@ def test_settings_that_cannot_work_are_refused_before_the_data_is_prepared(tmp_p
                              ("run.sequence_length=64", "run.sequence_length=64 is longer than "
                                                         "transformer.max_length=32"),
                              ("run.mode='eval'", f"no checkpoints in {tmp_path / 'run'}/"
-                                                 f"checkpoints; train first")]:
+                                                 f"checkpoints; train first"),
+                             # (a float where a shape wants an int: not jax's 62 lines)
+                             ("lora.rank=2.5", "lora.rank must be int, got 2.5"),
+                             ("transformer.d_model='big'", "transformer.d_model must be int, "
+                                                           "got 'big'")]:
             capsys.readouterr()
             assert cli(tmp_path / "run", bad) == 2
             lines = capsys.readouterr().err.strip().splitlines()

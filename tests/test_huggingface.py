@@ -12,6 +12,7 @@ import's conversions are exact: transposes, reshapes, and the queries' factor 16
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -22,6 +23,8 @@ import pytest
 from test_oracles import ORACLES, import_folder, lm_logits, load, oracle, t5_logits
 
 from mtrain.__main__ import main
+from mtrain.evaluation.generation import Generator
+from mtrain.modes.infer import one_line
 from mtrain.huggingface import families
 
 safetensors = pytest.importorskip("safetensors.numpy")
@@ -205,6 +208,29 @@ def _ragged(o, name, i):
     return o[f"{name}_flat"][offsets[i]:offsets[i + 1]]
 
 
+def test_infer_writes_a_continuation_holding_a_newline_on_one_line(imports, tmp_path,
+                                                                    monkeypatch):
+    """A continuation that holds a newline (a model may generate one) is written escaped
+    (`infer.one_line`): the output keeps one line per input line, and reads back."""
+    made = []
+
+    def with_newlines(self, params, texts):
+        for batch in original(self, params, texts):
+            made.extend(f"{t}\nsecond line\\n\r" for t in batch)
+            yield made[-len(batch):]
+    original = Generator.batches
+    monkeypatch.setattr(Generator, "batches", with_newlines)
+    out = tmp_path / "out.txt"
+    model = imports / "llama_gqa"
+    assert main([f"--gin_file={model / 'config.gin'}", f"--model_dir={model}", "--mode=infer",
+                 f"--input_file={_texts(tmp_path, 'llama_gqa')}", f"--output_file={out}",
+                 "--gin_param=decoding.max_decode_length=4"]) == 0
+    lines = out.read_text().split("\n")[:-1]
+    assert len(lines) == len(made) == len(oracle("llama_gqa")["texts"])
+    unescape = {"\\\\": "\\", "\\n": "\n", "\\r": "\r"}
+    assert [re.sub(r"\\[\\nr]", lambda m: unescape[m[0]], line) for line in lines] == made
+
+
 # (fast: Llama's sentencepiece; Qwen's rows past its tokenizer, T5 and a continuation
 # holding id 0 in the full suite, and T5's logits in test_oracles' fast tier)
 @pytest.mark.parametrize("family", tiered("llama_gqa"))
@@ -228,8 +254,10 @@ def test_tokenizer_infer_score_eval_and_plan_through_the_command_line(imports, t
                  f"--output_file={out}", "--gin_param=decoding.max_decode_length=12",
                  "--gin_param=decoding.beam_size=1"]) == 0
     expected = [vocab.decode(list(_ragged(o, "text_greedy", i))) for i in range(len(o["texts"]))]
-    # (random weights: the continuations hold control characters, a newline even)
-    assert out.read_text() == "".join(f"{line}\n" for line in expected)
+    # (random weights: the continuations hold control characters, a newline even: written
+    # escaped, one line per input line)
+    assert out.read_text() == "".join(f"{one_line(line)}\n" for line in expected)
+    assert out.read_text().count("\n") == len(o["texts"])
     scores = tmp_path / "scores.jsonl"
     assert main([*common, "--mode=score", f"--input_file={_texts(tmp_path, family, family == 't5_1_1')}",
                  f"--output_file={scores}", f"--output_dir={tmp_path / 'measured'}"]) == 0

@@ -50,7 +50,7 @@ def check_output_file(output_file: str | None, input_file: str | None = None) ->
 def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> int:
     """``--mode=infer``: translates the lines of `input_file` (or stdin) with the latest
     checkpoint (an LM continues each line instead: `generation.Generator`), one line out per
-    line in and in order, to `output_file` (or stdout).
+    line in and in order (`one_line`), to `output_file` (or stdout).
 
     Outputs are written as each batch of decoding.batch_size lines finishes, so a run
     stopped half-way keeps the lines it finished; a progress line (lines done, lines/s,
@@ -82,7 +82,8 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
                     batch = [_answered(r, t) for r, t in
                              zip(records[progress.done:progress.done + len(batch)], batch)]
                 if writing:
-                    out.write("".join(t + "\n" for t in batch))
+                    out.write("".join((t if records is not None else one_line(t)) + "\n"
+                                      for t in batch))
                     out.flush()
                 progress.add(len(batch))
     finally:
@@ -94,6 +95,14 @@ def infer(exp: Experiment, input_file: str | None, output_file: str | None) -> i
                     decoder.truncation_note())
     log.info("%sed %d lines in %.0f s", verb, len(lines), time.time() - progress.started)
     return len(lines)
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, as --mode=infer writes a text output: a backslash as ``\\\\``,
+    a newline as ``\\n`` and a carriage return as ``\\r`` (a model may generate them;
+    written as they are, one continuation would take two lines and the output would no
+    longer line up with the input). JSONL output needs none: JSON escapes them."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _record(line: str, number: int) -> dict:
