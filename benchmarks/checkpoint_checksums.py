@@ -68,8 +68,8 @@ def main():
                     "batch:batch" if jax.device_count() > 1 else "")
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    trainer = Trainer(DecoderLM(TransformerConfig(**settings)), opt, layout, mesh, batch,
-                      length)
+    trainer = Trainer(model=DecoderLM(TransformerConfig(**settings)), optimizer=opt, layout=layout,
+                      mesh=mesh, batch_size=batch, sequence_length=length)
     t0 = time.perf_counter()
     state = jax.block_until_ready(trainer.init_state())
     size = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -99,7 +99,7 @@ def main():
             ours.wait()
             rows["mtrain save (+ checksums)"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            jax.block_until_ready(ours.restore(1, abstract, None, {}))
+            jax.block_until_ready(ours.read(1, abstract, {}).state)
             rows["mtrain restore (+ verification)"].append(time.perf_counter() - t0)
             ours.close()
             t0 = time.perf_counter()

@@ -38,8 +38,10 @@ from mtrain.training.trainer import Trainer  # noqa: E402
 def measure(config, ways: int, batch, steps: int):
     """(temporaries per device in bytes, median step seconds) of the step split `ways` ways."""
     layout = Layout(f"seq:{ways}", "length:seq") if ways > 1 else Layout("", "")
-    trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-4), layout,
-                      layout.make_mesh(jax.devices()[:ways]), *batch["targets"].shape)
+    trainer = Trainer(model=DecoderLM(config), optimizer=optimizer.adamw(1e-4), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:ways]),
+                      batch_size=batch["targets"].shape[0],
+                      sequence_length=batch["targets"].shape[1])
     state, placed = trainer.init_state(), trainer.place_batch(batch)
     temp = trainer.compile_train_step(placed).memory_analysis().temp_size_in_bytes
     _, seconds, metrics = timed_steps(trainer, state, placed, steps, metrics_too=True)

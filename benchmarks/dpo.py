@@ -31,7 +31,7 @@ from mtrain.models.lora import LoraConfig, is_adapter
 from mtrain.models.transformer import DecoderLM
 from mtrain.parallel.layout import Layout
 from mtrain.training import optimizer
-from mtrain.training.dpo import DpoConfig
+from mtrain.training.dpo import DpoConfig, Preference
 from mtrain.training.trainer import Trainer
 
 
@@ -51,12 +51,14 @@ def pair_rows(batch: int, length: int, half: int = 64, prompt: int = 16) -> dict
 
 def measure(config, trainable, dpo, batch, steps):
     layout = Layout("", "")
-    trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-4), layout,
-                      layout.make_mesh(jax.devices()[:1]), *batch["targets"].shape,
-                      trainable=trainable, dpo=dpo)
+    trainer = Trainer(model=DecoderLM(config), optimizer=optimizer.adamw(1e-4), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:1]),
+                      batch_size=batch["targets"].shape[0],
+                      sequence_length=batch["targets"].shape[1], trainable=trainable,
+                      objective=Preference(dpo) if dpo else None)
     state = trainer.init_state()
-    if dpo and trainer.reference.needs_copy:
-        trainer.reference.set(state.params)
+    if trainer.objective.needs_start:  # (DPO's frozen reference)
+        trainer.objective.set_start(state.params)
     placed = trainer.place_batch(batch)
     state, median = timed_steps(trainer, state, placed, steps)
     cost = trainer.compile_train_step(placed).cost_analysis()

@@ -96,9 +96,9 @@ def main(args):
         rates["tf.data"], _ = measure("tf.data (fc8be58)", numpy_batches)
     workers = args.workers if args.workers is not None else max(1, pipeline.default_workers())
     for count in (0, workers):
-        batches = pipeline.batches(exp.source, exp.vocab, "train", exp.task.features,
-                                   exp.sequence_length, exp.batch_size, exp.config.seed,
-                                   train=True, workers=count)
+        batches = pipeline.batches(exp.source, exp.vocab, "train", pipeline.BatchSettings(
+            sequence_length=exp.sequence_length, batch_size=exp.batch_size,
+            seed=exp.config.seed, train=True, workers=count))
         rates[f"grain {batches.workers}"], first = measure(
             f"grain, {batches.workers} workers", batches)
         batches.close()

@@ -65,9 +65,10 @@ def timed_steps(trainer, state, placed, steps, metrics_too: bool = False):
 
 def measure(config, trainable, batch, steps):
     layout = Layout("", "")
-    trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-4), layout,
-                      layout.make_mesh(jax.devices()[:1]), *batch["targets"].shape,
-                      trainable=trainable)
+    trainer = Trainer(model=DecoderLM(config), optimizer=optimizer.adamw(1e-4), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:1]),
+                      batch_size=batch["targets"].shape[0],
+                      sequence_length=batch["targets"].shape[1], trainable=trainable)
     state = trainer.init_state()
     placed = trainer.place_batch(batch)
     state, median = timed_steps(trainer, state, placed, steps)

@@ -127,8 +127,9 @@ def model_rows(args):
     out = []
     layout = Layout("", "")
     for name, c in rows:
-        trainer = Trainer(DecoderLM(c), optimizer.adamw(1e-3), layout,
-                          layout.make_mesh(jax.devices()[:1]), *shape, seed=1)
+        trainer = Trainer(model=DecoderLM(c), optimizer=optimizer.adamw(1e-3), layout=layout,
+                          mesh=layout.make_mesh(jax.devices()[:1]), batch_size=shape[0],
+                          sequence_length=shape[1], seed=1)
         state, placed = trainer.init_state(), trainer.place_batch(batch)
         flops = hlo_cost(trainer.compile_train_step(placed).as_text(), 1).matmul_flops
         state, metrics = trainer.train_step(state, placed)

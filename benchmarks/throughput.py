@@ -4,8 +4,8 @@ What it measures: tokens per second of one full training step (forward, backward
 update) of the reference decoder-only LM (vocab 8192, d_model 256, d_ff 1024, 4 heads x d_kv 64,
 2 layers, batch 16 x length 128) in two implementations:
 
-* **mtrain**: `Trainer(DecoderLM(...), optimizer.adafactor(...), layout, mesh, ...)`, i.e. the
-  Flax model with its logical names and sharding constraints, the cross-entropy with z-loss
+* **mtrain**: `Trainer(model=DecoderLM(...), optimizer=optimizer.adafactor(...), ...)`, i.e.
+  the Flax model with its logical names and sharding constraints, the cross-entropy with z-loss
   1e-4 and the step's metrics (loss, cross-entropy, token count, gradient norm), under the
   layout given by --mesh_shape/--layout_rules, with the default settings: here the loss is
   computed 8 slices of the sequence at a time (`loss.chunks`, automatic), so the
@@ -283,8 +283,8 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     layout = Layout(args.mesh_shape, args.layout_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = make_optimizer(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
-    trainer = Trainer(DecoderLM(config), opt, layout, mesh, batch_size, length,
-                      num_microbatches=microbatches)
+    trainer = Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
+                      batch_size=batch_size, sequence_length=length, num_microbatches=microbatches)
     jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.zeros(8)))  # the device's first work
     t0 = time.perf_counter()
     state = jax.block_until_ready(trainer.init_state())  # compile and run the initialisation
@@ -401,7 +401,8 @@ def main(args):
     layout = Layout(args.mesh_shape, args.layout_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=args.warmup_steps))
-    trainer = Trainer(DecoderLM(config), opt, layout, mesh, b, l, seed=0)
+    trainer = Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
+                      batch_size=b, sequence_length=l, seed=0)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} devices); "
           f"mesh {layout!r}")
     print(f"model: vocab {config.vocab_size} d_model {config.d_model} d_ff {config.d_ff} "

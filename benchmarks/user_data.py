@@ -102,7 +102,7 @@ def main():
     args = parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from mtrain.data import pipeline, prepared
-    from mtrain.data.lanes import Stream
+    from mtrain.data.streams import Stream, Streams
     from mtrain.data.vocabulary import train_vocabulary
 
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
@@ -138,8 +138,8 @@ def main():
                         source.fingerprint())
         packed = 0
         with Timer() as cached:  # (the CPU time of the pipeline's thread included)
-            batches = pipeline.batches([stream], vocab, "train", None, 2048, 16, seed=0,
-                                       train=True, workers=0)
+            batches = pipeline.batches(Streams([stream]), vocab, "train", pipeline.BatchSettings(
+                sequence_length=2048, batch_size=16, seed=0, train=True, workers=0))
             for _ in range(args.batches):
                 batch = next(batches)
                 packed += int((batch["targets_segment_ids"] > 0).sum())

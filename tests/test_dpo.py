@@ -295,7 +295,7 @@ def test_dpo_steps_on_the_trainer(layouts):
     from mtrain.models.lora import LoraConfig
 
     from mtrain.training import optimizer
-    from mtrain.training.dpo import DpoConfig
+    from mtrain.training.dpo import DpoConfig, Preference
     from mtrain.training.trainer import Trainer
 
     # (dropout in the model and the adapters: DPO's policy runs without, as TRL's)
@@ -307,15 +307,15 @@ def test_dpo_steps_on_the_trainer(layouts):
         from mtrain.parallel.layout import Layout
 
         layout = Layout(mesh, rules)
-        trainer = Trainer(DecoderLM(config), optimizer.adamw(1e-2), layout,
-                          layout.make_mesh(jax.devices()[:layout.size]), 8, L, seed=3,
-                          trainable=is_adapter if trainable else None,
-                          num_microbatches=micro, dpo=DpoConfig(beta=0.5))
+        trainer = Trainer(model=DecoderLM(config), optimizer=optimizer.adamw(1e-2), layout=layout,
+                          mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
+                          sequence_length=L, seed=3, trainable=is_adapter if trainable else None,
+                          num_microbatches=micro, objective=Preference(DpoConfig(beta=0.5)))
         trainer.lower_train_step()  # (what --mode=plan compiles: no copy made, no batch)
         state = trainer.init_state()
-        assert trainer.reference.is_base == bool(trainable)
-        if trainer.reference.needs_copy:
-            trainer.reference.set(state.params)
+        assert trainer.objective.reference.is_base == bool(trainable)
+        if trainer.objective.needs_start:
+            trainer.objective.set_start(state.params)
         out = []
         for _ in range(steps):
             state, metrics = trainer.train_step(state, trainer.place_batch(pair_rows(8, L)))

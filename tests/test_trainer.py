@@ -44,12 +44,13 @@ def packed_batches(n, seed=0):
 
 
 def make_trainer(mesh_shape, rules, config=CONFIG, batch_size=B, parameter_rules="",
-                 num_microbatches=1):
+                 num_microbatches=1, objective=None):
     layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    return Trainer(DecoderLM(config), opt, layout, mesh, batch_size, L, seed=3,
-                   num_microbatches=num_microbatches)
+    return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
+                   batch_size=batch_size, sequence_length=L, seed=3,
+                   num_microbatches=num_microbatches, objective=objective)
 
 
 def train(mesh_shape, rules, parameter_rules="", steps=3, **kwargs):
@@ -121,3 +122,69 @@ def test_initialisation_equals_the_models_own_init():
     full = jax.jit(lambda: nn.unbox(trainer._init_variables(trainer.init_key))["params"])()
     jax.tree_util.tree_map(np.testing.assert_array_equal,
                            jax.device_get(trainer.init_state().params), jax.device_get(full))
+
+
+def test_an_objective_is_what_the_trainer_is_given():
+    """A new objective is a subclass of `objective.Objective`, with state of its own that the
+    steps take after the batch (here a weight of the loss): the trainer steps, evaluates and
+    lowers it without knowing it. Weighted 1, its loss is the language model's without
+    z-loss; `trainer.py` names no objective but its default."""
+    import inspect
+
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from mtrain.training import trainer as trainer_module
+    from mtrain.training.language_modeling import LanguageModeling
+    from mtrain.training.losses import LossConfig, loss_weights
+    from mtrain.training.objective import Objective, token_log_likelihoods
+
+    class Weighted(Objective):
+        def __init__(self, weight):
+            self.weight = weight
+
+        def bind(self, setting):
+            bound = Weighted(self.weight)
+            bound.setting = setting
+            bound.sharding = NamedSharding(setting.mesh, PartitionSpec())
+            return bound
+
+        def argument_shardings(self):
+            return (self.sharding,)
+
+        def arguments(self):
+            return (jax.device_put(jnp.float32(self.weight), self.sharding),)
+
+        def abstract_arguments(self):
+            return (jax.ShapeDtypeStruct((), jnp.float32, sharding=self.sharding),)
+
+        def loss_sums(self, params, batch, rngs, weight):
+            nll = -token_log_likelihoods(self.setting, params, batch, False, rngs).sum()
+            tokens = loss_weights(batch).sum().astype(jnp.float32)
+            return weight * nll, nll, tokens, tokens, {}
+
+        def eval_sums(self, params, batch, weight):
+            return {"nll": -token_log_likelihoods(self.setting, params, batch).sum()}
+
+        def eval_results(self, totals):
+            return {"eval/nll": totals.get("nll", 0.0)}
+
+    mesh, rules = "batch:4;model:2", "batch:batch;" + SPLIT_MODEL
+    batch = packed_batches(1)[0]
+    out = {}
+    for name, objective in [("lm", LanguageModeling(LossConfig(z_loss=0.0))),
+                            ("weighted", Weighted(1.0)), ("double", Weighted(2.0))]:
+        trainer = make_trainer(mesh, rules, objective=objective)
+        trainer.lower_train_step()
+        state = trainer.init_state()
+        sums = trainer.eval_step(state.params, trainer.place_batch(batch))
+        _, metrics = trainer.train_step(state, trainer.place_batch(batch))
+        out[name] = float(metrics["loss"]), float(metrics["cross_entropy"]), sums
+    assert out["weighted"][:2] == pytest.approx(out["lm"][:2], rel=1e-5)
+    assert out["double"][0] == pytest.approx(2 * out["lm"][0], rel=1e-5)
+    assert float(out["weighted"][2]["nll"]) == pytest.approx(float(out["lm"][2]["xent_sum"]),
+                                                              rel=1e-5)
+    assert trainer.objective.eval_results({"nll": 3.0}) == {"eval/nll": 3.0}
+    source = inspect.getsource(trainer_module)
+    for name in ("dpo", "Preference", "isinstance(", ".reference"):
+        assert name not in source, name

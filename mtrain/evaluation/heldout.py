@@ -17,45 +17,26 @@ from mtrain.evaluation.bleu import corpus_bleu
 from mtrain.io.metrics import MetricsWriter, log
 from mtrain.io.model_dir import decodes_file
 from mtrain.io.textfiles import write_atomically
-from mtrain.training import dpo
 
 
 def evaluate(exp, params, step: int, writer: MetricsWriter) -> dict:
-    """Token-level loss, perplexity and accuracy over the whole held-out split, and for
-    language models the word-level perplexity and the unigram baseline; of preference
-    pairs, DPO's loss and rewards (`dpo_results`)."""
-    if exp.trainer.dpo:
-        results = dpo_results({"loss_sum": 0.0, "num_pairs": 0.0, "num_tokens": 0.0,
-                               **_sums(exp, params)})
-        writer.write(step, results)
-        return results
-    totals = {"xent_sum": 0.0, "correct": 0.0, "num_tokens": 0.0, **_sums(exp, params)}
-    n = max(totals["num_tokens"], 1.0)
-    loss = totals["xent_sum"] / n
-    results = {
-        "eval/loss": loss,
-        "eval/perplexity": math.exp(min(loss, 50.0)),
-        "eval/accuracy": totals["correct"] / n,
-        "eval/num_tokens": totals["num_tokens"],
-    }
-    if "word_perplexity" in exp.task.metrics:
+    """The objective's metrics over the whole held-out split (`Objective.eval_results`: of a
+    language model token-level loss, perplexity and accuracy; of preference pairs DPO's loss
+    and rewards); where it scores tokens, for language models the word-level perplexity and
+    the unigram baseline, for translation BLEU."""
+    objective = exp.trainer.objective
+    totals = _sums(exp, params)
+    results = objective.eval_results(totals)
+    if objective.token_metrics and "word_perplexity" in exp.task.metrics:
         stats = heldout_statistics(exp)
-        results["eval/word_perplexity"] = math.exp(min(totals["xent_sum"] / stats["words"], 50.0))
+        xent = totals.get("xent_sum", 0.0)
+        results["eval/word_perplexity"] = math.exp(min(xent / stats["words"], 50.0))
         results["eval/num_words"] = stats["words"]
         results["eval/unigram_perplexity"] = stats["unigram_perplexity"]
-    if "bleu" in exp.task.metrics:
+    if objective.token_metrics and "bleu" in exp.task.metrics:
         results.update(bleu(exp, params, step, writer.directory))
     writer.write(step, results)
     return results
-
-
-def dpo_results(totals: dict) -> dict:
-    """DPO's eval/loss and the means of its statistics (`training.dpo.METRICS`) over the
-    held-out pairs."""
-    n = max(totals["num_pairs"], 1.0)
-    return {"eval/loss": totals["loss_sum"] / n,
-            **{f"eval/{k}": v / n for k, v in totals.items() if k in dpo.METRICS},
-            "eval/num_pairs": totals["num_pairs"], "eval/num_tokens": totals["num_tokens"]}
 
 
 def _sums(exp, params) -> dict:

@@ -10,7 +10,8 @@ model's log-probabilities of the completions are summed (pi_c, pi_r, ref_c, ref_
     IPO loss     = (h - 1 / (2 beta))^2, of log-probabilities averaged over each completion
 
 with rewards beta (pi_c - ref_c) and beta (pi_r - ref_r), the loss the mean over the
-batch's pairs. The reference is the model the run started from, frozen (`Trainer`).
+batch's pairs. The reference is the model the run started from, frozen (`Reference`). The
+objective a `Trainer` is given for a task of preference pairs: `Preference`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import jax.numpy as jnp
 from mtrain.data.preference import CHOSEN, REJECTED
 from mtrain.errors import ConfigError
 from mtrain.models import parameters
-from mtrain.models.base import LOSS_WEIGHTS
+from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys
 from mtrain.models.lora import is_adapter
-from mtrain.training import losses as losses_lib
+from mtrain.training.losses import loss_weights
+from mtrain.training.objective import Objective, Setting, token_log_likelihoods
 
 LOSSES = ("sigmoid", "ipo")
 # What a DPO step reports (TRL's names), each a mean over the batch's pairs.
@@ -97,12 +99,11 @@ def losses(policy, reference, counts, config: DpoConfig) -> tuple[jax.Array, dic
     return total(loss), {k: total(v) for k, v in metrics.items()}, jnp.sum(present)
 
 
-
 class Reference:
-    """The reference model of a `Trainer`'s DPO: where LoRA adapters alone train, the model
+    """The reference model of `Preference`: where LoRA adapters alone train, the model
     without them, on the same parameters (no second copy: `is_base`); else the model on a
     frozen copy of the parameters the run started from (`set`), laid out as the parameters
-    (`shardings`: the steps take it as a third argument)."""
+    (`shardings`: the steps take it as an argument after the batch)."""
 
     def __init__(self, model, abstract_params, trainable, param_shardings):
         paths = list(parameters.paths(abstract_params))
@@ -135,37 +136,67 @@ class Reference:
         return parameters.select(params, lambda p: not is_adapter(p)) if self.is_base else copy
 
 
-def _token_logps(trainer, params, batch, deterministic, rngs=None, model=None):
-    """(log p of each target [batch, length], the experts' statistics)."""
-    logits, stats = trainer.apply_model(params, batch, deterministic, rngs, stats=True, model=model)
-    _, xent = losses_lib.cross_entropy(logits, batch["targets"],
-                                       losses_lib.loss_weights(batch), classes=trainer.classes)
-    return -xent, stats
+class Preference(Objective):
+    """DPO or IPO (`DpoConfig`: gin ``dpo.*``) over a batch of preference pairs, against
+    the `Reference`: (loss, minus the chosen completions' log-probability, pairs, tokens,
+    statistics) summed over the pairs; the reference's log-probabilities carry no gradient.
+    A mixture of experts' auxiliary losses count once per pair."""
 
+    def __init__(self, config: DpoConfig | None = None):
+        self.config = config or DpoConfig()
 
-def sums(trainer, params, batch, rngs, copy):
-    """A `Trainer`'s DPO objective: (loss, minus the chosen completions' log-probability,
-    pairs, tokens, statistics) summed over the pairs of `batch`; the reference's
-    log-probabilities carry no gradient (`copy`: its parameters, where it has a copy). A
-    mixture of experts' auxiliary losses count once per pair."""
-    reference = trainer.reference
-    policy_logps, stats = _token_logps(trainer, params, batch, trainer.dpo.disable_dropout,
-                                       rngs)
-    reference_logps, _ = _token_logps(
-        trainer, jax.lax.stop_gradient(reference.params(params, copy)), batch, True,
-        model=reference.model)
-    policy, counts = pair_sums(policy_logps, batch)
-    ref, _ = pair_sums(jax.lax.stop_gradient(reference_logps), batch)
-    loss, metrics, pairs = losses(policy, ref, counts, trainer.dpo)
-    if "aux_loss" in stats:
-        loss = loss + pairs * stats.pop("aux_loss")
-    tokens = losses_lib.loss_weights(batch).sum().astype(jnp.float32)
-    stats = {**{k: v * pairs for k, v in stats.items()}, **metrics}
-    return loss, -metrics["logps_chosen"], pairs, tokens, stats
+    def bind(self, setting: Setting) -> "Preference":
+        bound = Preference(self.config)
+        bound.setting = setting
+        bound.reference = Reference(setting.model, setting.abstract_params, setting.trainable,
+                                    setting.param_shardings)
+        return bound
 
+    def batch_keys(self, features) -> list[str]:
+        return batch_keys(features) + [READ_INPUTS, LOSS_WEIGHTS]
 
-def eval_sums(trainer, params, batch, copy) -> dict:
-    """The sums over `batch`'s pairs that evaluation adds up (`evaluation.heldout`)."""
-    loss, _, pairs, tokens, stats = sums(trainer, params, batch, None, copy)
-    return {"loss_sum": loss, "num_pairs": pairs, "num_tokens": tokens,
-            **{k: stats[k] for k in METRICS}}
+    def argument_shardings(self) -> tuple:
+        return self.reference.shardings
+
+    def arguments(self) -> tuple:
+        return self.reference.arguments()
+
+    def abstract_arguments(self) -> tuple:
+        return (self.setting.sharded_params(),) if self.reference.needs_copy else ()
+
+    @property
+    def needs_start(self) -> bool:
+        return self.reference.needs_copy
+
+    def set_start(self, params) -> None:
+        self.reference.set(params)
+
+    def loss_sums(self, params, batch, rngs, copy=None):
+        s, reference = self.setting, self.reference
+        policy_logps, stats = token_log_likelihoods(s, params, batch,
+                                                    self.config.disable_dropout, rngs,
+                                                    stats=True)
+        reference_logps, _ = token_log_likelihoods(
+            s, jax.lax.stop_gradient(reference.params(params, copy)), batch, True,
+            model=reference.model, stats=True)
+        policy, counts = pair_sums(policy_logps, batch)
+        ref, _ = pair_sums(jax.lax.stop_gradient(reference_logps), batch)
+        loss, metrics, pairs = losses(policy, ref, counts, self.config)
+        if "aux_loss" in stats:
+            loss = loss + pairs * stats.pop("aux_loss")
+        tokens = loss_weights(batch).sum().astype(jnp.float32)
+        stats = {**{k: v * pairs for k, v in stats.items()}, **metrics}
+        return loss, -metrics["logps_chosen"], pairs, tokens, stats
+
+    def eval_sums(self, params, batch, copy=None) -> dict:
+        loss, _, pairs, tokens, stats = self.loss_sums(params, batch, None, copy)
+        return {"loss_sum": loss, "num_pairs": pairs, "num_tokens": tokens,
+                **{k: stats[k] for k in METRICS}}
+
+    def eval_results(self, totals: dict) -> dict:
+        """The loss and the means of `METRICS` over the held-out pairs."""
+        totals = {"loss_sum": 0.0, "num_pairs": 0.0, "num_tokens": 0.0, **totals}
+        n = max(totals["num_pairs"], 1.0)
+        return {"eval/loss": totals["loss_sum"] / n,
+                **{f"eval/{k}": v / n for k, v in totals.items() if k in METRICS},
+                "eval/num_pairs": totals["num_pairs"], "eval/num_tokens": totals["num_tokens"]}

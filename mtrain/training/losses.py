@@ -93,39 +93,6 @@ def cross_entropy(logits, targets, weights, *, z_loss: float = 0.0, label_smooth
     return loss * weights, xent * weights
 
 
-def token_losses(logits, batch, config: LossConfig, classes: int = 0):
-    """(loss, xent, weights, logits) per token of `batch` (`cross_entropy`); the logits past
-    the real vocabulary (`classes`) set to -inf: no prediction either."""
-    weights = loss_weights(batch)
-    loss, xent = cross_entropy(logits, batch["targets"], weights, z_loss=config.z_loss,
-                               label_smoothing=config.label_smoothing, classes=classes)
-    if classes:
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < classes, logits, -jnp.inf)
-    return loss, xent, weights, logits
-
-
-def token_sums(out, stats: dict, batch, config: LossConfig, chunks: int, classes: int = 0):
-    """A train step's (loss, xent, tokens, tokens, statistics) summed over `batch`'s tokens
-    (the count to take means by, then the tokens): `out` the model's logits, or with
-    `chunks` > 1 its (final hidden states, output kernel) (`chunked_cross_entropy`). A
-    mixture of experts' auxiliary losses (``aux_loss`` in its `stats`, a mean) count once
-    per token, and its statistics are summed x tokens too, so that all add up over
-    microbatches."""
-    weights = loss_weights(batch)
-    tokens = weights.sum().astype(jnp.float32)
-    if chunks == 1:
-        loss, xent = (x.sum() for x in cross_entropy(
-            out, batch["targets"], weights, z_loss=config.z_loss,
-            label_smoothing=config.label_smoothing, classes=classes))
-    else:
-        loss, xent = chunked_cross_entropy(
-            *out, batch["targets"], weights, chunks=chunks, z_loss=config.z_loss,
-            label_smoothing=config.label_smoothing, classes=classes)
-    if "aux_loss" in stats:
-        loss = loss + tokens * stats.pop("aux_loss")
-    return loss, xent, tokens, tokens, {k: v * tokens for k, v in stats.items()}
-
-
 def chunked_cross_entropy(hidden, kernel, targets, weights, *, chunks: int,
                           z_loss: float = 0.0, label_smoothing: float = 0.0, classes: int = 0):
     """Summed ``(loss, xent)`` of `cross_entropy` over the logits ``hidden @ kernel``, never

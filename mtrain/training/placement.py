@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding
 from mtrain.models.base import READ_INPUTS
 from mtrain.parallel.layout import LayoutError
 
+BATCH_NAMES = ("batch", "length")  # the logical dimensions of every batch feature
+
 
 class PlacedBatch(dict):
     """A batch on the devices: feature name -> global array, and `packing` (`base.packing_of`

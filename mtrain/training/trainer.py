@@ -1,4 +1,10 @@
-"""Sharded training state and the jitted train and eval steps.
+"""Sharded training state and the jitted train and eval steps of an objective.
+
+What the steps minimise and evaluate is the `objective` a `Trainer` is given
+(`training.objective`: language modelling by default, DPO for preference pairs): it owns the
+batch's keys, the sums over a batch, the metrics, and any state of its own that the steps
+take as arguments after the batch. The trainer differentiates, steps, shards and loops
+without knowing which objective it runs.
 
 `Trainer` asks the layout for the sharding of every parameter (from the logical names the
 model gave it, by the parameter layout rules on top of the layout rules), of every
@@ -16,7 +22,6 @@ steps compile once per value, like once per shape. The trainer knows no kernel.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -26,62 +31,49 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtrain.models import context, moe, parameters
-from mtrain.training import dpo as dpo_lib
-from mtrain.training import freezing, losses
-from mtrain.training import optimizer as optimizer_lib
 from mtrain.errors import ConfigError
-from mtrain.parallel.layout import (Layout, constrain, is_names, logical_names,
-                                   tree_shardings)
-from mtrain.training.losses import LossConfig
-from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys, packed_rows, packing_of
-from mtrain.training.placement import PlacedBatch, local_rows, place
+from mtrain.models import context, moe, parameters
+from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
+from mtrain.parallel.layout import Layout, tree_shardings
+from mtrain.training import freezing
+from mtrain.training import optimizer as optimizer_lib
+from mtrain.training.gradients import mean_gradient
+from mtrain.training.language_modeling import LanguageModeling
+from mtrain.training.objective import Objective, Setting, classes
+from mtrain.training.placement import BATCH_NAMES, PlacedBatch, local_rows, place
 from mtrain.training.state import TrainState, step_metrics, with_shardings
 
 Batch = dict[str, Any]
-BATCH_NAMES = ("batch", "length")
 
 
 class Trainer:
-    """Builds the sharded state and the jitted steps for one model, optimizer and layout."""
+    """Builds the sharded state and the jitted steps for one model, optimizer, objective and
+    layout."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: optax.GradientTransformation,
-        layout: Layout,
-        mesh: Mesh,
-        batch_size: int,
-        sequence_length: int,
-        seed: int = 0,
-        loss_config: LossConfig | None = None,
-        num_microbatches: int = 1,
-        trainable: freezing.Predicate | None = None,
-        dpo: dpo_lib.DpoConfig | None = None,
-    ):
-        """`num_microbatches` > 1 accumulates the gradient over that many slices of the
-        batch (Mesh-TF's serialize_num_microbatches): the same update, a fraction of the
-        activation memory. `optimizer` is told which parameters are a scanned stack's
+    def __init__(self, *, model: nn.Module, optimizer: optax.GradientTransformation,
+                 layout: Layout, mesh: Mesh, batch_size: int, sequence_length: int,
+                 objective: Objective | None = None, seed: int = 0, num_microbatches: int = 1,
+                 trainable: freezing.Predicate | None = None):
+        """`objective` (`training.objective`; default `LanguageModeling()`): what the steps
+        minimise and evaluate, bound to this trainer (`objective`). `num_microbatches` > 1
+        accumulates the gradient over that many slices of the batch (Mesh-TF's
+        serialize_num_microbatches): the same update, a fraction of the activation memory.
+        `optimizer` is told which parameters are a scanned stack's
         (`optimizer.for_parameters`), so that its per-tensor statistics are each layer's.
         `trainable` (a predicate of a parameter's path, `freezing`): the parameters that
-        train, the others frozen (no gradient, no optimizer state); None: all. `dpo`: the
-        batches are preference pairs, and the objective is DPO's (`training.dpo`) against
-        a reference model (`dpo.Reference`)."""
+        train, the others frozen (no gradient, no optimizer state); None: all."""
         self.model, self.layout, self.mesh = model, layout, mesh
         # Whether the model's kernels want each batch's packing (`models.base`).
         self.uses_packing = bool(getattr(model, "uses_packing", False))
-        self.loss_config = loss_config or LossConfig()
         if batch_size % num_microbatches:
             raise ConfigError(f"batch_size {batch_size} is not divisible into "
                               f"{num_microbatches} microbatches")
         self.num_microbatches = num_microbatches
         self.batch_shape = (batch_size, sequence_length)
         self.seed = seed
-        init_key, self.dropout_key = jax.random.split(jax.random.key(seed))
-        self.init_key = init_key
-
-        boxed = jax.eval_shape(self._init_variables, init_key)
-        self.param_names = param_names = nn.get_partition_spec(boxed)["params"]
+        self.init_key, self.dropout_key = jax.random.split(jax.random.key(seed))
+        boxed = jax.eval_shape(self._init_variables, self.init_key)
+        self.param_names = nn.get_partition_spec(boxed)["params"]
         abstract_params = nn.unbox(boxed)["params"]
         self.trainable = trainable or (lambda path: True)
         self.frozen = trainable is not None
@@ -89,57 +81,54 @@ class Trainer:
             raise ConfigError("no parameter of the model trains (run.trainable, or the LoRA "
                               "targets, match none)")
         # What the optimizer sees: the trainable parameters (all of them, unless frozen).
-        self.trained_names = parameters.select(param_names, self.trainable)
-        self.dpo = dpo
-        trained = parameters.select(abstract_params, self.trainable)
+        self.trained_names = parameters.select(self.param_names, self.trainable)
         self.given_optimizer = optimizer  # (for `with_layout`)
         self.optimizer = optimizer_lib.for_parameters(optimizer, self.trained_names)
-        # Parameters and optimizer state are stored by the parameter layout rules too.
-        param_shardings = tree_shardings(layout, mesh, param_names, abstract_params, True)
-        abstract_opt = jax.eval_shape(self.optimizer.init, trained)
-        opt_names = optimizer_lib.state_names(abstract_opt, trained, self.trained_names)
-        replicated = NamedSharding(mesh, PartitionSpec())
-        self.state_shardings = TrainState(
-            step=replicated,
-            params=param_shardings,
-            opt_state=tree_shardings(layout, mesh, opt_names, abstract_opt, True),
-        )
-        self.abstract_state = TrainState(
-            step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt
-        )
+        self._lay_out_state(abstract_params)
         self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
         self.length_order = context.length_order(sequence_length, layout, model.features)
         layout.check_rules_used()  # every parameter and activation has been laid out above
-        logits_per_device = math.prod(  # of one microbatch
-            -(-size // layout.ways(name)) for name, size in
-            [("batch", batch_size // num_microbatches), ("length", sequence_length),
-             ("vocab", model.config.vocab_size)])
-        self.loss_chunks = self.loss_config.num_chunks(sequence_length, logits_per_device)
-        self._init_state = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        self.objective = (objective or LanguageModeling()).bind(Setting(
+            model=model, layout=layout, mesh=mesh, batch_shape=self.batch_shape,
+            num_microbatches=num_microbatches, abstract_params=abstract_params,
+            param_shardings=self.state_shardings.params, trainable=self.trainable,
+            apply=self.apply_model))
+        self.loss_chunks = self.objective.loss_chunks  # (the planner's)
+        self._jit_steps()
+
+    def _lay_out_state(self, abstract_params) -> None:
+        """The state's shapes and shardings: parameters and optimizer state are stored by
+        the parameter layout rules too."""
+        trained = parameters.select(abstract_params, self.trainable)
+        param_shardings = tree_shardings(self.layout, self.mesh, self.param_names,
+                                         abstract_params, True)
+        abstract_opt = jax.eval_shape(self.optimizer.init, trained)
+        opt_names = optimizer_lib.state_names(abstract_opt, trained, self.trained_names)
+        self.state_shardings = TrainState(
+            step=NamedSharding(self.mesh, PartitionSpec()), params=param_shardings,
+            opt_state=tree_shardings(self.layout, self.mesh, opt_names, abstract_opt, True))
+        self.abstract_state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
+                                         params=abstract_params, opt_state=abstract_opt)
+
+    def _jit_steps(self) -> None:
+        """The jitted init, start, train, eval and scoring steps; the train and eval steps
+        take the objective's arguments after the batch (`Objective.arguments`)."""
+        shardings, replicated = self.state_shardings, NamedSharding(self.mesh, PartitionSpec())
+        extra = self.objective.argument_shardings()
+        self._init_state = jax.jit(self._init_fn, out_shardings=shardings)
         self._start_from = jax.jit(
             lambda params: self._start_fn(jax.tree.map(
                 lambda p, a: p.astype(a.dtype), params, self.abstract_state.params)),
-            in_shardings=(param_shardings,), out_shardings=self.state_shardings)
-        # DPO's reference model (its copy of the parameters a third argument of the steps)
-        self.reference = dpo_lib.Reference(model, abstract_params, self.trainable,
-                                           param_shardings) if dpo else None
-        reference = self.reference.shardings if dpo else ()
+            in_shardings=(shardings.params,), out_shardings=shardings)
         self._train_step = jax.jit(
-            self._train_step_fn,
-            in_shardings=(self.state_shardings, self.batch_sharding, *reference),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=0,
-        )
+            self._train_step_fn, in_shardings=(shardings, self.batch_sharding, *extra),
+            out_shardings=(shardings, replicated), donate_argnums=0)
         self._eval_step = jax.jit(
-            self._eval_step_fn,
-            in_shardings=(self.state_shardings.params, self.batch_sharding, *reference),
-            out_shardings=replicated,
-        )
+            self._eval_step_fn, in_shardings=(shardings.params, self.batch_sharding, *extra),
+            out_shardings=replicated)
         self._token_log_likelihoods = jax.jit(
             self._token_log_likelihoods_fn,
-            in_shardings=(self.state_shardings.params, self.batch_sharding),
-            out_shardings=replicated,
-        )
+            in_shardings=(shardings.params, self.batch_sharding), out_shardings=replicated)
 
     # ---- pure functions (traced under the layout) ----
 
@@ -153,7 +142,8 @@ class Trainer:
         positions); with `return_hidden` its final hidden states and output kernel. The
         batch's packing, if it carries one, is the model's `current_packing()`. With
         `stats`, ``(out, statistics)``: its experts' (`moe.summary`; {} without).
-        `model`: another than the trainer's (DPO's reference)."""
+        `model`: another than the trainer's (one an objective keeps, as DPO's frozen model).
+        The objective's `Setting.apply`."""
         args = [batch[name] for name in batch_keys(self.model.features)]
         kwargs = {"return_hidden": True} if return_hidden else {}
         if READ_INPUTS in batch:  # the tokens read before the targets, as the data gives
@@ -189,89 +179,27 @@ class Trainer:
         """(the trainable parameters, the frozen ones) of `params` (`freezing`)."""
         return freezing.split(params, self.trainable) if self.frozen else (params, {})
 
-    def _losses(self, params, batch, deterministic, rngs=None):
-        """(loss, xent, weights, logits) per token; see `losses.cross_entropy`."""
-        return losses.token_losses(self.apply_model(params, batch, deterministic, rngs), batch,
-                                   self.loss_config, self.classes)
-
     @property
     def classes(self) -> int:
         """The model's real vocabulary rows (its config's `real_vocab_size`; 0: all)."""
-        return getattr(self.model.config, "real_vocab_size", 0)
+        return classes(self.model)
 
-    def _loss_sums(self, params, batch, rngs, reference=None):
-        """(loss, cross-entropy, count, tokens, statistics) summed over the training
-        `batch` (`losses.token_sums`; with DPO, `dpo.sums`), to add up over microbatches."""
-        if self.dpo:
-            return dpo_lib.sums(self, params, batch, rngs, reference)
-        out, stats = self.apply_model(params, batch, False, rngs, self.loss_chunks > 1, stats=True)
-        return losses.token_sums(out, stats, batch, self.loss_config, self.loss_chunks,
-                                 self.classes)
+    def gradients(self, params, batch: Batch, dropout_key, frozen=None, arguments=()):
+        """The gradient of the objective's mean loss over `batch` (and the loss,
+        cross-entropy, tokens and statistics: `Objective.loss_sums`), accumulated over
+        `num_microbatches` slices of it (`gradients.mean_gradient`). With `frozen`
+        parameters, `params` are the trainable ones (`split`), and the gradient is theirs.
+        `arguments`: the objective's (`Objective.arguments`)."""
+        return mean_gradient(
+            lambda params, batch, rngs: self.objective.loss_sums(params, batch, rngs, *arguments),
+            params, batch, dropout_key, self.num_microbatches, self.trained_names, frozen)
 
-    def _gradients(self, params, batch: Batch, rngs, normalize: bool, frozen=None,
-                   reference=None):
-        """(gradient, loss, cross-entropy, count, tokens, statistics) of `batch`: of the
-        mean loss (per token; DPO's per pair: `count` of them) with `normalize`
-        (statistics: means), else of the sums (to add up). `params` are the trainable
-        parameters, `frozen` the others (none: `params` are all); `reference` DPO's copy."""
-        def loss_fn(params):
-            if frozen:
-                params = parameters.merge(frozen, params)
-            loss, xent, count, tokens, stats = self._loss_sums(params, batch, rngs, reference)
-            scale = 1.0 / jnp.maximum(count, 1.0) if normalize else 1.0
-            stats = {k: v * scale for k, v in stats.items()}
-            return loss * scale, (xent * scale, count, tokens, stats)
-
-        (loss, (xent, count, tokens, stats)), grads = jax.value_and_grad(
-            loss_fn, has_aux=True)(params)
-        # Laid out as the parameters are stored: under parameter layout rules (FSDP) each
-        # device keeps (and accumulates over microbatches) only its shard of the sum.
-        grads = jax.tree_util.tree_map(
-            lambda names, g: constrain(g, logical_names(names, g.ndim), "gradient", parameter=True),
-            self.trained_names, grads, is_leaf=is_names)
-        return grads, loss, xent, count, tokens, stats
-
-    def gradients(self, params, batch: Batch, dropout_key, frozen=None, reference=None):
-        """The gradient of the mean token loss of `batch` (and the loss, cross-entropy, token
-        count and the model's statistics: `_loss_sums`), accumulated over `num_microbatches`
-        slices of it, one at a time. Microbatch j holds rows j, j + k, j + 2k, ... so that
-        every device keeps working on its own rows. With `frozen` parameters, `params` are
-        the trainable ones (`split`), and the gradient is theirs. `reference`: DPO's copy of
-        the reference model's parameters, where it keeps one."""
-        k = self.num_microbatches
-        if k == 1:
-            grads, loss, xent, _, tokens, stats = self._gradients(
-                params, batch, {"dropout": dropout_key}, True, frozen, reference)
-            return grads, loss, xent, tokens, stats
-        micro = {name: constrain(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
-                                 (None, *BATCH_NAMES))
-                 for name, x in batch.items()}
-        micro = batch.like(micro) if isinstance(batch, PlacedBatch) else micro
-
-        def step(total, inputs):
-            i, microbatch = inputs
-            out = self._gradients(params, microbatch,
-                                  {"dropout": jax.random.fold_in(dropout_key, i)}, False,
-                                  frozen, reference)
-            return jax.tree_util.tree_map(jnp.add, total, out), None
-
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
-            lambda p, b: self._gradients(p, b, {"dropout": dropout_key}, False, frozen,
-                                         reference), params,
-            jax.tree_util.tree_map(lambda x: x[0], micro)))
-        (grads, loss, xent, count, tokens, stats), _ = jax.lax.scan(
-            step, zeros, (jnp.arange(k), micro))
-        # The mean over the batch's tokens (pairs), however it was sliced.
-        scale = 1.0 / jnp.maximum(count, 1.0)
-        grads, stats = jax.tree_util.tree_map(lambda g: g * scale, (grads, stats))
-        return grads, loss * scale, xent * scale, tokens, stats
-
-    def _train_step_fn(self, state: TrainState, batch: Batch, reference=None):
+    def _train_step_fn(self, state: TrainState, batch: Batch, *arguments):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
             trained, frozen = self.split(state.params)
             grads, loss, xent, tokens, stats = self.gradients(trained, batch, dropout_key,
-                                                              frozen, reference)
+                                                              frozen, arguments)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
             params = optax.apply_updates(trained, updates)
             if frozen:
@@ -279,23 +207,13 @@ class Trainer:
         metrics = step_metrics(grads, loss, xent, tokens, stats)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    def _eval_step_fn(self, params, batch: Batch, reference=None):
-        if self.dpo:  # sums over the pairs, for the mean over the split
-            with self.layout.activate(self.mesh):
-                return dpo_lib.eval_sums(self, params, batch, reference)
-        with self.layout.activate(self.mesh):
-            _, xent, weights, logits = self._losses(params, batch, True)
-            correct = (jnp.argmax(logits, axis=-1) == batch["targets"]) & weights
-        return {
-            "xent_sum": xent.sum(),
-            "correct": correct.sum().astype(jnp.float32),
-            "num_tokens": weights.sum().astype(jnp.float32),
-        }
+    def _eval_step_fn(self, params, batch: Batch, *arguments):
+        with self.layout.activate(self.mesh):  # sums, for the means over the split
+            return self.objective.eval_sums(params, batch, *arguments)
 
     def _token_log_likelihoods_fn(self, params, batch: Batch):
         with self.layout.activate(self.mesh):
-            _, xent, weights, _ = self._losses(params, batch, True)
-        return jnp.where(weights, -xent, 0.0)
+            return self.objective.token_log_likelihoods(params, batch)
 
     # ---- the public API ----
 
@@ -306,22 +224,24 @@ class Trainer:
 
     def abstract_batch(self, batch: PlacedBatch | None = None) -> PlacedBatch:
         """A batch as shapes with its sharding (for ahead-of-time compilation): that of `batch`
-        (placed, with its packing), else the model's features (and DPO's) unpacked."""
+        (placed, with its packing), else the objective's keys (`Objective.batch_keys`)
+        unpacked."""
         if batch is not None:
             return jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
         ids = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-        keys = batch_keys(self.model.features) + ([READ_INPUTS, LOSS_WEIGHTS] if self.dpo else [])
-        return PlacedBatch({name: ids for name in keys})
+        return PlacedBatch({name: ids for name in self.objective.batch_keys(self.model.features)})
 
     def with_layout(self, layout: Layout) -> "Trainer":
-        """The same model, optimizer, batch, seed and settings on another layout (over the
-        first `layout.size` devices)."""
-        return Trainer(self.model, self.given_optimizer, layout,
-                       layout.make_mesh(jax.devices()[:layout.size]), *self.batch_shape,
-                       seed=self.seed, loss_config=self.loss_config,
+        """The same model, optimizer, objective, batch, seed and settings on another layout
+        (over the first `layout.size` devices; the objective's own state fresh)."""
+        batch_size, sequence_length = self.batch_shape
+        return Trainer(model=self.model, optimizer=self.given_optimizer,
+                       objective=self.objective, layout=layout,
+                       mesh=layout.make_mesh(jax.devices()[:layout.size]),
+                       batch_size=batch_size, sequence_length=sequence_length, seed=self.seed,
                        num_microbatches=self.num_microbatches,
-                       trainable=self.trainable if self.frozen else None, dpo=self.dpo)
+                       trainable=self.trainable if self.frozen else None)
 
     def init_state(self) -> TrainState:
         """A freshly initialised state, created directly in its shards."""
@@ -356,12 +276,8 @@ class Trainer:
                      packing_of(batch) if self.uses_packing else None, self.length_order,
                      getattr(self.model.config, "start_id", 0))
 
-    def _reference(self) -> tuple:
-        """The steps' arguments after the batch: DPO's reference copy, where it keeps one."""
-        return self.reference.arguments() if self.dpo else ()
-
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        return self._train_step(state, batch, *self._reference())
+        return self._train_step(state, batch, *self.objective.arguments())
 
     # ---- what the training loop needs of a stepper (`training.loop.Stepper`) ----
 
@@ -381,9 +297,8 @@ class Trainer:
         """The train step lowered from abstract state and batch (nothing allocated; the
         batch's shapes and packing are `batch`'s if given): its `.as_text()` is the HLO, its
         `.compile()` the program the planner measures."""
-        state = self.sharded_abstract_state()  # (and DPO's copy of the parameters, shaped so)
-        return self._train_step.lower(state, self.abstract_batch(batch), *(
-            (state.params,) if self.dpo and self.reference.needs_copy else ()))
+        return self._train_step.lower(self.sharded_abstract_state(), self.abstract_batch(batch),
+                                      *self.objective.abstract_arguments())
 
     def compile_train_step(self, batch: PlacedBatch | None = None):
         """The train step compiled ahead of time from abstract shapes (see
@@ -391,10 +306,12 @@ class Trainer:
         return self.lower_train_step(batch).compile()
 
     def eval_step(self, params, batch: Batch) -> dict:
-        return self._eval_step(params, batch, *self._reference())
+        """The objective's sums over `batch` (`Objective.eval_sums`), on every process."""
+        return self._eval_step(params, batch, *self.objective.arguments())
 
     def token_log_likelihoods(self, params, batch: Batch) -> jax.Array:
-        """log p(target token) at every position of `batch` [batch, length] (0 at padding),
-        the same numbers whose negated sum is `eval_step`'s ``xent_sum``; on every process."""
+        """log p(target token) at every position of `batch` [batch, length] (0 at padding;
+        of a language model, the numbers whose negated sum is `eval_step`'s ``xent_sum``:
+        `Objective.token_log_likelihoods`); on every process."""
         out = self._token_log_likelihoods(params, batch)
         return out if self.length_order is None else out[:, np.argsort(self.length_order)]
