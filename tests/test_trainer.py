@@ -63,17 +63,23 @@ def train(mesh_shape, rules, parameter_rules="", steps=3, **kwargs):
     return losses, jax.device_get(state.params)
 
 
-def test_layouts_never_change_results():
-    ref_losses, ref_params = train(*LAYOUTS[0])
-    assert ref_losses[-1] < ref_losses[0]
-    for mesh_shape, rules, parameter_rules in LAYOUTS[1:]:
-        losses, params = train(mesh_shape, rules, parameter_rules)
-        where = f"{mesh_shape} {parameter_rules}"
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=where)
-        jax.tree_util.tree_map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=where),
-            params, ref_params,
-        )
+@pytest.fixture(scope="module")
+def one_device():
+    """The losses and parameters of 3 steps on one device (each layout's reference)."""
+    losses, params = train(*LAYOUTS[0])
+    assert losses[-1] < losses[0]
+    return losses, params
+
+
+# (one test per layout: the test processes share them out)
+@pytest.mark.parametrize("mesh_shape, rules, parameter_rules", LAYOUTS[1:],
+                         ids=[f"{m} {p}".strip() for m, _, p in LAYOUTS[1:]])
+def test_layouts_never_change_results(one_device, mesh_shape, rules, parameter_rules):
+    ref_losses, ref_params = one_device
+    losses, params = train(mesh_shape, rules, parameter_rules)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), params, ref_params)
 
 
 def test_each_device_holds_only_its_shard():
