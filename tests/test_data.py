@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mtrain.data import bible, formats, lanes, packing, pipeline
-from mtrain.data.pipeline import batches, lm_batches
+from mtrain.data.pipeline import BatchSettings, batches, lm_batches
 from mtrain.models.base import batch_keys
 from mtrain.data.sources import BibleLM, BibleTranslation
 from mtrain.errors import DataError, IncompatibleRun
@@ -281,7 +281,7 @@ def test_a_tf_data_position_of_an_older_mtrain_is_refused_in_one_line(vocab, tmp
         listed.unlink()  # (checksums of the files it wrote: not what this test is about)
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     with pytest.raises(IncompatibleRun) as error:
-        checkpoints.restore_intact({"w": jnp.zeros(4)}, train_batches(vocab), meta)
+        checkpoints.read(None, {"w": jnp.zeros(4)}, meta, iterator=train_batches(vocab))
     assert "\n" not in str(error.value)
     assert "tf.data pipeline of mtrain fc8be58 or older" in str(error.value)
     assert "run.init_from" in str(error.value)
@@ -354,8 +354,9 @@ def test_translation_batches_pack_aligned_pairs(tmp_path):
                              tmp_path / "joint.model")
     pairs = dict(zip(source.columns("train")["inputs"], source.columns("train")["targets"]))
     features = {"inputs": "inputs", "targets": "targets"}
-    iterator = batches(source, joint, "train", features, 96, BATCH, seed=1, train=True,
-                       window=WINDOW)  # long enough for most verses to fit whole
+    iterator = batches(source.packs(features), joint, "train", BatchSettings(
+        sequence_length=96, batch_size=BATCH, seed=1, train=True,
+        window=WINDOW))  # long enough for most verses to fit whole
     batch = next(iterator)
     assert set(batch) == {f"{k}{s}" for k in features for s in ("", "_segment_ids", "_positions")}
     checked = 0

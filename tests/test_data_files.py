@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from mtrain.data import files
+from mtrain.data import files, hub_layout
 from mtrain.errors import DataError
 
 RECORDS = [{"text": "hello world", "n": 1}, {"text": "ça va ✓", "tags": ["a", "b"]},
@@ -150,11 +150,14 @@ def test_identity_follows_edits(tmp_path):
     assert files.identity([a]) != first  # a file removed
     stat = os.stat(a)
     os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # mtime only
+    assert files.identity([a, b]) == first  # the same contents: the same data
+    a.write_text('{"x": 1}\n')  # rewritten with the same bytes (cp, git checkout)
+    assert files.identity([a, b]) == first
+    a.write_text('{"x": 3}\n')  # the same size, other contents
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and its old modification time
     second = files.identity([a, b])
-    assert second != first
-    assert files.identity([a, b]) == second
+    assert second != first and files.identity([a, b]) == second
     a.write_text('{"x": 10}\n')  # size too
-    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert files.identity([a, b]) not in (first, second)
 
 
@@ -166,7 +169,7 @@ def test_hf_dataset_splits(tmp_path):
     for i, name in enumerate(names):
         pq.write_table(pa.table({"text": [f"row {i}"]}), data / name)
     (tmp_path / "ds" / "README.md").write_text("# a dataset card without front matter\n")
-    splits = files.hf_dataset_splits(tmp_path / "ds")
+    splits = hub_layout.hf_dataset_splits(tmp_path / "ds")
     assert {k: [p.name for p in v] for k, v in splits.items()} == {
         "test": names[2:], "train": names[:2]}
     assert [r["text"] for p in splits["train"] for _, r in files.read(p)] == ["row 0", "row 1"]
@@ -175,7 +178,7 @@ def test_hf_dataset_splits(tmp_path):
         "---\nlicense: mit\nconfigs:\n- config_name: default\n  data_files:\n"
         "  - split: train\n    path: data/train-*\n  - split: validation\n    path: data/test-*\n"
         "---\n# card\n")
-    splits = files.hf_dataset_splits(tmp_path / "ds")
+    splits = hub_layout.hf_dataset_splits(tmp_path / "ds")
     assert {k: [p.name for p in v] for k, v in splits.items()} == {
         "train": names[:2], "validation": names[2:]}
 
@@ -183,11 +186,11 @@ def test_hf_dataset_splits(tmp_path):
     plain.mkdir()
     (plain / "notes.txt").write_text("hi\n")
     (plain / "corpus.jsonl").write_text("{}\n")
-    assert files.hf_dataset_splits(plain) is None
-    assert files.hf_dataset_splits(tmp_path / "nothing") is None
+    assert hub_layout.hf_dataset_splits(plain) is None
+    assert hub_layout.hf_dataset_splits(tmp_path / "nothing") is None
     (plain / "train.jsonl").write_text("{}\n")
     (plain / "validation.jsonl.gz").write_bytes(gzip.compress(b"{}\n"))
-    assert {k: [p.name for p in v] for k, v in files.hf_dataset_splits(plain).items()} == {
+    assert {k: [p.name for p in v] for k, v in hub_layout.hf_dataset_splits(plain).items()} == {
         "train": ["train.jsonl"], "validation": ["validation.jsonl.gz"]}
 
 

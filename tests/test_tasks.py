@@ -12,7 +12,7 @@ import pytest
 from mtrain.evaluation import heldout as evaluation
 from mtrain.data import tasks
 from mtrain.data import bible, make_offline, sources
-from mtrain.data.pipeline import batches
+from mtrain.data.pipeline import BatchSettings, batches
 from mtrain.errors import ConfigError, DataError
 from mtrain.data.vocabulary import EOS_ID, UNK_ID, train_vocabulary
 
@@ -88,8 +88,8 @@ def test_wmt14_enfr_batches_pack_english_inputs_with_french_targets(wmt, tmp_pat
     assert task.features == {"inputs": "en", "targets": "fr"}
     joint = train_vocabulary(wmt.texts("train"), 600, tmp_path / "joint.model")
     pairs = {v.en: v.fr for v in bible.bible_split_verses("train")}
-    batch = next(batches(wmt, joint, "train", task.features, 96, BATCH, seed=3, train=True,
-                         window=WINDOW))
+    batch = next(batches(wmt.packs(task.features), joint, "train", BatchSettings(
+        sequence_length=96, batch_size=BATCH, seed=3, train=True, window=WINDOW)))
     checked = 0
     for i in range(BATCH):
         segments = {key: batch[f"{key}_segment_ids"][i] for key in ("inputs", "targets")}
@@ -107,8 +107,9 @@ def test_wmt14_enfr_batches_pack_english_inputs_with_french_targets(wmt, tmp_pat
 
 def test_tfds_batches_shard_by_host_and_resume_exactly(lm1b, en_vocab, tmp_path):
     def make(**kwargs):
-        return batches(lm1b, en_vocab, "train", {"targets": "text"}, LENGTH, BATCH, seed=2,
-                       train=True, window=WINDOW, **kwargs)
+        return batches(lm1b.packs({"targets": "text"}), en_vocab, "train", BatchSettings(
+            sequence_length=LENGTH, batch_size=BATCH, seed=2, train=True, window=WINDOW,
+            **kwargs))
 
     single = make()
     hosts = [make(shard=(p, 2)) for p in range(2)]
@@ -139,8 +140,9 @@ def test_a_corrupt_prepared_file_is_one_line_with_and_without_workers(lm1b, en_v
     train.write_bytes(bytes(data))
     source = tasks.get_task("lm1b").source(str(copy), raw)
     for workers in (0, 2):
-        pipeline = batches(source, en_vocab, "train", {"targets": "text"}, LENGTH, BATCH,
-                           train=True, window=WINDOW, workers=workers)
+        pipeline = batches(source.packs({"targets": "text"}), en_vocab, "train", BatchSettings(
+            sequence_length=LENGTH, batch_size=BATCH, train=True, window=WINDOW,
+            workers=workers))
         with pytest.raises(DataError, match=r"cannot read the prepared dataset .*lm1b/1\.1\.0 "
                                             r"\(.*\): delete it, and the next run prepares it"):
             next(pipeline)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mtrain.data import formats, pipeline, prepared
-from mtrain.data.lanes import PERIOD, Mixture, Stream
+from mtrain.data.lanes import PERIOD, Mixture
+from mtrain.data.streams import Stream, Streams
 from mtrain.data.sources import BibleLM
 from mtrain.data.vocabulary import train_vocabulary
 from mtrain.errors import DataError
@@ -118,8 +119,8 @@ def mixture_streams(tmp_path, vocab):
 
 
 def mixed(streams, vocab, **kwargs):
-    return pipeline.batches(streams, vocab, "train", None, 16, 8, seed=3, train=True,
-                            window=32, **kwargs)
+    return pipeline.batches(Streams(streams), vocab, "train", pipeline.BatchSettings(
+        sequence_length=16, batch_size=8, seed=3, train=True, window=32, **kwargs))
 
 
 def test_mixture_draws_by_weight_and_resumes_exactly(tmp_path, vocab):

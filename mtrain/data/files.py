@@ -2,9 +2,9 @@
 
 `expand` turns paths and globs (local, or gs://... through etils.epath, as the model dir is)
 into a list of files; `read` streams the records of one file, never holding the whole file in
-memory; `identity` is a short digest of which files, of what size and age, a run reads (saved
-with the input state so a resumed run notices edited data); `hf_dataset_splits` finds the
-files of each split of a folder laid out as a Hugging Face dataset on the Hub.
+memory, a long line in parts; `identity` is a short digest of the contents of the files a
+run reads (`data.file_identity`). (A folder laid out as a Hugging Face dataset on the Hub:
+`data.hub_layout`.)
 
 Formats (`file_kind` tells them by name):
 
@@ -12,6 +12,8 @@ Formats (`file_kind` tells them by name):
 - text: one record {"text": line} per non-blank line (.txt and any other name).
 - text_file: the whole file as one record {"text": content} (a document per file; never
   chosen by name).
+  A text longer than `PART` bytes comes as several records, each but the last marked
+  `CONTINUED` (`_parts`): a document of any size is read in bounded memory.
 - parquet: one record per row, {column: Python value} (.parquet), read by record batches.
 - arrayrecord: one record per stored record (.array_record, .arrayrecord, and sharded names
   such as x.array_record-00000-of-00004): a JSON object if it is one, else {"text": string}.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import bz2
 import contextlib
 import gzip
-import hashlib
 import io
 import json
 import lzma
@@ -35,6 +36,7 @@ from typing import Iterator
 
 from etils import epath
 
+from mtrain.data.file_identity import identity  # noqa: F401 (files.identity, as before)
 from mtrain.errors import DataError, first_line
 
 Record = dict  # one example as read: a JSON object, {"text": str}, or a Parquet row
@@ -53,6 +55,8 @@ _URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _GLOB = re.compile(r"[*?\[]")
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, which some editors write first
 _BLOCK = 1024  # records read at a time (Parquet batches, ArrayRecord blocks)
+PART = 1 << 18  # bytes of a long line (a text_file) read at a time
+CONTINUED = "_continued"  # in a record that is a part of a longer text, whose next follows
 
 
 def _zstd_reader(f):
@@ -105,7 +109,7 @@ def _matches(pattern: str) -> list[epath.Path]:
     return files
 
 
-def _name_parts(path) -> tuple[str, str, str]:
+def name_parts(path) -> tuple[str, str, str]:
     """(name without shard and compression suffixes, data suffix, compression suffix), lower
     case; DataError for a compression that cannot be read."""
     name = _SHARD.sub("", epath.Path(path).name.lower()).replace(".zstd", ".zst")
@@ -124,7 +128,7 @@ def file_kind(path) -> str:
     """The format of a file by its name: 'jsonl' (.jsonl, .ndjson, .json, compressed or not),
     'parquet', 'arrayrecord' (also sharded names like x.array_record-00000-of-00004), else
     'text'. DataError for a compressed suffix that cannot be read (.zip, .7z, ...)."""
-    _, suffix, compression = _name_parts(path)
+    _, suffix, compression = name_parts(path)
     if suffix in (".jsonl", ".ndjson", ".json"):
         return "jsonl"
     if suffix in (".parquet", ".array_record", ".arrayrecord"):
@@ -135,30 +139,13 @@ def file_kind(path) -> str:
     return "text"
 
 
-def identity(paths: Sequence) -> str:
-    """A short hex digest of the files: each one's full path, size and modification time, in
-    the order given. It changes when a file is edited, added or removed, and is the same in
-    every process and run otherwise."""
-    digest = hashlib.sha256()
-    for path in paths:
-        if _is_local(path):
-            name = os.path.abspath(os.path.expanduser(str(path)))
-            stat = os.stat(name)
-            size, mtime = stat.st_size, stat.st_mtime_ns
-        else:
-            name = str(path)
-            stat = epath.Path(path).stat()
-            size, mtime = stat.length, stat.mtime
-        digest.update(f"{name}\t{size}\t{mtime}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 def read(path, kind: str | None = None, *,
          columns: Sequence[str] | None = None) -> Iterator[tuple[int, Record]]:
     """Streams the records of one file as (number, record): number is the 1-based line number
     for jsonl and text (blank lines are skipped but counted), the 0-based record index for
-    parquet and arrayrecord, 1 for text_file. `kind` None: file_kind(path). `columns` selects
-    Parquet columns (a missing one is a DataError naming the columns the file has)."""
+    parquet and arrayrecord, 1 for text_file (a long text in parts: each a record, all but
+    the last marked `CONTINUED`). `kind` None: file_kind(path). `columns` selects Parquet
+    columns (a missing one is a DataError naming the columns the file has)."""
     kind = file_kind(path) if kind is None else kind
     if kind not in FORMATS:
         raise DataError(f"unknown data format {kind!r} for {path}; formats: {', '.join(FORMATS)}")
@@ -180,7 +167,7 @@ def _open(path: epath.Path, compressed: bool = True):
     except OSError as e:
         raise DataError(f"cannot open {path}: {first_line(e)}") from None
     with raw:
-        compression = _name_parts(path)[2] if compressed else ""
+        compression = name_parts(path)[2] if compressed else ""
         if not compression:
             yield raw
             return
@@ -196,6 +183,34 @@ def _lines(path: epath.Path) -> Iterator[tuple[int, bytes]]:
                 yield number, (line.removeprefix(_BOM) if number == 1 else line).rstrip(b"\r\n")
         except Exception as e:  # a damaged compressed file (each library has its errors)
             raise DataError(f"{path}: cannot read it ({first_line(e)})") from None
+
+
+def _parts(path: epath.Path, whole: bool = False) -> Iterator[tuple[int, bytes, bool]]:
+    """(1-based line number, a part of the line without its line ending, whether more of
+    the line follows) for each line of a file (`whole`: the file as one line), never more
+    than about 2 x `PART` bytes at a time: a longer line comes in parts, each cut before a
+    space (a line break in a whole file) in its second half, else before its last
+    character."""
+    with _open(path) as f:
+        number, carry, follows, given = 1, b"", False, False
+        try:
+            while chunk := (f.read(PART) if whole else f.readline(PART)):
+                part = carry + (chunk.removeprefix(_BOM) if number == 1 and not follows else chunk)
+                if len(chunk) < PART or (not whole and part.endswith(b"\n")):  # its end
+                    yield number, part if whole else part.rstrip(b"\r\n"), False
+                    number, carry, follows, given = number + 1, b"", False, True
+                    continue
+                cut = max(part.rfind(b" "), part.rfind(b"\n") if whole else -1)
+                if cut <= len(part) // 2:
+                    cut = len(part) - 1
+                    while cut > 0 and part[cut] & 0xC0 == 0x80:  # inside a UTF-8 character
+                        cut -= 1
+                part, carry, follows = part[:cut], part[cut:], True
+                yield number, part, True
+        except Exception as e:  # a damaged compressed file (each library has its errors)
+            raise DataError(f"{path}: cannot read it ({first_line(e)})") from None
+        if carry or follows or (whole and not given):
+            yield number, carry, False
 
 
 def _read_jsonl(path: epath.Path) -> Iterator[tuple[int, Record]]:
@@ -222,19 +237,19 @@ def _decode(path, line: bytes, where: str) -> str:
         raise DataError(f"{path} {where}: not UTF-8 text ({first_line(e)})") from None
 
 
-def _read_text(path: epath.Path) -> Iterator[tuple[int, Record]]:
-    for number, line in _lines(path):
-        if line.strip():
-            yield number, {"text": _decode(path, line, f"line {number}")}
+def _read_text(path: epath.Path, whole: bool = False) -> Iterator[tuple[int, Record]]:
+    """Its lines (`whole`: the file) as {"text": ...}; one too long to hold at once in
+    parts, each but the last marked `CONTINUED` (`_parts`)."""
+    after_part = False
+    for number, part, more in _parts(path, whole):
+        if whole or part.strip() or after_part:
+            where = "(the whole file)" if whole else f"line {number}"
+            yield number, {"text": _decode(path, part, where), **({CONTINUED: True} if more else {})}
+        after_part = more
 
 
 def _read_text_file(path: epath.Path) -> Iterator[tuple[int, Record]]:
-    with _open(path) as f:
-        try:
-            content = f.read()
-        except Exception as e:  # a damaged compressed file
-            raise DataError(f"{path}: cannot read it ({first_line(e)})") from None
-    yield 1, {"text": _decode(path, content.removeprefix(_BOM), "(the whole file)")}
+    return _read_text(path, whole=True)
 
 
 def _read_parquet(path: epath.Path, columns) -> Iterator[tuple[int, Record]]:
@@ -290,89 +305,3 @@ def _record_of(path, index: int, data: bytes) -> Record:
     except UnicodeDecodeError:
         raise DataError(f"{path} record {index}: neither a JSON object nor UTF-8 text "
                         f"(a serialized proto?)") from None
-
-
-# Split names a file or folder may start with, outside the Hub's sharded names.
-_SPLIT_WORDS = ("train", "training", "validation", "valid", "val", "dev", "test", "testing",
-                "eval", "evaluation")
-_HUB_SHARD = re.compile(r"^(\w+(?:\.\w+)*)-\d+-of-\d+(?:-[0-9a-f]+)?\.")
-_WORD = re.compile(r"^(" + "|".join(_SPLIT_WORDS) + r")(?:[-_.].*)?$")
-_DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".txt", ".array_record",
-                  ".arrayrecord")
-
-
-def hf_dataset_splits(folder) -> dict[str, list[epath.Path]] | None:
-    """The files of each split of a folder laid out as a Hugging Face dataset on the Hub, by
-    split name as the files name it (e.g. {"train": [...], "test": [...]}), or None if the
-    folder is not laid out so. A README.md whose YAML front matter has `configs:` with
-    `data_files` decides; else data/ (or the folder itself) holds `<split>-00000-of-00002.ext`,
-    `<split>.ext`, `<split>-*.ext` or (under data/) `<split>/*.ext`. Read without the Hub."""
-    folder = epath.Path(folder)
-    if not folder.is_dir():
-        return None
-    splits = _readme_splits(folder)
-    if splits is None and (folder / "data").is_dir():
-        splits = _layout_splits(folder / "data", any_name=True)
-    return splits or _layout_splits(folder, any_name=False) or None
-
-
-def _is_data_file(path: epath.Path) -> bool:
-    try:
-        return path.is_file() and _name_parts(path)[1] in _DATA_SUFFIXES
-    except DataError:
-        return False
-
-
-def _layout_splits(where: epath.Path, any_name: bool) -> dict[str, list[epath.Path]]:
-    splits: dict[str, list[epath.Path]] = {}
-    for path in sorted(where.iterdir(), key=str):
-        if path.name.startswith((".", "_")):
-            continue
-        if path.is_dir():
-            if any_name or _WORD.match(path.name):
-                files = [p for p in sorted(path.iterdir(), key=str) if _is_data_file(p)]
-                if files:
-                    splits.setdefault(path.name, []).extend(files)
-            continue
-        if not _is_data_file(path):
-            continue
-        match = _HUB_SHARD.match(path.name) or _WORD.match(path.name)
-        if match:
-            splits.setdefault(match[1], []).append(path)
-    return splits
-
-
-def _readme_splits(folder: epath.Path) -> dict[str, list[epath.Path]] | None:
-    """The splits a README.md's `configs:` names (the config marked default, else the one
-    named "default", else the first), or None if it names none."""
-    readme = folder / "README.md"
-    if not readme.is_file():
-        return None
-    match = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", readme.read_text(), re.S)
-    if not match:
-        return None
-    import yaml
-
-    try:
-        meta = yaml.safe_load(match[1])
-    except yaml.YAMLError:
-        return None
-    configs = meta.get("configs") if isinstance(meta, dict) else None
-    configs = [c for c in configs if isinstance(c, dict)] if isinstance(configs, list) else []
-    if not configs:
-        return None
-    defaults = [c for c in configs if c.get("default")] or [
-        c for c in configs if c.get("config_name") == "default"]
-    if (data_files := (defaults or configs)[0].get("data_files")) is None:
-        return None
-    if isinstance(data_files, list) and all(isinstance(d, dict) for d in data_files):
-        data_files = {d.get("split", "train"): d.get("path") for d in data_files}
-    elif not isinstance(data_files, dict):
-        data_files = {"train": data_files}
-    if not data_files or not all(data_files.values()):
-        raise DataError(f"{readme}: cannot read its configs' data_files ({data_files!r})")
-    splits = {}
-    for split, globs in data_files.items():
-        globs = [globs] if isinstance(globs, str) else list(globs)
-        splits[str(split)] = expand([str(folder / g) for g in globs])
-    return splits

@@ -22,14 +22,14 @@ and the realised proportions are the weights to within 1/PERIOD.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import grain
 import numpy as np
 
-from mtrain.data import formats, packing, preference
+from mtrain.data import packing, ragged
 from mtrain.data.sources import read
+from mtrain.data.streams import Stream
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys
@@ -45,17 +45,6 @@ def lane_seed(seed: int, lane: int, *more: int) -> int:
     return int(np.random.SeedSequence([seed, lane, *more]).generate_state(1, np.uint32)[0])
 
 
-@dataclasses.dataclass
-class Stream:
-    """One source of a run's data: its split's records (by index) and their format."""
-
-    name: str
-    records: Sequence
-    format: formats.Format
-    weight: float = 1.0
-    fingerprint: str = ""  # what decides the examples (saved with the input's state)
-
-
 class PackWindow:
     """The Grain map of a window of example indices to its packed rows. The indices count
     through the streams one after the other (those of stream s start at `offsets[s]`); each
@@ -66,10 +55,10 @@ class PackWindow:
                  start_id: int = 0, with_inputs: bool = False):
         self.streams, self.vocab, self.length = list(streams), vocab, length
         self.start_id, self.with_inputs = start_id, with_inputs
-        self.offsets = np.cumsum([0] + [len(s.records) for s in self.streams])
+        self.offsets = ragged.row_splits([len(s.records) for s in self.streams])
         self.keys = ["targets"] if self.streams[0].format.kind == "lm" else ["inputs", "targets"]
-        # preference pairs (`preference.Preference`): a task's sources are all pairs or none
-        self.paired = bool(getattr(self.streams[0].format, "paired", False))
+        # (a task's sources are all of one kind: `tasks.task`; their rows as the first's)
+        self.format = self.streams[0].format
 
     @property
     def size(self) -> int:
@@ -83,22 +72,17 @@ class PackWindow:
             stream, mine = self.streams[s], np.flatnonzero(which == s)
             examples = read(stream.records, (indices[mine] - self.offsets[s]).tolist())
             encoded = stream.format.encode(examples, self.vocab)
-            keys, example = preference.pieces(encoded, self.length) if self.paired else \
-                formats.pieces(encoded, self.length, reads_first=stream.format.reads_first,
-                               start_id=self.start_id, with_inputs=self.with_inputs)
+            keys, example = stream.format.pieces(encoded, self.length, start_id=self.start_id,
+                                                 with_inputs=self.with_inputs)
             parts.append(keys)
             where.append(mine[example])
-        keys = formats.concat(parts) if len(parts) > 1 else parts[0]
+        keys = ragged.concat(parts) if len(parts) > 1 else parts[0]
         if len(parts) > 1:  # the pieces in the window's order
-            keys = formats.take(keys, np.argsort(np.concatenate(where), kind="stable"))
+            keys = ragged.take(keys, np.argsort(np.concatenate(where), kind="stable"))
         arrays = [a for key in self.keys for a in keys[key]]
         aligned = [k for k in (READ_INPUTS, LOSS_WEIGHTS) if k in keys]
         packed = packing.pack_arrays(arrays, self.length, tuple(keys[k][0] for k in aligned))
-        rows = dict(zip(batch_keys(self.keys) + aligned, packed))
-        if self.paired:
-            rows["targets_segment_ids"], rows["targets_positions"] = preference.split_pairs(
-                rows["targets_segment_ids"], rows[LOSS_WEIGHTS])
-        return rows
+        return self.format.rows(dict(zip(batch_keys(self.keys) + aligned, packed)))
 
 
 class Mixture:

@@ -29,6 +29,8 @@ that of a stream, not of a window (README, "Datasets").
 
 import numpy as np
 
+from mtrain.data import ragged
+
 
 def pack_arrays(arrays: list[np.ndarray], length: int,
                 aligned: tuple[np.ndarray, ...] = ()) -> list[np.ndarray]:
@@ -53,7 +55,7 @@ def pack_arrays(arrays: list[np.ndarray], length: int,
     for k, (key_values, splits) in enumerate(zip(values, row_splits)):
         kept = lengths[:, k]  # tokens kept of each example after trimming
         example = np.repeat(np.arange(num_examples), kept)  # the example of each kept token
-        position = np.arange(len(example)) - (np.cumsum(kept) - kept)[example]
+        position = np.arange(len(example)) - ragged.row_splits(kept)[:-1][example]
         where = row[example], start[example, k] + position  # its (row, column) when packed
         tokens, segment_ids, positions = (np.zeros((num_rows, length), np.int32)
                                           for _ in range(3))

@@ -5,8 +5,9 @@
     batch = next(batches)   # {"targets", "targets_segment_ids", "targets_positions"}
     batches.save(directory); ...; batches.restore(directory)
 
-`batches(source, vocab, split, {"inputs": "en", "targets": "fr"}, ...)` packs translation
-pairs: inputs and targets of an example are segment i of the same row in both keys.
+`batches(source, vocab, split, BatchSettings(...))` takes any `streams.DataSource`; a corpus
+packed as translation pairs (``source.packs({"inputs": "en", "targets": "fr"})``) puts the
+inputs and targets of an example in segment i of the same row in both keys.
 Every batch is a dict of int32 numpy arrays of shape [batch_size // shard count,
 sequence_length] (see packing.py for the three arrays of each key).
 
@@ -41,6 +42,7 @@ rows of each global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -54,10 +56,9 @@ import numpy as np
 from absl import flags
 from etils import epath
 
-from mtrain.data.formats import Text, Translation
-from mtrain.data.lanes import (LaneRows, Mixture, PackWindow, Rows, Stream, lane_windows,
-                              num_rows)
+from mtrain.data.lanes import LaneRows, Mixture, PackWindow, Rows, lane_windows, num_rows
 from mtrain.data.sources import TextSource
+from mtrain.data.streams import DataSource, Stream
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.errors import DataError, IncompatibleRun
 from mtrain.io.textfiles import write_atomically
@@ -72,66 +73,65 @@ def default_workers() -> int:
     return max(0, min(8, (os.cpu_count() or 1) // 4))
 
 
-def batches(source: "TextSource | list[Stream]", vocab: Vocabulary, split: str,
-            features: dict[str, str] | None, sequence_length: int, batch_size: int,
-            seed: int = 0, *, train: bool, shard: tuple[int, int] = (0, 1),
-            process: tuple[int, int] | None = None, window: int = 256, workers: int = 0,
-            start_id: int = 0) -> "BatchIterator":
-    """Packed batches: for each packed key k (e.g. "inputs" and "targets"), the arrays k,
-    k_segment_ids and k_positions; with a fine-tuning format (`formats`), also the targets'
-    loss weights and the tokens read before them (the model's `start_id` where an example
-    reads nothing of its own first).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchSettings:
+    """How `batches` makes batches. train=True: endless, shuffled by `seed`; train=False:
+    one pass in order (stream after stream), the last batch padded with all-zero rows.
+    `shard` (i, n): yield rows [i*B/n, (i+1)*B/n) of each global batch of B rows. `process`
+    (p, P) names the state the iterator saves (default: as `shard`). `window`: how many
+    examples are encoded and packed together. `workers`: Grain worker processes (0: a
+    thread of this process). `start_id`: what an example reads first where it reads
+    nothing of its own (the model's start token)."""
 
-    `source` is a list of `lanes.Stream`s of the split `split` (several: a mixture by their
-    weights), or a `TextSource` whose `features` (e.g. {"inputs": "en", "targets": "fr"})
-    are text. train=True: endless, shuffled by `seed`. train=False: one pass in order
-    (stream after stream), the last batch padded with all-zero rows. `shard` (i, n): yield
-    rows [i*B/n, (i+1)*B/n) of each global batch of B rows. `process` (p, P) names the state
-    this iterator saves (default: as `shard`). `window`: how many examples are encoded and
-    packed together. `workers`: Grain worker processes (0: a thread of this process).
-    """
-    index, count = shard
-    if batch_size % count:
-        raise DataError(f"batch_size {batch_size} is not divisible into {count} shards "
+    sequence_length: int
+    batch_size: int
+    seed: int = 0
+    train: bool = True
+    shard: tuple[int, int] = (0, 1)
+    process: tuple[int, int] | None = None
+    window: int = 256
+    workers: int = 0
+    start_id: int = 0
+
+
+def batches(source: DataSource, vocab: Vocabulary, split: str,
+            settings: BatchSettings) -> "BatchIterator":
+    """Packed batches of the split `split` of `source` (its streams; several: a mixture by
+    their weights): for each packed key k (e.g. "inputs" and "targets"), the arrays k,
+    k_segment_ids and k_positions; with a fine-tuning format (`formats`), also the targets'
+    loss weights and the tokens read before them."""
+    s = settings
+    index, count = s.shard
+    if s.batch_size % count:
+        raise DataError(f"batch_size {s.batch_size} is not divisible into {count} shards "
                         f"(one per process feeding its own rows)")
     if not 0 <= index < count:
         raise ValueError(f"shard {index} is not in [0, {count})")
-    streams = source if isinstance(source, list) else [text_stream(source, split, features)]
-    if train:
+    streams = source.streams(split)
+    if s.train:
         for stream in streams:
-            _check_enough_examples(stream, split, batch_size)
-    with_inputs = any(s.format.reads_first for s in streams)
-    config = dict(data=[s.fingerprint or s.name for s in streams] if isinstance(source, list)
-                  else source.fingerprint(), split=split,
-                  features=features or [s.format.describe() for s in streams],
-                  vocabulary=vocab.digest, sequence_length=sequence_length,
-                  batch_size=batch_size, seed=seed, train=train, window=window)
+            _check_enough_examples(stream, split, s.batch_size)
+    with_inputs = any(stream.format.reads_first for stream in streams)
+    config = dict(source.input_config(split), split=split, vocabulary=vocab.digest,
+                  sequence_length=s.sequence_length, batch_size=s.batch_size, seed=s.seed,
+                  train=s.train, window=s.window)
     if len(streams) > 1:
-        config["mixture"] = {s.name: s.weight for s in streams}
+        config["mixture"] = {stream.name: stream.weight for stream in streams}
     if with_inputs:
-        config["start_id"] = start_id
-    pack = PackWindow(streams, vocab, sequence_length, start_id=start_id,
+        config["start_id"] = s.start_id
+    pack = PackWindow(streams, vocab, s.sequence_length, start_id=s.start_id,
                       with_inputs=with_inputs)
-    mixture = Mixture([s.weight for s in streams]) if len(streams) > 1 and train else None
-    return BatchIterator(pack, config, shard, process or shard, workers, mixture)
-
-
-def text_stream(source: TextSource, split: str, features: dict[str, str]) -> Stream:
-    """The split of a source of texts as a stream: its `features` ({packed key: source
-    feature}) as one text (language modelling) or a translation pair."""
-    source.check_split(split)
-    fmt = (Translation(features["inputs"], features["targets"]) if "inputs" in features
-           else Text(features["targets"]))
-    return Stream(source.description(), source.records(split), fmt,
-                  fingerprint=source.fingerprint())
+    mixture = Mixture([stream.weight for stream in streams]) if len(streams) > 1 and s.train \
+        else None
+    return BatchIterator(pack, config, s.shard, s.process or s.shard, s.workers, mixture)
 
 
 def lm_batches(source: TextSource, vocab: Vocabulary, split: str, sequence_length: int,
-               batch_size: int, seed: int = 0, **kwargs) -> "BatchIterator":
+               batch_size: int, seed: int = 0, **settings) -> "BatchIterator":
     """Language-model batches {"targets", "targets_segment_ids", "targets_positions"} of a
-    source with the feature "text"."""
-    return batches(source, vocab, split, LM_FEATURES, sequence_length, batch_size, seed,
-                   **kwargs)
+    source with the feature "text" (`settings`: the rest of `BatchSettings`)."""
+    return batches(source.packs(LM_FEATURES), vocab, split, BatchSettings(
+        sequence_length=sequence_length, batch_size=batch_size, seed=seed, **settings))
 
 
 def _check_enough_examples(stream: Stream, split: str, batch_size: int) -> None:

@@ -14,8 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from mtrain.data import formats
-from mtrain.data.sentencepiece_vocabulary import flat_ids
+from mtrain.data import formats, ragged
+from mtrain.data.ragged import flat_ids
 from mtrain.errors import DataError
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS
 
@@ -25,6 +25,7 @@ CHOSEN, REJECTED = 1, 2  # a completion's targets
 CHOSEN_PROMPT, REJECTED_PROMPT = 0, -1  # the other targets of each half
 
 
+@formats.register("preference")
 @dataclasses.dataclass
 class Preference(formats.Format):
     """A preference pair for DPO: ``{"prompt", "chosen", "rejected"}``, three strings (TRL's
@@ -43,6 +44,15 @@ class Preference(formats.Format):
     template: object = None
     reads_first = True
     paired = True
+    roles = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+
+    def pieces(self, encoded, length, *, start_id, with_inputs):
+        return pieces(encoded, length)
+
+    def rows(self, rows):
+        rows["targets_segment_ids"], rows["targets_positions"] = split_pairs(
+            rows["targets_segment_ids"], rows[LOSS_WEIGHTS])
+        return rows
 
     def encode(self, records, vocab, where=()) -> formats.Encoded:
         targets, read, weights = [], [], []
@@ -125,33 +135,26 @@ def split_pairs(segment_ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarra
     return segments, np.where(segments > 0, index - first, 0).astype(np.int32)
 
 
-def _sums(x: np.ndarray, splits: np.ndarray) -> np.ndarray:
-    """The sum of `x` over each example of row splits `splits` (empty ones: 0)."""
-    total = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-    return total[splits[1:]] - total[splits[:-1]]
-
-
 def _trim(values, read, weights, splits, length):
     """Pairs of more than `length` targets, each half trimmed to keep its start (the
     longer half first, down to half the length), and pairs left without a chosen or a
     rejected completion target dropped: (values, read, weights, splits, kept pairs)."""
     sizes = np.diff(splits)
     rejected = (weights == REJECTED) | (weights == REJECTED_PROMPT)
-    chosen_sizes = _sums(~rejected, splits)
+    chosen_sizes = ragged.sums(~rejected, splits)
     rejected_sizes = sizes - chosen_sizes
     keep_c = np.minimum(chosen_sizes, np.maximum(length // 2, length - rejected_sizes))
     keep_r = np.minimum(rejected_sizes, length - keep_c)
     starts = np.stack([splits[:-1], splits[:-1] + chosen_sizes], 1).reshape(-1)
     kept = np.stack([keep_c, keep_r], 1).reshape(-1)
     (values, half_splits), read, weights = (
-        formats.gather(values, starts, kept), formats.gather(read, starts, kept)[0],
-        formats.gather(weights, starts, kept)[0])
-    ok = (_sums(weights > 0, half_splits).reshape(-1, 2) > 0).all(axis=1)
+        ragged.gather(values, starts, kept), ragged.gather(read, starts, kept)[0],
+        ragged.gather(weights, starts, kept)[0])
+    ok = (ragged.sums(weights > 0, half_splits).reshape(-1, 2) > 0).all(axis=1)
     pair_sizes = kept.reshape(-1, 2).sum(1)
-    new_splits = np.zeros(len(pair_sizes) + 1, np.int64)
-    np.cumsum(pair_sizes, out=new_splits[1:])
+    new_splits = ragged.row_splits(pair_sizes)
     pairs = np.flatnonzero(ok)
-    out = [formats.gather(x, new_splits[:-1][pairs], pair_sizes[pairs])
+    out = [ragged.gather(x, new_splits[:-1][pairs], pair_sizes[pairs])
            for x in (values, read, weights)]
     return out[0][0], out[1][0], out[2][0], out[0][1], pairs
 

@@ -7,20 +7,22 @@
                                                  # | preference (DPO's pairs)
 
 `Files` names the data: each split's files (or a folder laid out as a Hugging Face dataset
-saves it, read without the hub: `files.hf_dataset_splits`), the format of its records
+saves it, read without the hub: `hub_layout`), the format of its records
 (`formats`) and the columns to read. `prepare` makes it a `PreparedSource`: one streaming
 pass over the files (never all in memory) encodes every record by its format (tokenised,
 with its loss weights) and writes it to ``<split>.array_record``, which Grain then reads by
 index like any source. The prepared copy lives in the data dir under a name that is a
-digest of everything it was made from: every file's path, size and modification time, the
+digest of everything it was made from: every file's name and contents, the
 tokenizer, the format and its settings, the held-out fraction. An edited file makes a new
 one; nothing is served stale. A bad record (not a conversation the template renders, an
 assistant mask of zeros, an id outside the vocabulary) stops the preparation with one line
 naming the file and the line, and nothing is left behind.
 
 Preparing is the default for every file source (random access by index needs it, and a
-corpus is read once per epoch). A held-out fraction f takes record i of the training files
-into "validation" when a hash of i falls below f: the same records on every machine.
+corpus is read once per epoch). A long text is read, tokenised and stored in pieces
+(`formats.Format.cut`), each an example; a held-out fraction f takes example i of the
+training files into "validation" when a hash of i falls below f: the same examples on every
+machine (files.validation=0: none, and a run evaluates nothing).
 """
 
 from __future__ import annotations
@@ -38,15 +40,13 @@ import numpy as np
 from etils import epath
 
 from mtrain.data import files as files_lib
-from mtrain.data import formats, preference
+from mtrain.data import formats, hub_layout, preference, ragged
 from mtrain.errors import DataError
 from mtrain.models.base import READ_INPUTS
 
 log = logging.getLogger("mtrain")
-VERSION = 1  # of the prepared files' layout
+VERSION = 2  # of the prepared files' layout (2: long texts stored cut)
 BLOCK = 1024  # records encoded at once
-FORMATS = ("text", "text_file", "translation", "pretokenized", "chat", "prompt_completion",
-           "preference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,17 @@ class Files:
 
     def __post_init__(self):  # a number is a fraction held out (0: none), whatever its type
         if isinstance(self.validation, (int, float)) and not isinstance(self.validation, bool):
-            object.__setattr__(self, "validation", float(self.validation) or None)
+            object.__setattr__(self, "validation", float(self.validation))
+
+    @property
+    def holdout(self) -> float | None:
+        """The fraction of files.train held out, if any."""
+        return self.validation if isinstance(self.validation, float) and self.validation else None
+
+    @property
+    def holds_out_nothing(self) -> bool:
+        """files.validation=0: the user keeps no data apart (a run evaluates nothing)."""
+        return self.validation == 0.0 and not isinstance(self.validation, bool)
 
     def splits(self) -> dict[str, list]:
         """The files of each split named (a Hugging Face dataset folder: its splits)."""
@@ -78,7 +88,7 @@ class Files:
             if paths is None or isinstance(paths, float):
                 continue
             if isinstance(paths, str) and epath.Path(paths).is_dir():
-                layout = files_lib.hf_dataset_splits(paths)
+                layout = hub_layout.hf_dataset_splits(paths)
                 if layout is None:
                     raise DataError(f"files.{split}={paths!r} is a folder that is not laid out "
                                     f"as a Hugging Face dataset: name its files or a glob")
@@ -90,31 +100,17 @@ class Files:
             out[split] = files_lib.expand(paths)
         if "train" not in out and not out:
             raise DataError("files.train names no files: give paths, globs or a dataset folder")
-        if isinstance(self.validation, float):
+        if self.holdout is not None:
             if not 0.0 < self.validation < 1.0 or "train" not in out:
                 raise DataError(f"files.validation={self.validation}: a held-out fraction of "
                                 f"files.train must be between 0 and 1")
         return out
 
     def make_format(self, template=None) -> formats.Format:
-        """The `formats.Format` of these records (`template`: a chat's `ChatTemplate`, which
-        only encoding needs: its texts are read without one)."""
-        c = dict(self.columns or {})
-        if self.format in ("text", "text_file"):
-            return formats.Text(c.get("text", "text"))
-        if self.format == "translation":
-            return formats.Translation(c.get("inputs", "inputs"), c.get("targets", "targets"))
-        if self.format == "pretokenized":
-            return formats.Pretokenized(c.get("input_ids", "input_ids"))
-        if self.format == "prompt_completion":
-            return formats.PromptCompletion(c.get("prompt", "prompt"),
-                                            c.get("completion", "completion"))
-        if self.format == "chat":
-            return formats.Chat(template, c.get("messages", "messages"))
-        if self.format == "preference":
-            return preference.Preference(c.get("prompt", "prompt"), c.get("chosen", "chosen"),
-                                      c.get("rejected", "rejected"), template)
-        raise DataError(f"files.format={self.format!r}; use one of {', '.join(FORMATS)}")
+        """The `formats.Format` registered as files.format, reading `columns` (`template`:
+        a chat's `ChatTemplate`, which only encoding needs: its texts are read without
+        one)."""
+        return formats.make(self.format, self.columns, template)
 
     def reader_kind(self) -> str | None:
         return "text_file" if self.format == "text_file" else self.file_kind
@@ -130,37 +126,39 @@ def _held_out(ordinals: np.ndarray, fraction: float) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
 
 
-def _key(spec: Files, splits: dict, fmt: formats.Format, vocab) -> str:
+def _key(spec: Files, splits: dict, fmt: formats.Format, vocab, piece: int) -> str:
     described = json.dumps({
         "version": VERSION, "format": fmt.describe(), "reader": spec.reader_kind(),
-        "vocabulary": vocab.digest, "holdout": spec.validation if isinstance(
-            spec.validation, float) else None,
+        "vocabulary": vocab.digest, "holdout": spec.holdout, "piece": piece,
         "files": {split: files_lib.identity(paths) for split, paths in sorted(splits.items())},
     }, sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def prepare(spec: Files, fmt: formats.Format, vocab, data_dir: str, name: str = "files",
-            splits: dict | None = None) -> "PreparedSource":
+            splits: dict | None = None, piece: int = formats.PIECE) -> "PreparedSource":
     """The prepared copy of `spec`'s files (made now if there is none: module doc);
-    `splits`: their `Files.splits`, where the caller has them."""
+    `splits`: their `Files.splits`, where the caller has them; `piece`: the ids a long
+    text's stored examples hold (`formats.piece_size`)."""
     splits = splits or spec.splits()
-    key = _key(spec, splits, fmt, vocab)
+    key = _key(spec, splits, fmt, vocab, piece)
     directory = epath.Path(data_dir) / "prepared" / f"{name}-{key}"
-    if not (directory / "info.json").exists():
-        _write(spec, splits, fmt, vocab, directory)
+    made = not (directory / "info.json").exists()
+    if made:
+        _write(spec, splits, fmt, vocab, directory, piece)
     info = json.loads((directory / "info.json").read_text())
-    return PreparedSource(str(directory), info, fmt)
+    return PreparedSource(str(directory), info, fmt, spec, made)
 
 
-def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> None:
+def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory,
+           piece: int) -> None:
     from array_record.python.array_record_module import ArrayRecordWriter
 
     work = epath.Path(f"{directory}.preparing")
     if work.exists():
         shutil.rmtree(work)  # an interrupted preparation's (the data dir's lock is held)
     work.mkdir(parents=True)
-    names = list(splits) + (["validation"] if isinstance(spec.validation, float) else [])
+    names = list(splits) + (["validation"] if spec.holdout else [])
     writers = {s: ArrayRecordWriter(str(work / f"{s}.array_record"), "group_size:1")
                for s in names}
     counts = {s: {"examples": 0, "tokens": 0, "loss_tokens": 0} for s in names}
@@ -169,16 +167,13 @@ def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> 
              fmt.describe(), directory)
     try:
         for split, paths in splits.items():
-            ordinal = 0
-            for block in itertools.batched(_located(paths, spec.reader_kind()), BLOCK):
-                where, records = zip(*block)
-                encoded = fmt.encode(list(records), vocab, list(where))
-                into = np.full(len(records), split, object)
-                if split == "train" and isinstance(spec.validation, float):
-                    held = _held_out(np.arange(ordinal, ordinal + len(records)), spec.validation)
+            examples = fmt.cut(_encoded(paths, spec.reader_kind(), fmt, vocab), piece)
+            for ordinal, block in zip(itertools.count(0, BLOCK), itertools.batched(examples, BLOCK)):
+                into = np.full(len(block), split, object)
+                if split == "train" and spec.holdout:
+                    held = _held_out(np.arange(ordinal, ordinal + len(block)), spec.holdout)
                     into[held] = "validation"
-                ordinal += len(records)
-                for i, example in enumerate(_examples(encoded)):
+                for i, example in enumerate(block):
                     writers[into[i]].write(_serialise(example))
                     c = counts[into[i]]
                     c["examples"] += 1
@@ -194,6 +189,15 @@ def _write(spec: Files, splits: dict, fmt: formats.Format, vocab, directory) -> 
     info = {"format": fmt.describe(), "splits": counts}
     (work / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     work.rename(directory)
+
+
+def _encoded(paths, kind, fmt: formats.Format, vocab):
+    """(example, whether its text goes on in the next) of every record of `paths`, encoded
+    a block at a time."""
+    for block in itertools.batched(_located(paths, kind), BLOCK):
+        where, records = zip(*block)
+        encoded = fmt.encode(list(records), vocab, list(where))
+        yield from zip(_examples(encoded), (bool(r.get(files_lib.CONTINUED)) for r in records))
 
 
 def _located(paths, kind):
@@ -257,29 +261,28 @@ class PreparedRecords(Sequence):
 
 @dataclasses.dataclass
 class Stored(formats.Format):
-    """The format of prepared records: their ids as stored (`inner`'s kind)."""
+    """The format of prepared records: their ids as stored (`inner`'s kind), cut and packed
+    as `inner` cuts and packs them."""
 
     inner: formats.Format = None
 
-    @property
-    def kind(self):
-        return self.inner.kind
+    kind = property(lambda self: self.inner.kind)
+    reads_first = property(lambda self: self.inner.reads_first)
+    paired = property(lambda self: self.inner.paired)
 
-    @property
-    def reads_first(self):
-        return self.inner.reads_first
+    def pieces(self, encoded, length, *, start_id, with_inputs):
+        return self.inner.pieces(encoded, length, start_id=start_id, with_inputs=with_inputs)
 
-    @property
-    def paired(self):
-        return getattr(self.inner, "paired", False)
+    def rows(self, rows):
+        return self.inner.rows(rows)
 
     def encode(self, records, vocab, where=()) -> formats.Encoded:
         keys = ["inputs", "targets"] if self.inner.kind == "translation" else ["targets"]
-        keys += [READ_INPUTS] if self.paired else []
-        out = {k: formats.flat([r[0][i] for r in records]) for i, k in enumerate(keys)}
+        keys += [READ_INPUTS] if self.inner.paired else []
+        out = {k: ragged.flat([r[0][i] for r in records]) for i, k in enumerate(keys)}
         weights = None
         if records and records[0][1] is not None:
-            weights = formats.flat([r[1] for r in records])[0]
+            weights = ragged.flat([r[1] for r in records])[0]
         return formats.Encoded(out, weights)
 
     def describe(self) -> str:
@@ -287,20 +290,31 @@ class Stored(formats.Format):
 
 
 class PreparedSource:
-    """Prepared splits of a user's files (`prepare`), read by index."""
+    """Prepared splits of a user's files (`prepare`), read by index. `spec`: the `Files`
+    they were made of; `made`: whether this process made them now."""
 
-    def __init__(self, directory: str, info: dict, fmt: formats.Format):
-        self.directory, self.info = directory, info
+    def __init__(self, directory: str, info: dict, fmt: formats.Format,
+                 spec: Files | None = None, made: bool = False):
+        self.directory, self.info, self.spec, self.made = directory, info, spec, made
         self.format = Stored(fmt)
         self.splits = tuple(s for s, c in info["splits"].items() if c["examples"])
         self._records = {}
 
     def check_split(self, split: str) -> str:
+        if split == "validation" and self.spec and self.spec.holds_out_nothing:
+            raise DataError("files.validation=0 holds out nothing: there is no 'validation' "
+                            "split to evaluate (name its files, or a held-out fraction)")
+        holdout = self.spec and self.spec.holdout
+        if split == "validation" and holdout and split not in self.splits:
+            train = self.info["splits"].get("train", {}).get("examples", 0)
+            raise DataError(f"files.validation={holdout} held out none of the {train} "
+                            f"examples of files.train: hold out a larger fraction, or name "
+                            f"validation files")
         if split in self.info["splits"] and split not in self.splits:
-            raise DataError(f"the {split!r} split of {self.directory} has no examples: its "
-                            f"files hold no records")
+            raise DataError(f"the {split!r} split of the files has no examples: files.{split} "
+                            f"hold no records")
         if split not in self.splits:
-            raise DataError(f"no {split!r} split in {self.directory} (it has "
+            raise DataError(f"no {split!r} split in the files (they have "
                             f"{', '.join(self.splits) or 'none'}): name its files "
                             f"(files.{split}) or a held-out fraction (files.validation)")
         return split

@@ -20,6 +20,7 @@ from typing import Iterable
 import numpy as np
 import sentencepiece as spm
 
+from mtrain.data.ragged import flat_ids
 from mtrain.errors import UserError
 from mtrain.io.textfiles import write_atomically
 
@@ -176,15 +177,6 @@ class Vocabulary:
 
     def __setstate__(self, state):
         self.__init__(state["model_proto"], state["path"])
-
-
-def flat_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Lists of ids as (flat int32 ids, int64 row splits)."""
-    lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-    row_splits = np.zeros(len(ids) + 1, np.int64)
-    np.cumsum(lengths, out=row_splits[1:])
-    values = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(row_splits[-1]))
-    return values, row_splits
 
 
 def ids_before_eos(ids: Iterable[int], eos_id: int, pad_id: int | None, size: int) -> list[int]:

@@ -27,15 +27,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
-from mtrain.data import files
+from mtrain.data import files, formats
 from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
+from mtrain.data.streams import Stream
 from mtrain.errors import DataError, first_line
 
 Example = dict[str, str]
 
 
 class TextSource(abc.ABC):
-    """A corpus with named splits of string examples, read by index."""
+    """A corpus with named splits of string examples, read by index: a
+    `streams.DataSource`."""
 
     features: tuple[str, ...]  # names of the string features of every example
     splits: tuple[str, ...] = SPLITS
@@ -61,6 +63,36 @@ class TextSource(abc.ABC):
                 + ", ".join(self.splits)
             )
         return split
+
+    def packs(self, features: dict[str, str]) -> "TextSource":
+        """This source, its `features` ({packed key: feature}, a task's) packed as one text
+        (language modelling) or a translation pair; default: "text", else "inputs" and
+        "targets"."""
+        self._packed = dict(features)
+        return self
+
+    def streams(self, split: str) -> list[Stream]:
+        """The split as one stream of the packed features (`packs`)."""
+        packed = self.packed()
+        fmt = (formats.Translation(packed["inputs"], packed["targets"]) if "inputs" in packed
+               else formats.Text(packed["targets"]))
+        return [Stream(self.description(), self.records(self.check_split(split)), fmt,
+                       fingerprint=self.fingerprint())]
+
+    def packed(self) -> dict[str, str]:
+        return getattr(self, "_packed", None) or (
+            {"targets": "text"} if "text" in self.features else
+            {"inputs": "inputs", "targets": "targets"})
+
+    def input_config(self, split: str) -> dict:
+        return {"data": self.fingerprint(), "features": self.packed()}
+
+    def holds_out_nothing(self, split: str) -> bool:
+        """Whether the user left `split` out on purpose (a corpus never does)."""
+        return False
+
+    def check_loss_fraction(self, split: str = "train") -> None:
+        """(Every token of a text carries loss.)"""
 
     def description(self) -> str:
         """The source's class and settings, e.g. "BibleLM(lang='en')"."""
@@ -180,8 +212,8 @@ def tfds_data_dir(data_dir: str, data_source: str | None) -> Path:
 def raw_files_identity(root: Path) -> str:
     """A short digest of every file under `root` (following links, as the builders read
     them; a dangling link, which they cannot read either, left out): `files.identity`, of
-    each one's path, size and modification time. Any of them changed, a file added or
-    removed, changes it; reading them costs one stat each."""
+    each one's name and contents. Any of them changed, a file added or removed, changes
+    it; each file is read once per process."""
     paths = []
     for directory, subdirs, names in os.walk(root, followlinks=True):
         subdirs.sort()

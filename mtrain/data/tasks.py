@@ -56,7 +56,7 @@ class Task:
         if data_source and not self.tfds_name:
             raise ConfigError(f"task {self.name!r} reads the corpus shipped in data/; "
                               f"run.data_source={data_source!r} applies to TFDS tasks only")
-        return self.make_source(data_dir, data_source)
+        return self.make_source(data_dir, data_source).packs(self.features)
 
 
 TASKS: dict[str, Task] = {}

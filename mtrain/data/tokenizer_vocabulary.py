@@ -7,8 +7,8 @@ from typing import Iterable
 
 import numpy as np
 
-from mtrain.data.sentencepiece_vocabulary import (
-    Vocabulary, VocabularyError, flat_ids, ids_before_eos)
+from mtrain.data.ragged import flat_ids
+from mtrain.data.sentencepiece_vocabulary import Vocabulary, VocabularyError, ids_before_eos
 from mtrain.errors import first_line
 
 

@@ -1,10 +1,11 @@
 """The data of a task that reads a user's files (`tasks.task` with `prepared.Files`): each
 source prepared (`prepared.prepare`), and each split as the streams the pipeline mixes.
 
-`UserData` stands where a text corpus (`sources.TextSource`) stands for the shipped tasks:
-it checks splits, counts examples, fingerprints what decides the examples (saved with
-checkpoints), and gives the pipeline each split's `lanes.Stream`s, weighted by the task's
-mixture. Evaluation passes over every source's split in turn.
+`UserData` is the `streams.DataSource` of such a task, as a text corpus
+(`sources.TextSource`) is the shipped tasks': it checks splits, counts examples,
+fingerprints what decides the examples (saved with checkpoints), and gives the pipeline
+each split's `Stream`s, weighted by the task's mixture. Evaluation passes over every
+source's split in turn.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 
 from etils import epath
 
 from mtrain.data import files as files_lib
+from mtrain.data import formats
 from mtrain.data.chat import ChatTemplate
-from mtrain.data.lanes import Stream
+from mtrain.data.streams import Stream, stream_config
 from mtrain.data.prepared import PreparedSource, prepare
 from mtrain.data.vocabulary import DEFAULT_SIZE
 from mtrain.errors import DataError
@@ -41,6 +44,12 @@ class UserData:
             source.check_split(split)
         return split
 
+    def holds_out_nothing(self, split: str) -> bool:
+        """Whether `split` is the validation split that files.validation=0 left out: a run
+        then evaluates nothing."""
+        return split == "validation" and all(
+            p.spec is not None and p.spec.holds_out_nothing for p in self.sources.values())
+
     def num_examples(self, split: str) -> int:
         return sum(p.num_examples(split) for p in self.sources.values())
 
@@ -48,6 +57,9 @@ class UserData:
         weights = self.task.mixture or {}
         return [Stream(name, p.records(split), p.format, float(weights.get(name, 1.0)),
                        p.fingerprint()) for name, p in self.sources.items()]
+
+    def input_config(self, split: str) -> dict:
+        return stream_config(self.streams(split))
 
     def fingerprint(self) -> str:
         return "; ".join(f"{name}: {p.fingerprint()}" for name, p in self.sources.items())
@@ -80,7 +92,8 @@ def texts(task, limit: int = 1_000_000) -> Iterator[str]:
             raise DataError(f"source {name!r} is pre-tokenized: name its vocabulary "
                             f"(vocabulary.path, or start from an import)")
         for _, record in itertools.islice(spec.records("train"), limit):
-            yield from fmt.texts(record)
+            for text in fmt.texts(record):  # (the trainer skips sentences of more bytes)
+                yield from [text] if len(text) <= 1000 else formats.chunks(text, 1000)
 
 
 def _template(path: str, vocab) -> ChatTemplate:
@@ -94,10 +107,11 @@ def model_dir_template(model_dir: str, vocab) -> ChatTemplate | None:
 
 
 def prepare_task(task, vocab, data_dir: str, template=None,
-                 splits: dict | None = None) -> UserData:
+                 splits: dict | None = None, sequence_length: int | None = None) -> UserData:
     """Every source of `task` prepared with `vocab` (`template`: the chat template of the
     run, where a source has no `chat_template` of its own; `splits`: each source's
-    `Files.splits`, where the caller has them)."""
+    `Files.splits`, where the caller has them; `sequence_length`: the run's, to which long
+    texts are cut: `formats.piece_size`)."""
     sources = {}
     for name, spec in task.data.items():
         own = _template(spec.chat_template, vocab) if spec.chat_template else template
@@ -106,18 +120,20 @@ def prepare_task(task, vocab, data_dir: str, template=None,
                             "has one (--mode=import keeps it in the model dir), or name a "
                             "file with files.chat_template")
         sources[name] = prepare(spec, spec.make_format(own), vocab, data_dir, name,
-                                (splits or {}).get(name))
+                                (splits or {}).get(name), formats.piece_size(sequence_length))
     return UserData(task, sources)
 
 
 def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
                 unrecorded: str | None, model_dir: str | None, eval_split: str,
-                init_from: str | None = None):
+                init_from: str | None = None, sequence_length: int | None = None):
     """(source, vocabulary) of a run of a task that reads files: the vocabulary (the model
     dir's `recorded` one, an import's, vocabulary.path, or one trained on the files' texts,
     cached by the files' identity: `VocabularyConfig.choose`), then every source prepared
     with it and the model dir's chat template (an import keeps its folder's; else that of
-    the run it starts from, `init_from`)."""
+    the run it starts from, `init_from`). The eval split must be there, unless the files
+    hold out nothing (files.validation=0): the run then evaluates nothing. A run refused
+    leaves no prepared copy it made behind."""
     splits = {name: spec.splits() for name, spec in task.data.items()}
     identity = files_lib.identity([p for s in splits.values() for p in s.get("train", [])])
     cached = os.path.join(data_dir, "vocab", f"{task.name}-{identity}",
@@ -127,6 +143,13 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
                                 unrecorded=unrecorded)
     template = next((t for t in (model_dir_template(d, vocab) for d in (model_dir, init_from)
                                  if d) if t is not None), None)
-    source = prepare_task(task, vocab, data_dir, template, splits)
-    source.check_split(eval_split)
+    source = prepare_task(task, vocab, data_dir, template, splits, sequence_length)
+    try:
+        if not source.holds_out_nothing(eval_split):
+            source.check_split(eval_split)
+    except DataError:
+        for p in source.sources.values():
+            if p.made:
+                shutil.rmtree(p.directory, ignore_errors=True)
+        raise
     return source, vocab

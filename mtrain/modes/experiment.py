@@ -15,7 +15,7 @@ import optax
 from etils import epy
 
 from mtrain.data import tasks as tasks_lib
-from mtrain.data.sources import TextSource
+from mtrain.data.streams import DataSource
 from mtrain.data.vocabulary import Vocabulary
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
@@ -37,8 +37,9 @@ class RunConfig:
     for the mesh and report its cost; needs no data and only as many devices as the mesh,
     simulated on CPU).
 
-    `eval_every` = 0 evaluates only at the end of training. `data_dir` (default
-    $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and cached vocabularies.
+    `eval_every` = 0 evaluates only at the end of training (files.validation=0: never).
+    `data_dir` (default $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and
+    cached vocabularies.
     `data_source` (TFDS tasks): a directory of raw files laid out as the official archives,
     or 'shipped' to make them from the shipped corpus; None downloads. `eval_split`
     defaults to the task's.
@@ -123,7 +124,7 @@ class Experiment:
 
     config: RunConfig
     task: tasks_lib.Task
-    source: TextSource | None  # None for the modes that read no data: plan, import,
+    source: DataSource | None  # None for the modes that read no data: plan, import,
     # export, and infer and score (the model dir's vocabulary is all they read of it)
     vocab: Vocabulary | None
     trainer: Trainer  # the model and its sharded steps on the mesh
@@ -134,6 +135,15 @@ class Experiment:
     flops_per_step: float  # model FLOPs of one train step (the model's analytic_flops)
     translator: Translator | None = None  # translation tasks: decodes for BLEU and infer
     generator: Generator | None = None  # LM tasks: continues prompts for infer
+
+    def __post_init__(self):
+        if self.config.mode == "eval" and not self.evaluates:  # (files.validation=0)
+            self.source.check_split(self.eval_split)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has held-out data to evaluate (files.validation=0: none)."""
+        return self.source is None or not self.source.holds_out_nothing(self.eval_split)
 
     @property
     def model_dir(self) -> str:
@@ -168,17 +178,14 @@ class Experiment:
     def _batches(self, split: str, train: bool):
         """This process's rows of each global batch (`Trainer.local_rows`)."""
         start, stop = self.trainer.local_rows()
-        source = (self.source.streams(split) if hasattr(self.source, "streams")
-                  else self.source)  # a user's files (`data.user_data`), or a text corpus
-        return pipeline.batches(
-            source, self.vocab, split, self.task.features or None, self.sequence_length,
-            self.batch_size, self.config.seed, train=train,
+        return pipeline.batches(self.source, self.vocab, split, pipeline.BatchSettings(
+            sequence_length=self.sequence_length, batch_size=self.batch_size,
+            seed=self.config.seed, train=train,
             shard=(start // (stop - start), self.batch_size // (stop - start)),
             process=(jax.process_index(), jax.process_count()),
             workers=(pipeline.default_workers() if self.config.data_workers is None
                      else self.config.data_workers),
-            start_id=getattr(self.model_config, "start_id", 0),
-        )
+            start_id=getattr(self.model_config, "start_id", 0)))
 
     def model_meta(self, vocab: Vocabulary) -> dict:
         """What every checkpoint of this model records of it: its shape settings and
