@@ -60,8 +60,9 @@ def split(ways, mode, q, k, v, cotangent, ids, causal, window, balanced=True, ke
 
     def attention(q, k, v):
         with layout.activate(mesh):
-            return context.attend(q, k, v, ids, ids, index, index, causal=causal, window=window,
-                                  scale=0.5, mode=mode, kernel=kernel, balanced=balanced)
+            return context.attend(q, k, v, context.Places(ids, ids, index, index),
+                                  context.Options(causal=causal, window=window, scale=0.5,
+                                                  mode=mode, kernel=kernel, balanced=balanced))
 
     @jax.jit
     def run(q, k, v, cotangent):
@@ -145,7 +146,8 @@ def test_the_ring_holds_no_whole_row_of_keys():
     def compiled(mode):
         def loss(q, k, v):
             with layout.activate(mesh):
-                out = context.attend(q, k, v, ids, ids, ids, ids, causal=True, mode=mode)
+                out = context.attend(q, k, v, context.Places(ids, ids, ids, ids),
+                                     context.Options(causal=True, mode=mode))
             return (out * cotangent).sum()
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
 
@@ -182,8 +184,9 @@ def test_t5_relative_bias_with_length_split_is_the_reference(mode, causal):
 
     def got(q, k, v, t):
         with layout.activate(mesh):
-            out = context.attend(q, k, v, placed, placed, index, index, causal=causal,
-                                 scale=0.5, mode=mode, bias=table.replace(table=t))
+            out = context.attend(q, k, v, context.Places(placed, placed, index, index),
+                                 context.Options(causal=causal, scale=0.5, mode=mode),
+                                 bias=table.replace(table=t))
         return (out * cotangent[:, order]).sum()
 
     expected = jax.value_and_grad(want, argnums=(0, 1, 2, 3))(q, k, v, table.table)
@@ -217,7 +220,8 @@ def test_without_a_layout_it_is_plain_attention():
     q, k, v, _ = inputs(1)
     ids = jnp.asarray(packed_ids(1))
     index = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    got = context.attend(q, k, v, ids, ids, index, index, causal=True, scale=0.5)
+    got = context.attend(q, k, v, context.Places(ids, ids, index, index),
+                         context.Options(causal=True, scale=0.5))
     want = reference(q, k, v, AttentionMask.of_self(ids, True), scale=0.5)
     real = (np.asarray(ids) > 0)[:, :, None, None]
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-5)
@@ -480,8 +484,9 @@ def test_a_t5_encoder_decoder_with_length_split_trains_as_on_one_device(mode):
 
     def train(mesh_shape, rules):
         layout = Layout(mesh_shape, rules)
-        trainer = Trainer(EncoderDecoder(config), optimizer.adafactor(1e-2), layout,
-                          layout.make_mesh(jax.devices()[:layout.size]), ROWS, LENGTH, seed=1)
+        trainer = Trainer(model=EncoderDecoder(config), optimizer=optimizer.adafactor(1e-2),
+                          layout=layout, mesh=layout.make_mesh(jax.devices()[:layout.size]),
+                          batch_size=ROWS, sequence_length=LENGTH, seed=1)
         assert trainer.length_order is None
         state, losses = trainer.init_state(), []
         for batch in packed_pairs(3):

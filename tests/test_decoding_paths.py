@@ -39,7 +39,8 @@ def decode(vocab, settings, scanned, beam_size):
     layout = Layout(*LAYOUTS[scanned])
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    trainer = Trainer(EncoderDecoder(config), opt, layout, mesh, 4, L, seed=5)
+    trainer = Trainer(model=EncoderDecoder(config), optimizer=opt, layout=layout, mesh=mesh,
+                      batch_size=4, sequence_length=L, seed=5)
     translator = Translator(trainer, vocab, DecodingConfig(beam_size=beam_size,
                                                            max_decode_length=10))
     params = trainer.init_state().params

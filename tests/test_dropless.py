@@ -196,6 +196,7 @@ def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
     import test_trainer
     from mtrain import config
     from mtrain.models.transformer import DecoderLM
+    from mtrain.training.language_modeling import LanguageModeling
     from mtrain.training.losses import LossConfig
     from mtrain.training.trainer import Trainer
 
@@ -212,9 +213,10 @@ def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
                                                                       dispatch=dispatch))
         for mesh_shape, rules, parameter_rules in TRAIN_LAYOUTS[:2 if scan else None]:
             layout = Layout(mesh_shape, rules, parameter_rules)
-            trainer = Trainer(DecoderLM(c), opt, layout,
-                              layout.make_mesh(jax.devices()[:layout.size]), 8, 16, seed=1,
-                              loss_config=LossConfig(z_loss=0.0))
+            trainer = Trainer(model=DecoderLM(c), optimizer=opt, layout=layout,
+                              mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
+                              sequence_length=16, seed=1,
+                              objective=LanguageModeling(LossConfig(z_loss=0.0)))
             state, run = trainer.init_state(), []
             for batch in batches:
                 state, metrics = trainer.train_step(state, trainer.place_batch(batch))

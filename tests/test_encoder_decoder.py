@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtrain.training import optimizer
 from mtrain.parallel.layout import Layout
+from mtrain.training.language_modeling import LanguageModeling
 from mtrain.training.losses import LossConfig
 from mtrain.models.transformer import EncoderDecoder, TransformerConfig
 from mtrain.training.trainer import Trainer
@@ -45,8 +46,9 @@ def train(mesh_shape, rules, steps=3, parameter_rules=""):
     layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    trainer = Trainer(EncoderDecoder(CONFIG), opt, layout, mesh, B, L, seed=1,
-                      loss_config=LossConfig(label_smoothing=0.1))
+    trainer = Trainer(model=EncoderDecoder(CONFIG), optimizer=opt, layout=layout, mesh=mesh,
+                      batch_size=B, sequence_length=L, seed=1,
+                      objective=LanguageModeling(LossConfig(label_smoothing=0.1)))
     state, losses = trainer.init_state(), []
     for batch in packed_pairs(steps):
         state, metrics = trainer.train_step(state, trainer.place_batch(batch))
@@ -152,7 +154,8 @@ def make_translator(mesh_shape, rules, vocab, beam_size, parameter_rules=""):
     layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    trainer = Trainer(EncoderDecoder(config), opt, layout, mesh, 4, L, seed=5)
+    trainer = Trainer(model=EncoderDecoder(config), optimizer=opt, layout=layout, mesh=mesh,
+                      batch_size=4, sequence_length=L, seed=5)
     translator = Translator(trainer, vocab, DecodingConfig(beam_size=beam_size, max_decode_length=10))
     return translator, trainer.init_state().params
 

@@ -264,8 +264,10 @@ EINSUM = dataclasses.replace(FLASH, attention="einsum")
 def _losses(config, mesh_shape, rules, model=DecoderLM, steps=3):
     trainer = test_trainer.make_trainer(mesh_shape, rules, config)
     if model is not DecoderLM:
-        trainer = trainer.__class__(model(config), trainer.optimizer, trainer.layout,
-                                    trainer.mesh, *trainer.batch_shape, seed=3)
+        trainer = trainer.__class__(model=model(config), optimizer=trainer.optimizer,
+                                    layout=trainer.layout, mesh=trainer.mesh,
+                                    batch_size=trainer.batch_shape[0],
+                                    sequence_length=trainer.batch_shape[1], seed=3)
     state, losses = trainer.init_state(), []
     for batch in test_trainer.packed_batches(steps):
         if model is not DecoderLM:  # the same packing for the inputs
@@ -353,7 +355,8 @@ def test_flash_inside_sgp_replicas():
     for name in ("einsum", "flash"):
         config = dataclasses.replace(test_sgp.CONFIG, attention=name)
         t = test_sgp.trainer("batch:4;model:2")
-        t = t.__class__(DecoderLM(config), t.optimizer, t.layout, t.mesh, *t.batch_shape)
+        t = t.__class__(model=DecoderLM(config), optimizer=t.optimizer, layout=t.layout,
+                        mesh=t.mesh, batch_size=t.batch_shape[0], sequence_length=t.batch_shape[1])
         sgp = SGPTrainer(t)
         state, losses[name] = sgp.init_state(t.init_state()), []
         for i in range(2):

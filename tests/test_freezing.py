@@ -26,8 +26,9 @@ def trainer_of(mesh_shape="", rules="", parameter_rules="", config=LORA, trainab
     layout = Layout(mesh_shape, rules, parameter_rules)
     mesh = layout.make_mesh(jax.devices()[:layout.size])
     opt = opt or optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=1))
-    return Trainer(DecoderLM(config), opt, layout, mesh, batch_size, L, seed=3,
-                   trainable=trainable, num_microbatches=num_microbatches)
+    return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
+                   batch_size=batch_size, sequence_length=L, seed=3, trainable=trainable,
+                   num_microbatches=num_microbatches)
 
 
 def train(trainer, steps=3):

@@ -133,7 +133,7 @@ def test_checkpoints_saved_under_fsdp_restore_without_it_and_back(tmp_path):
         checkpoints.manager.save(1, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         checkpoints.wait()
-        state = checkpoints.restore(1, target.sharded_abstract_state(), None, meta)
+        state = checkpoints.read(1, target.sharded_abstract_state(), meta).state
         checkpoints.close()
         jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(state), expected)
         wi = state.params["layer_0"]["mlp"]["wi"]

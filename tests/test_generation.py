@@ -132,8 +132,8 @@ def test_layouts_never_change_the_generated_tokens(scan):
     for mesh_shape, rules in layouts:
         layout = Layout(mesh_shape, rules)
         mesh = layout.make_mesh(jax.devices()[:layout.size])
-        trainer = Trainer(DecoderLM(config), optimizer.adafactor(1e-3), layout, mesh, 8, 16,
-                          seed=3)
+        trainer = Trainer(model=DecoderLM(config), optimizer=optimizer.adafactor(1e-3),
+                          layout=layout, mesh=mesh, batch_size=8, sequence_length=16, seed=3)
         params = trainer.init_state().params
         generator = generation.Generator(trainer, Vocab(), DecodingConfig(), seed=0)
         outputs.append(generator(params, prompts))
@@ -150,8 +150,9 @@ def test_a_prompt_longer_than_the_row_keeps_its_end():
     (the continuation follows them), 5 positions left for new ones; with the default (the
     whole row) half the row is left. Prompts that fit are kept whole."""
     layout = Layout()
-    trainer = Trainer(DecoderLM(CONFIG), optimizer.adafactor(1e-3), layout,
-                      layout.make_mesh(jax.devices()[:1]), 8, 16, seed=3)
+    trainer = Trainer(model=DecoderLM(CONFIG), optimizer=optimizer.adafactor(1e-3), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:1]), batch_size=8, sequence_length=16,
+                      seed=3)
     prompt = " ".join(str(i) for i in range(2, 22))
     for config, kept in ((DecodingConfig(max_decode_length=5), 11), (DecodingConfig(), 8)):
         generator = generation.Generator(trainer, Vocab(), config, seed=0)
@@ -169,7 +170,8 @@ def test_the_generator_continues_a_prompt_holding_id_0_as_the_model_does():
     teacher-forced forward passes over the growing sequence."""
     layout = Layout("batch:4;model:2", "batch:batch;heads:model")
     mesh = layout.make_mesh(jax.devices()[:layout.size])
-    trainer = Trainer(DecoderLM(CONFIG), optimizer.adafactor(1e-3), layout, mesh, 8, 16, seed=3)
+    trainer = Trainer(model=DecoderLM(CONFIG), optimizer=optimizer.adafactor(1e-3), layout=layout,
+                      mesh=mesh, batch_size=8, sequence_length=16, seed=3)
     params = trainer.init_state().params
     generator = generation.Generator(trainer, Vocab(), DecodingConfig(max_decode_length=5))
     prompts = [[3, 0, 4], [0], [0, 0, 7, 0]]
@@ -197,7 +199,8 @@ def test_a_prompt_read_as_it_is_is_continued_as_the_model_reads_it():
     passes; a text in the same batch is still read after the start id."""
     layout = Layout("batch:4;model:2", "batch:batch;heads:model")
     mesh = layout.make_mesh(jax.devices()[:layout.size])
-    trainer = Trainer(DecoderLM(CONFIG), optimizer.adafactor(1e-3), layout, mesh, 8, 16, seed=3)
+    trainer = Trainer(model=DecoderLM(CONFIG), optimizer=optimizer.adafactor(1e-3), layout=layout,
+                      mesh=mesh, batch_size=8, sequence_length=16, seed=3)
     params = trainer.init_state().params
     generator = generation.Generator(trainer, Vocab(), DecodingConfig(max_decode_length=6))
     model = DecoderLM(CONFIG)

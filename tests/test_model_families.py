@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain.models import attention, layers, positions
+from mtrain.models import attention, feedforward, layers, positions
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.parallel.layout import Layout
 
@@ -105,7 +105,7 @@ def test_relative_buckets_are_t5s(bidirectional):
 def test_gated_feed_forward_equals_its_formula(activations):
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
-    mlp = layers.DenseReluDense(16, activations=activations)
+    mlp = feedforward.DenseReluDense(d_ff=16, activations=activations)
     params = nn.unbox(mlp.init(jax.random.key(0), x, True)["params"])
     f = {"relu": lambda a: np.maximum(a, 0), "linear": lambda a: a,
          "silu": lambda a: a / (1 + np.exp(-a)),
@@ -349,8 +349,9 @@ def test_presets_train_alike_on_every_layout(gin_file, model_class):
     for mesh_shape, rules in PRESET_LAYOUTS:
         # (a rule for a dimension the model does not have is a layout error)
         layout = Layout(mesh_shape, rules if grouped else rules.replace("kv_heads:model;", ""))
-        trainer = Trainer(model_class(model_config), opt, layout,
-                          layout.make_mesh(jax.devices()[:layout.size]), 8, 16, seed=1)
+        trainer = Trainer(model=model_class(model_config), optimizer=opt, layout=layout,
+                          mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
+                          sequence_length=16, seed=1)
         state, losses = trainer.init_state(), []
         for batch in batches:
             state, metrics = trainer.train_step(state, trainer.place_batch(batch))
@@ -420,8 +421,9 @@ def test_a_kv_heads_split_that_does_not_divide_names_the_tensor():
     layout = Layout("model:8", "heads:model;kv_heads:model")
     with pytest.raises(LayoutError, match=r"parameter k \('d_model', 'kv_heads', 'd_kv'\): "
                                           r"dimension 'kv_heads' of size 2 is not divisible"):
-        Trainer(DecoderLM(TransformerConfig(**NEW_BLOCKS)), optimizer.adafactor(1e-3), layout,
-                layout.make_mesh(jax.devices()), 8, 16)
+        Trainer(model=DecoderLM(TransformerConfig(**NEW_BLOCKS)),
+                optimizer=optimizer.adafactor(1e-3), layout=layout,
+                mesh=layout.make_mesh(jax.devices()), batch_size=8, sequence_length=16)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtrain.models import layers
+from mtrain.models import feedforward, layers
 from mtrain.models.moe import STATS, MoEConfig, MoeFeedForward, route, summary
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.parallel.layout import Layout, LayoutError
@@ -54,7 +54,7 @@ def _reference(params, x, top_k, activations, kept=lambda token, expert: True):
                 continue
             h = 1.0
             for wi, name in zip(wis, activations):
-                h = h * np.asarray(layers.ACTIVATIONS[name](token @ wi[expert]))
+                h = h * np.asarray(feedforward.ACTIVATIONS[name](token @ wi[expert]))
             out[t] += gate * (h @ p["wo"][expert])
     return out.reshape(2, 8, -1)
 
@@ -253,6 +253,7 @@ def test_moe_tiny_trains_alike_on_every_layout_and_dispatches_by_all_to_all():
     import test_trainer
     from mtrain import config
     from mtrain.planning.hlo_cost import hlo_cost
+    from mtrain.training.language_modeling import LanguageModeling
     from mtrain.training.losses import LossConfig
     from mtrain.training.trainer import Trainer
 
@@ -268,9 +269,10 @@ def test_moe_tiny_trains_alike_on_every_layout_and_dispatches_by_all_to_all():
     results = []
     for mesh_shape, rules, parameter_rules in MOE_LAYOUTS:
         layout = Layout(mesh_shape, rules, parameter_rules)
-        trainer = Trainer(DecoderLM(model_config), opt, layout,
-                          layout.make_mesh(jax.devices()[:layout.size]), 8, 16, seed=1,
-                          loss_config=LossConfig(z_loss=0.0))
+        trainer = Trainer(model=DecoderLM(model_config), optimizer=opt, layout=layout,
+                          mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
+                          sequence_length=16, seed=1,
+                          objective=LanguageModeling(LossConfig(z_loss=0.0)))
         state, losses = trainer.init_state(), []
         for batch in batches:
             state, metrics = trainer.train_step(state, trainer.place_batch(batch))
@@ -331,8 +333,9 @@ def test_encoder_decoder_experts_decode_and_accumulate_microbatches():
     metrics = []
     for k in (1, 2):
         layout = Layout()
-        trainer = Trainer(EncoderDecoder(config), optax.sgd(0.1), layout, layout.make_mesh(
-            jax.devices()[:1]), 8, 16, num_microbatches=k)
+        trainer = Trainer(model=EncoderDecoder(config), optimizer=optax.sgd(0.1), layout=layout,
+                          mesh=layout.make_mesh( jax.devices()[:1]), batch_size=8,
+                          sequence_length=16, num_microbatches=k)
         metrics.append(trainer.train_step(trainer.init_state(), trainer.place_batch(batch))[1])
     np.testing.assert_allclose(metrics[1]["cross_entropy"], metrics[0]["cross_entropy"],
                                rtol=1e-5)

@@ -31,8 +31,9 @@ V3 = TARGETS["tpu-v3"]
 
 def make_plan(mesh_shape, rules=RULES, config=CONFIG, target=V3):
     layout = Layout(mesh_shape, rules, drop_unused_rules=True)
-    trainer = Trainer(DecoderLM(config), optax.adafactor(1e-3), layout,
-                      layout.make_mesh(jax.devices()[:layout.size]), 16, 64)
+    trainer = Trainer(model=DecoderLM(config), optimizer=optax.adafactor(1e-3), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=16,
+                      sequence_length=64)
     return trainer, planner.plan(trainer, target)
 
 
@@ -111,8 +112,9 @@ def test_scanned_and_microbatched_steps_are_planned_per_iteration():
         plain.collectives["all-reduce"]["bytes_sent"], rel=1e-3)
     # Four microbatches: the same matmuls, and no less gradient traffic than one batch.
     layout = Layout("batch:4;model:2", RULES, drop_unused_rules=True)
-    trainer = Trainer(DecoderLM(CONFIG), optax.adafactor(1e-3), layout,
-                      layout.make_mesh(jax.devices()[:8]), 16, 64, num_microbatches=4)
+    trainer = Trainer(model=DecoderLM(CONFIG), optimizer=optax.adafactor(1e-3), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:8]), batch_size=16, sequence_length=64,
+                      num_microbatches=4)
     micro = planner.plan(trainer, V3)
     assert micro.matmul_flops == pytest.approx(plain.matmul_flops, rel=1e-6)
     assert micro.collectives["all-reduce"]["parameter_shaped_bytes"] >= \

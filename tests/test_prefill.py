@@ -110,8 +110,9 @@ def test_the_flash_kernels_run_the_prefill_under_layouts(kernel, monkeypatch):
                             if kernel == "splash" else [])
     for mesh_shape, rules in layouts:
         layout = Layout(mesh_shape, rules)
-        trainer = Trainer(DecoderLM(config), optimizer.adafactor(1e-3), layout,
-                          layout.make_mesh(jax.devices()[:layout.size]), 4, 32, seed=3)
+        trainer = Trainer(model=DecoderLM(config), optimizer=optimizer.adafactor(1e-3),
+                          layout=layout, mesh=layout.make_mesh(jax.devices()[:layout.size]),
+                          batch_size=4, sequence_length=32, seed=3)
         params = trainer.init_state().params
         for prefill in (True, False):
             generator = generation.Generator(trainer, _Vocab(), DecodingConfig(prefill=prefill))
@@ -193,8 +194,9 @@ def test_the_planner_counts_prefill_and_decoding():
         assert e["prefill_seconds"] < e["time_to_first_token"] < e["token_loop_time_to_first_token"]
     assert long["prefill_seconds"] > short["prefill_seconds"]
     assert long["token_loop_time_to_first_token"] > 7 * short["token_loop_time_to_first_token"]
-    trainer = Trainer(DecoderLM(TransformerConfig(**BASE)), optimizer.adafactor(1e-3), layout,
-                      layout.make_mesh(jax.devices()[:2]), 4, 24)
+    trainer = Trainer(model=DecoderLM(TransformerConfig(**BASE)),
+                      optimizer=optimizer.adafactor(1e-3), layout=layout,
+                      mesh=layout.make_mesh(jax.devices()[:2]), batch_size=4, sequence_length=24)
     p = planner.plan(trainer, h100, prompt_length=8)
     assert p.inference["prompt_length"] == 8 and p.inference["new_tokens"] == 16
     assert "inference (--prompt_length 8, then 16 new tokens, batch 4)" in planner.format_plan(p)

@@ -30,7 +30,8 @@ def batch(i):
 def trainer(mesh_shape):
     layout = Layout(mesh_shape, RULES, drop_unused_rules=True)
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-    return Trainer(DecoderLM(CONFIG), opt, layout, layout.make_mesh(), 16, 32)
+    return Trainer(model=DecoderLM(CONFIG), optimizer=opt, layout=layout, mesh=layout.make_mesh(),
+                   batch_size=16, sequence_length=32)
 
 
 def heldout_loss(t, params):

@@ -15,6 +15,7 @@ from mtrain.planning.hlo_cost import hlo_cost
 from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.errors import ConfigError
+from mtrain.training.language_modeling import LanguageModeling
 from mtrain.training.losses import LossConfig
 from mtrain.training.trainer import Trainer
 from mtrain.evaluation.translation import DecodingConfig, Translator
@@ -45,8 +46,8 @@ def trainer(config=CONFIG, model=DecoderLM, **kwargs):
     # differences (~1e-7 relative) stay that small in the next steps' losses. Adam divides
     # each gradient by its own magnitude, which turns them into updates of up to the learning
     # rate where a gradient is near zero: after 3 steps, losses 5e-5 apart on some x86 CPUs.
-    return Trainer(model(config), optax.sgd(1.0), LAYOUT, LAYOUT.make_mesh(), BATCH, LENGTH,
-                   **kwargs)
+    return Trainer(model=model(config), optimizer=optax.sgd(1.0), layout=LAYOUT,
+                   mesh=LAYOUT.make_mesh(), batch_size=BATCH, sequence_length=LENGTH, **kwargs)
 
 
 def train_losses(t, steps=4, params=None, features=("targets",)):
@@ -149,7 +150,7 @@ def test_microbatches_give_the_same_update_with_less_memory(reference, k):
 
 @pytest.mark.slow
 def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
-    chunked = trainer(loss_config=LossConfig(chunks=4))
+    chunked = trainer(objective=LanguageModeling(LossConfig(chunks=4)))
     assert (trainer().loss_chunks, chunked.loss_chunks) == (1, 4)
     np.testing.assert_allclose(train_losses(chunked), reference, rtol=1e-5)
     # The gradient itself, also for the encoder-decoder's shared embedding-softmax, with label
@@ -163,8 +164,8 @@ def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
              0.1, 2e-2)]:
         out = []
         for chunks in (1, 8):
-            t = trainer(config, model,
-                        loss_config=LossConfig(chunks=chunks, label_smoothing=smoothing))
+            loss = LossConfig(chunks=chunks, label_smoothing=smoothing)
+            t = trainer(config, model, objective=LanguageModeling(loss))
             batch = t.place_batch(packed_batch(0, features))
             out.append(jax.jit(lambda p, b: t.gradients(p, b, t.dropout_key))(
                 t.init_state().params, batch))
@@ -177,8 +178,8 @@ def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
 
 def test_chunked_loss_needs_less_memory():
     config = dataclasses.replace(CONFIG, vocab_size=4096)
-    whole = trainer(config, loss_config=LossConfig(chunks=1)).compile_train_step()
-    chunked = trainer(config, loss_config=LossConfig(chunks=8)).compile_train_step()
+    whole = trainer(config, objective=LanguageModeling(LossConfig(chunks=1))).compile_train_step()
+    chunked = trainer(config, objective=LanguageModeling(LossConfig(chunks=8))).compile_train_step()
     assert (chunked.memory_analysis().temp_size_in_bytes
             < 0.6 * whole.memory_analysis().temp_size_in_bytes)
     # ... and sends no more: the softmax weights' gradient is summed over the batch's devices

@@ -62,9 +62,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from mtrain.parallel import layout as layout_lib
+from mtrain.parallel import manual
 from mtrain.errors import DataError
 from mtrain.models import base, kernels
 from mtrain.models.context import kv_heads_of_shard
@@ -224,40 +224,27 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
 
 
 def _sharded(fn, q, k, v, query_ids, memory_ids):
-    """fn(q, k, v, query_ids, memory_ids) under `jax.shard_map` over the mesh axes that
-    split ``batch`` and ``heads`` in the active layout (inside a replica, over the axes not
-    already manual); called directly when no layout is active or nothing is split.
+    """fn(q, k, v, query_ids, memory_ids) under a shard_map over the mesh axes that split
+    ``batch`` and ``heads`` in the active layout (`manual.shard_map_by_names`: inside a
+    replica, over the axes not already manual); called directly when no layout is active
+    or nothing is split.
 
     Grouped key/value heads (fewer than the query heads, on ``kv_heads``) go in split as
     ``kv_heads`` is; where that is not as ``heads`` is, each shard cuts the key/value heads
     its query heads use out of the whole ones (`context.kv_heads_of_shard`)."""
-    active = layout_lib.active()
-    if active is None:
-        return fn(q, k, v, query_ids, memory_ids)
-    layout, mesh = active
-    context = jax.sharding.get_abstract_mesh()
-    manual = set(context.manual_axes) if not context.empty else set()
-    if manual:
-        mesh = context
-    batch, heads, kv_heads = (layout.mesh_dim_for(n) for n in ("batch", "heads", "kv_heads"))
-    batch, heads, kv_heads = (None if a in manual else a for a in (batch, heads, kv_heads))
-    if k.shape[2] == q.shape[2]:
-        kv_heads = heads  # (full multi-head attention: keys and values on ``heads``)
-    if batch is None and heads is None:
-        return fn(q, k, v, query_ids, memory_ids)
-    qkv, ids = P(batch, None, heads, None), P(batch, None)
-    if kv_heads == heads:
-        kv, local = qkv, fn
+    qkv, ids = ("batch", None, "heads", None), ("batch", None)
+    heads = manual.axis("heads")
+    if k.shape[2] == q.shape[2] or manual.axis("kv_heads") == heads:
+        kv, local = qkv, fn  # (full multi-head attention: keys and values on ``heads``)
     else:
-        kv = P(batch, None, None, None)
+        kv = ("batch", None, None, None)
 
         def local(q, k, v, query_ids, memory_ids):
             k, v = kv_heads_of_shard(q.shape[2], k, v, heads)
             return fn(q, k, v, query_ids, memory_ids)
 
-    free = frozenset(mesh.axis_names) - manual
-    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, kv, kv, ids, ids), out_specs=qkv,
-                         axis_names=free, check_vma=False)(q, k, v, query_ids, memory_ids)
+    return manual.shard_map_by_names(local, in_names=(qkv, kv, kv, ids, ids),
+                                     out_names=qkv)(q, k, v, query_ids, memory_ids)
 
 
 # The largest table 'auto' gives cudnn_segments; a batch whose rows need more runs the masked

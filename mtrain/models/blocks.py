@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 
 from mtrain.models import layers, positions
+from mtrain.models.feedforward import DenseReluDense
 from mtrain.models.moe import STATS, MoeFeedForward
 from mtrain.parallel.layout import constrain
 
@@ -44,38 +45,35 @@ class Block(nn.Module):
         drop = nn.Dropout(c.dropout_rate)
 
         def norm(name):
-            return layers.RMSNorm(c.norm_epsilon, c.dtype, c.norm_scale_offset, name=name)
-
-        def attend(name, rotary=None, window=0):
-            options = layers.AttentionOptions(
-                c.attention_scale, c.attention_bias, c.qk_norm, c.norm_epsilon,
-                c.norm_scale_offset, window, c.context_parallel)
-            return layers.MultiHeadAttention(
-                c.num_heads, c.d_kv, c.dropout_rate, c.dtype, c.attention, c.flash_kernel,
-                c.flash_max_segments, c.num_kv_heads, rotary, options, c.lora, name=name)
+            return layers.RMSNorm(epsilon=c.norm_epsilon, dtype=c.dtype,
+                                  offset=c.norm_scale_offset, name=name)
 
         def sublayer(name, y):
             return norm(f"post_{name}_norm")(y) if c.post_norms else y
 
         y = norm("attention_norm")(x)
-        y = attend("self_attention", rotary_frequencies(c, self.window), self.window)(
-            y, y, mask, deterministic, decode_index, positions, bias)
+        y = layers.MultiHeadAttention.of(
+            c, rotary_frequencies=rotary_frequencies(c, self.window), window=self.window,
+            name="self_attention")(y, y, mask, deterministic, decode_index, positions, bias)
         x = x + drop(sublayer("attention", y), deterministic=deterministic)
         if self.cross_attention:
             y = norm("encoder_decoder_attention_norm")(x)
-            y = attend("encoder_decoder_attention")(y, memory, memory_mask, deterministic)
+            y = layers.MultiHeadAttention.of(c, name="encoder_decoder_attention")(
+                y, memory, memory_mask, deterministic)
             x = x + drop(sublayer("encoder_decoder_attention", y), deterministic=deterministic)
         y = norm("mlp_norm")(x)
         if self.moe:
             real = None if mask is None or mask.query is None else mask.query > 0
             # decoding (a step or a prefill) drops no token: a step's group is its one
             # token, which no capacity binds, and a prefill must compute what steps would
-            y = MoeFeedForward(c.moe, c.moe.expert_d_ff, c.dropout_rate, c.dtype,
-                               c.mlp_activations, c.lora, name="mlp")(
+            y = MoeFeedForward(config=c.moe, d_ff=c.moe.expert_d_ff,
+                               dropout_rate=c.dropout_rate, dtype=c.dtype,
+                               activations=c.mlp_activations, lora=c.lora, name="mlp")(
                 y, deterministic, real, dropless=decode_index is not None)
         else:
-            y = layers.DenseReluDense(c.d_ff, c.dropout_rate, c.dtype, c.mlp_activations,
-                                      c.lora, name="mlp")(y, deterministic)
+            y = DenseReluDense(d_ff=c.d_ff, dropout_rate=c.dropout_rate, dtype=c.dtype,
+                               activations=c.mlp_activations, lora=c.lora,
+                               name="mlp")(y, deterministic)
         x = x + drop(sublayer("mlp", y), deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
 

@@ -9,7 +9,7 @@ Its queries stay there; the keys and values they need come to them in one of two
 - ``'ring'`` (ring attention, Liu et al. 2023): the devices pass their blocks of keys and
   values around the ring with `jax.lax.ppermute`, one step per device, each adding the
   block's share of the softmax to its queries' running sums (the online softmax: running
-  maximum, normaliser and weighted values, all in float32). Its backward pass (`_ring`, a
+  maximum, normaliser and weighted values, all in float32). Its backward pass (`ring`, a
   custom VJP: flash attention's, with the forward pass's log-sum-exp) passes the blocks
   around again with their gradients' running sums, so that no device ever holds more than
   two blocks of the row's keys and values, forward or backward.
@@ -25,10 +25,11 @@ Packed segment ids travel with their positions, and T5's relative position bias 
 each block from them (`positions.RelativeTable`; its table's gradient summed in the ring's
 backward pass).
 
-`attend` runs either under `jax.shard_map` over the mesh dimensions that split ``batch``,
-``heads`` and ``length`` in the active layout; without a ``length`` split it is plain
-attention. On the einsum path its float32 logits are a block [local queries, one device's
-keys] at a time in the ring, [local queries, the row's keys] gathered. On the flash path
+`attend` runs either under a shard_map over the mesh dimensions that split ``batch``,
+``heads`` and ``length`` in the active layout (`manual.shard_map_by_names`); without a
+``length`` split it is plain attention. On the einsum path its float32 logits are a block
+[local queries, one device's keys] at a time in the ring, [local queries, the row's keys]
+gathered. On the flash path
 (`transformer.attention='flash'`) the gathered form runs the flash kernel on the device's
 queries and the row's keys: splash with a mask of the row's global positions (`kernels.
 splash`'s `shard`: the block mask of this device's query blocks, computed in the kernel,
@@ -39,19 +40,38 @@ path (a kernel for each step would have to return and differentiate its log-sum-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from mtrain.models import kernels
-from mtrain.models.kernels import NEG_INF
+from mtrain.models import kernels, ring
+from mtrain.models.ring import Places, Ring, block, finish, relative_bias, visible
 from mtrain.parallel import layout as layout_lib
+from mtrain.parallel import manual
 from mtrain.parallel.layout_syntax import LayoutError
 
+__all__ = ["MODES", "Options", "Places", "attend", "balanced_order", "kv_heads_of_shard",
+           "length_order", "local_attention", "splits_length", "visible"]
+
 MODES = ("gather", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How self-attention with ``length`` split runs: `causal`, a sliding `window` (0:
+    none), the logits' `scale`, the `mode` keys come by (`MODES`), the gathered form's flash
+    `kernel` (None: einsum) and whether the rows are in `balanced_order` (`balanced`, as
+    splash's mask must know)."""
+
+    causal: bool = False
+    window: int = 0
+    scale: float = 1.0
+    mode: str = "gather"
+    kernel: str | None = None
+    balanced: bool = False
 
 
 def splits_length() -> bool:
@@ -83,90 +103,32 @@ def balanced_order(length: int, ways: int) -> np.ndarray:
                            for i in range(ways)])
 
 
-def visible(query_ids, query_index, memory_ids, memory_index, causal: bool, window: int = 0):
-    """[b, lq, lm] whether each query sees each memory position: same segment, real, and
-    (`causal`) not after it, (`window`) less than `window` positions apart, by index."""
-    mask = (query_ids[:, :, None] == memory_ids[:, None, :]) & (memory_ids > 0)[:, None, :]
-    distance = query_index[:, :, None] - memory_index[:, None, :]
-    if causal:
-        mask &= distance >= 0
-    if window:
-        mask &= jnp.abs(distance) < window
-    return mask
-
-
-def _block(q, k, v, mask, scale, bias=None):
-    """One block's share of the online softmax: (its maximum logit [b, h, lq], the sum of
-    exp(logit - maximum) [b, h, lq], the weighted values [b, lq, h, d], all float32) for
-    q [b, lq, h, d], k and v [b, lm, g, d] (g dividing h), `mask` [b, lq, lm] and `bias`
-    (None, or [b, h, lq, lm] float32 added to the scaled logits)."""
-    (b, lq, h, d), g = q.shape, k.shape[2]
-    grouped = q.reshape(b, lq, g, h // g, d)
-    logits = jnp.einsum("blgrk,bmgk->bgrlm", grouped, k, preferred_element_type=jnp.float32)
-    logits = logits * scale + _grouped_bias(bias, g)
-    logits = jnp.where(mask[:, None, None], logits, NEG_INF)
-    peak = logits.max(axis=-1)
-    weights = jnp.where(mask[:, None, None], jnp.exp(logits - peak[..., None]), 0.0)
-    values = jnp.einsum("bgrlm,bmgk->blgrk", weights, v.astype(jnp.float32))
-    return (peak.reshape(b, h, lq), weights.sum(-1).reshape(b, h, lq),
-            values.reshape(b, lq, h, d))
-
-
-def _grouped_bias(bias, g: int):
-    """`bias` [b, h, lq, lm] as [b, g, h / g, lq, lm] (0 for None)."""
-    if bias is None:
-        return 0.0
-    b, h, lq, lm = bias.shape
-    return bias.reshape(b, g, h // g, lq, lm)
-
-
-def _bias(table, query_index, memory_index):
-    """The relative bias [b, h, lq, lm] of `table` (a `positions.RelativeTable`, or None)."""
-    return None if table is None else table.between(query_index, memory_index)
-
-
-def _combine(a, b):
-    """Two blocks' shares of the online softmax as one."""
-    (peak_a, sum_a, values_a), (peak_b, sum_b, values_b) = a, b
-    peak = jnp.maximum(peak_a, peak_b)
-    wa, wb = jnp.exp(peak_a - peak), jnp.exp(peak_b - peak)
-    per_query = lambda w: jnp.moveaxis(w, 1, 2)[..., None]  # noqa: E731  [b, lq, h, 1]
-    return (peak, sum_a * wa + sum_b * wb,
-            values_a * per_query(wa) + values_b * per_query(wb))
-
-
-def _finish(share, dtype):
-    _, total, values = share
-    return (values / jnp.moveaxis(jnp.maximum(total, 1e-30), 1, 2)[..., None]).astype(dtype)
-
-
-def local_attention(q, k, v, query_ids, memory_ids, query_index, memory_index, *,
-                    causal: bool, window: int = 0, scale: float = 1.0, axis: str | None = None,
-                    mode: str = "gather", kernel: str | None = None, balanced: bool = False,
+def local_attention(q, k, v, at: Places, options: Options, *, axis: str | None = None,
                     bias=None):
-    """Attention of this device's queries (inside `shard_map`, ``length`` split over mesh
-    axis `axis`; None: not split) to the whole row's keys, by `mode` (module doc); the
-    gathered form by flash `kernel` where one is named (rows in `balanced_order` where
-    `balanced`, as splash's mask must know), else by einsum. `bias`: T5's relative bias (a
-    `positions.RelativeTable`, its heads this device's) of each block's positions (einsum
-    blocks only: no kernel takes it)."""
+    """Attention of this device's queries (inside a shard_map, ``length`` split over mesh
+    axis `axis`; None: not split) to the whole row's keys, by `options.mode` (module doc);
+    the gathered form by flash `options.kernel` where one is named, else by einsum. `bias`:
+    T5's relative bias (a `positions.RelativeTable`, its heads this device's) of each
+    block's positions (einsum blocks only: no kernel takes it)."""
+    o, (query_ids, memory_ids, query_index, memory_index) = options, at
+    causal, window, scale, kernel = o.causal, o.window, o.scale, o.kernel
+
     def share(k, v, memory_ids, memory_index):
         mask = visible(query_ids, query_index, memory_ids, memory_index, causal, window)
-        return _block(q, k, v, mask, scale, _bias(bias, query_index, memory_index))
+        return block(q, k, v, mask, scale, relative_bias(bias, query_index, memory_index))
 
     if axis is None:
-        return _finish(share(k, v, memory_ids, memory_index), q.dtype)
+        return finish(share(k, v, memory_ids, memory_index), q.dtype)
     if bias is not None:
         kernel = None
-    if mode == "ring":
-        return _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, bias, axis,
-                     causal, window, scale)
-    if mode != "gather":
-        raise ValueError(f"context parallelism must be one of {MODES}, got {mode!r}")
+    if o.mode == "ring":
+        return ring.attention(q, k, v, at, bias, Ring(axis, causal, window, scale))
+    if o.mode != "gather":
+        raise ValueError(f"context parallelism must be one of {MODES}, got {o.mode!r}")
     gather = lambda *xs: [jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
                           for x in xs]
     if kernel == "splash" and q.shape[1] % 128 == 0:
-        shard = (jax.lax.axis_index(axis), jax.lax.axis_size(axis), balanced)
+        shard = (jax.lax.axis_index(axis), jax.lax.axis_size(axis), o.balanced)
 
         # (the backward pass gathers the keys and values again rather than keep them: only
         # the kernel's residuals, named RESIDUALS, are saved)
@@ -184,146 +146,33 @@ def local_attention(q, k, v, query_ids, memory_ids, query_index, memory_index, *
         mask |= (query_ids == 0)[:, :, None]  # (padding queries: no empty rows)
         run = kernels.triton if kernel == "triton" else kernels.cudnn
         return run(q, k, v, query_ids, memory_ids, causal, window, scale, mask=mask)
-    return _finish(share(k, v, memory_ids, memory_index), q.dtype)
+    return finish(share(k, v, memory_ids, memory_index), q.dtype)
 
 
-def _cut(x, j, size: int):
-    """Sub-block `j` of `size` positions of `x` [b, l, ...]."""
-    return jax.lax.dynamic_slice_in_dim(x, j * size, size, 1)
-
-
-def _next(axis: str, blocks):
-    """`blocks` passed one device on along the ring of mesh axis `axis` (`ppermute`)."""
-    n = jax.lax.axis_size(axis)
-    return tuple(jax.lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
-                 for x in blocks)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _ring(q, k, v, query_ids, memory_ids, query_index, memory_index, bias, axis, causal,
-          window, scale):
-    """Ring attention, whose backward pass passes the keys and values (and their gradients'
-    running sums) around the ring again rather than keeping every step's block: no device
-    holds more than two blocks of the row's keys and values, forward or backward."""
-    return _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, bias,
-                         axis, causal, window, scale)[0]
-
-
-def _ring_forward(q, k, v, query_ids, memory_ids, query_index, memory_index, bias, axis,
-                  causal, window, scale):
-    def share(blocks):  # a ring block's share, a sub-block of its keys at a time
-        size = kernels.block_size(blocks[0].shape[1])
-
-        def part(j, total=None):
-            k, v, ids, index = (_cut(x, j, size) for x in blocks)
-            share = _block(q, k, v, visible(query_ids, query_index, ids, index, causal,
-                                            window), scale, _bias(bias, query_index, index))
-            return share if total is None else _combine(total, share)
-
-        return jax.lax.fori_loop(1, blocks[0].shape[1] // size, part, part(0))
-
-    def step(_, carry):  # (a loop, not unrolled: one step's temporaries at a time)
-        total, blocks = carry
-        blocks = _next(axis, blocks)
-        return _combine(total, share(blocks)), blocks
-
-    blocks = (k, v, memory_ids, memory_index)
-    total, _ = jax.lax.fori_loop(1, jax.lax.axis_size(axis), step, (share(blocks), blocks))
-    peak, norm, _ = total
-    out = _finish(total, q.dtype)
-    logsumexp = peak + jnp.log(jnp.maximum(norm, 1e-30))  # [b, h, lq]
-    return out, (q, k, v, query_ids, memory_ids, query_index, memory_index, bias, out,
-                 logsumexp)
-
-
-def _ring_backward(axis, causal, window, scale, saved, d_out):
-    """Flash attention's backward pass, a ring block at a time: with the softmax's
-    log-sum-exp of the forward pass, each block's probabilities are recomputed exactly."""
-    q, k, v, query_ids, memory_ids, query_index, memory_index, bias, out, logsumexp = saved
-    (b, lq, h, d), g = q.shape, k.shape[2]
-    f32 = jnp.float32
-    grouped = lambda x: x.astype(f32).reshape(b, lq, g, h // g, d)  # noqa: E731
-    qg, dog = grouped(q), grouped(d_out)
-    delta = jnp.einsum("blgrk,blgrk->bgrl", dog, grouped(out))  # sum(d_out * out)
-    lse = logsumexp.reshape(b, g, h // g, lq)
-
-    def add(dq, d_table, blocks):  # a ring block's share, a sub-block of its keys at a
-        k, v, ids, index, dk, dv = blocks  # time (the gradients' sums travel with it)
-        size = kernels.block_size(k.shape[1])
-
-        def part(j, carry):
-            dq, d_table, dk, dv = carry
-            k_, v_, index_ = (_cut(x, j, size) for x in (k, v, index))
-            k_, v_ = k_.astype(f32), v_.astype(f32)
-            mask = visible(query_ids, query_index, _cut(ids, j, size), index_, causal,
-                           window)[:, None, None]
-            logits = jnp.einsum("blgrk,bmgk->bgrlm", qg, k_) * scale + _grouped_bias(
-                _bias(bias, query_index, index_), g)
-            p = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
-            d_logits = p * (jnp.einsum("blgrk,bmgk->bgrlm", dog, v_) - delta[..., None])
-            if bias is not None:  # each bucket's share: a sum over the positions it holds
-                buckets = bias.buckets(query_index, index_).reshape(-1)
-                d_table += jax.ops.segment_sum(
-                    jnp.moveaxis(d_logits.reshape(b, h, -1), 1, 2).reshape(-1, h), buckets,
-                    bias.num_buckets).T
-            ds = d_logits * scale
-            dq += jnp.einsum("bgrlm,bmgk->blgrk", ds, k_)
-            add = lambda x, y: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-                x, _cut(x, j, size) + y, j * size, 1)
-            return (dq, d_table, add(dk, jnp.einsum("bgrlm,blgrk->bmgk", ds, qg)),
-                    add(dv, jnp.einsum("bgrlm,blgrk->bmgk", p, dog)))
-
-        dq, d_table, dk, dv = jax.lax.fori_loop(0, k.shape[1] // size, part,
-                                                (dq, d_table, dk, dv))
-        return dq, d_table, (k, v, ids, index, dk, dv)
-
-    zeros = (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
-    d_table = jnp.zeros((h, bias.num_buckets), f32) if bias is not None else jnp.zeros(())
-    first = add(jnp.zeros_like(qg), d_table, (k, v, memory_ids, memory_index, *zeros))
-    dq, d_table, blocks = jax.lax.fori_loop(
-        1, jax.lax.axis_size(axis), lambda _, c: add(c[0], c[1], _next(axis, c[2])), first)
-    dk, dv = _next(axis, blocks[4:])  # (one step on: back on their own device)
-    d_bias = None if bias is None else bias.replace(table=d_table.astype(bias.table.dtype))
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), \
-        None, None, None, None, d_bias
-
-
-_ring.defvjp(_ring_forward, _ring_backward)
-
-
-def attend(q, k, v, query_ids, memory_ids, query_index, memory_index, *, causal: bool,
-           window: int = 0, scale: float = 1.0, mode: str = "gather", kernel: str | None = None,
-           balanced: bool = False, bias=None):
-    """Self-attention (q [b, l, h, d], k and v [b, l, g, d], segment ids and indices [b, l])
-    with ``length`` split as the active layout says, under `jax.shard_map` over the mesh
-    axes that split ``batch``, ``heads`` and ``length``; directly without a layout.
-    `kernel`, `balanced`, `bias`: see `local_attention`."""
-    args = (q, k, v, query_ids, memory_ids, query_index, memory_index)
-    kwargs = dict(causal=causal, window=window, scale=scale, mode=mode, kernel=kernel,
-                  balanced=balanced)
-    active = layout_lib.active()
-    if active is None:
-        return local_attention(*args, bias=bias, **kwargs)
-    layout, mesh = active
-    batch, heads, length = (layout.mesh_dim_for(n) for n in ("batch", "heads", "length"))
-    kv_heads = heads if k.shape[2] == q.shape[2] else layout.mesh_dim_for("kv_heads")
-    if kv_heads != heads:
+def attend(q, k, v, at: Places, options: Options, bias=None):
+    """Self-attention (q [b, l, h, d], k and v [b, l, g, d], segment ids and indices [b, l]
+    `at`) with ``length`` split as the active layout says, under a shard_map over the mesh
+    axes that split ``batch``, ``heads`` and ``length`` (`manual.shard_map_by_names`);
+    directly without a layout. `options`, `bias`: see `local_attention`."""
+    heads, length = manual.axis("heads"), manual.axis("length")
+    if k.shape[2] == q.shape[2] or manual.axis("kv_heads") == heads:
+        kv_heads = "heads"
+    else:
         kv_heads = None  # (grouped heads split otherwise than the queries': whole here)
 
-    def local(q, k, v, *ids_and_bias):
-        if kv_heads != heads and heads is not None:
+    def local(q, k, v, at, *table):
+        if kv_heads is None and heads is not None:
             k, v = kv_heads_of_shard(q.shape[2], k, v, heads)
-        ids, table = ids_and_bias[:4], ids_and_bias[4:]
-        return local_attention(q, k, v, *ids, axis=length, bias=table[0] if table else None,
-                               **kwargs)
+        return local_attention(q, k, v, at, options, axis=length,
+                               bias=table[0] if table else None)
 
-    qkv, kv, ids = P(batch, length, heads, None), P(batch, length, kv_heads, None), P(batch,
-                                                                                       length)
-    table = () if bias is None else (bias,)  # (its heads, as the queries')
-    specs = (qkv, kv, kv, ids, ids, ids, ids) + (
-        () if bias is None else (bias.replace(table=P(heads, None)),))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=qkv,
-                         check_vma=False)(*args, *table)
+    qkv, kv = ("batch", "length", "heads", None), ("batch", "length", kv_heads, None)
+    ids = ("batch", "length")
+    table = () if bias is None else (bias,)
+    names = (qkv, kv, kv, Places(ids, ids, ids, ids)) + (
+        () if bias is None else (bias.replace(table=("heads", None)),))  # (the queries' heads)
+    return manual.shard_map_by_names(local, in_names=names, out_names=qkv, always=True)(
+        q, k, v, at, *table)
 
 
 def kv_heads_of_shard(local_heads: int, k, v, heads_axis: str | None):

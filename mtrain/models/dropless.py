@@ -1,12 +1,12 @@
 """Dropless experts (``moe.dispatch = 'dropless'``, MaxText's and Megatron's): every token
 goes to each of its top_k experts, whatever their load; no capacity, no one-hot tensors.
 
-Per device (under `jax.shard_map` over the mesh, as the active layout splits the tokens'
-``batch`` and ``length``, the weights' ``experts`` and ``d_ff``), the token choices are
-sorted by expert, so that each expert's tokens are consecutive rows, and each expert's
-feed-forward layer runs as grouped matmuls over those rows (`mtrain.models.grouped`). The
-outputs go back to the tokens' order, weighted by the gates, summed over the choices.
-Padding tokens are routed nowhere. Where the experts are split:
+Per device (under a shard_map by names, `manual.shard_map_by_names`, as the active layout
+splits the tokens' ``batch`` and ``length``, the weights' ``experts`` and ``d_ff``), the
+token choices are sorted by expert, so that each expert's tokens are consecutive rows, and
+each expert's feed-forward layer runs as grouped matmuls over those rows
+(`mtrain.models.grouped`). The outputs go back to the tokens' order, weighted by the gates,
+summed over the choices. Padding tokens are routed nowhere. Where the experts are split:
 
 - over a mesh dimension that does not split the tokens (``experts:model``), every device of
   it holds the same tokens and computes those routed to its own experts (the sorted rows of
@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from mtrain.models import grouped
-from mtrain.models import layers
-from mtrain.parallel import layout as layout_lib
+from mtrain.models.feedforward import gated
+from mtrain.parallel import manual
 
 
 def experts(x, index, gates, wis, wo, *, activations, kernel="auto", ragged=None,
@@ -44,27 +43,21 @@ def experts(x, index, gates, wis, wo, *, activations, kernel="auto", ragged=None
     kwargs = dict(activations=activations, kernel=kernel, ragged=ragged,
                   dropout_rate=dropout_rate if key is not None else 0.0)
     key = jax.random.key(0) if key is None else key
-    active = layout_lib.active()
-    if active is None:
-        return _local(x, index, gates, key, *wis, wo, axes=(None, None, None, ()), **kwargs)
-    layout, mesh = active
-    batch, length, e_axis, f_axis = (layout.mesh_dim_for(n)
+    batch, length, e_axis, f_axis = (manual.axis(n)
                                      for n in ("batch", "length", "experts", "d_ff"))
     if f_axis == e_axis:
         f_axis = None  # (experts claim their mesh dimension first: `layout.LEADING`)
-    tokens = P(batch, length, None)
-    weight = P(e_axis, None, f_axis)
-    weight_out = P(e_axis, f_axis, None)
     token_axes = tuple(a for a in (batch, length) if a is not None)
     axes = (e_axis, f_axis, e_axis if e_axis in token_axes else None, token_axes)
 
     def local(x, index, gates, key, *weights):
         return _local(x, index, gates, key, *weights, axes=axes, **kwargs)
 
-    return jax.shard_map(local, mesh=mesh,
-                         in_specs=(tokens, tokens, tokens, P(), *[weight] * len(wis),
-                                   weight_out),
-                         out_specs=tokens, check_vma=False)(x, index, gates, key, *wis, wo)
+    tokens = ("batch", "length", None)
+    weights = [("experts", None, "d_ff")] * len(wis) + [("experts", "d_ff", None)]
+    return manual.shard_map_by_names(local, in_names=(tokens, tokens, tokens, (), *weights),
+                                     out_names=tokens, always=True)(x, index, gates, key,
+                                                                    *wis, wo)
 
 
 def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dropout_rate):
@@ -82,11 +75,8 @@ def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dr
         key = jax.random.fold_in(key, jax.lax.axis_index(axis))
 
     def compute(rows, sizes, balanced):
-        h = None
-        for name, wi in zip(activations, wis):
-            a = layers.ACTIVATIONS[name](grouped.grouped_matmul(rows, wi, sizes, kernel,
-                                                                balanced))
-            h = a if h is None else h * a
+        h = gated(activations, [grouped.grouped_matmul(rows, wi, sizes, kernel, balanced)
+                                for wi in wis])
         if dropout_rate:
             keep = jax.random.bernoulli(key, 1.0 - dropout_rate, h.shape)
             h = jnp.where(keep, h / (1.0 - dropout_rate), 0).astype(h.dtype)

@@ -64,51 +64,12 @@ class AttentionOptions:
     window: int = 0
     context_parallel: str = "gather"
 
-
-# The feed-forward activations by name (T5X's and Mesh-TF's spelling); 'gelu' is the tanh
-# approximation, as T5 trains with.
-ACTIVATIONS = {
-    "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
-    "silu": jax.nn.silu,
-    "linear": lambda x: x,
-}
-
-
-class DenseReluDense(nn.Module):
-    """The feed-forward layer: d_model -> d_ff -> d_model, Mesh-TF's `dense_relu_dense`.
-
-    With one activation (default ``('relu',)``) one input projection ``wi``; with several
-    (``('gelu', 'linear')``: GeGLU, ``('silu', 'linear')``: SwiGLU) one projection ``wi_<i>``
-    per activation, their activations multiplied elementwise, as T5X's `MlpBlock`. Then
-    dropout and the output projection ``wo``."""
-
-    d_ff: int
-    dropout_rate: float = 0.0
-    dtype: Dtype = jnp.float32
-    activations: tuple[str, ...] = ("relu",)
-    lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool):
-        d_model = x.shape[-1]
-        dt = self.dtype
-        h = None
-        for i, name in enumerate(self.activations):
-            wname = "wi" if len(self.activations) == 1 else f"wi_{i}"
-            names = ("d_model", "d_ff")
-            wi = param(self, wname, normal(d_model**-0.5), (d_model, self.d_ff), names, dt)
-            a = ACTIVATIONS[name](project(self, wname, "bld,df->blf", x, wi, names, self.lora,
-                                          deterministic))
-            h = a if h is None else h * a
-        h = constrain(h, ("batch", "length", "d_ff"))
-        wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"),
-                   dt)
-        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        y = project(self, "wo", "blf,fd->bld", h, wo, ("d_ff", "d_model"), self.lora,
-                    deterministic)
-        return constrain(y, ("batch", "length", "d_model"))
+    @classmethod
+    def of(cls, c, window: int = 0) -> "AttentionOptions":
+        """The options of a `TransformerConfig` `c`'s attention with sliding `window`."""
+        return cls(scale=c.attention_scale, bias=c.attention_bias, qk_norm=c.qk_norm,
+                   norm_epsilon=c.norm_epsilon, norm_offset=c.norm_scale_offset,
+                   window=window, context_parallel=c.context_parallel)
 
 
 class MultiHeadAttention(nn.Module):
@@ -169,6 +130,16 @@ class MultiHeadAttention(nn.Module):
     options: AttentionOptions = None  # None: AttentionOptions()
     lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
 
+    @classmethod
+    def of(cls, c, *, rotary_frequencies=None, window: int = 0, name: str | None = None):
+        """The attention of a `TransformerConfig` `c` (its heads, kernels, options and
+        adapters), with `rotary_frequencies` and a sliding `window`."""
+        return cls(num_heads=c.num_heads, d_kv=c.d_kv, dropout_rate=c.dropout_rate,
+                   dtype=c.dtype, implementation=c.attention, flash_kernel=c.flash_kernel,
+                   flash_max_segments=c.flash_max_segments, num_kv_heads=c.num_kv_heads,
+                   rotary_frequencies=rotary_frequencies,
+                   options=AttentionOptions.of(c, window), lora=c.lora, name=name)
+
     def _path(self, deterministic: bool, single_query: bool = False,
               bias: bool = False) -> str:
         """'einsum', 'dot_product' or 'flash' for this call (`single_query`: a decoding
@@ -211,8 +182,9 @@ class MultiHeadAttention(nn.Module):
         kv_names = ("batch", "memory_length", kv_heads, "d_kv")
         key, value = constrain(key, kv_names), constrain(value, kv_names)
         if o.qk_norm:
-            q = RMSNorm(o.norm_epsilon, dt, o.norm_offset, ("d_kv",), name="q_norm")(q)
-            key = RMSNorm(o.norm_epsilon, dt, o.norm_offset, ("d_kv",), name="k_norm")(key)
+            norm = dict(epsilon=o.norm_epsilon, dtype=dt, offset=o.norm_offset, names=("d_kv",))
+            q = RMSNorm(**norm, name="q_norm")(q)
+            key = RMSNorm(**norm, name="k_norm")(key)
         if self.rotary_frequencies is not None:
             inverse = np.asarray(self.rotary_frequencies, np.float32)
             q = positions_lib.rotate(q, positions, inverse)
@@ -236,11 +208,12 @@ class MultiHeadAttention(nn.Module):
             # which restart per packed example as the segment ids do: the same mask)
             kernel = self.flash_kernel if self.flash_kernel != "auto" else \
                 attention.default_kernel()
-            out = context.attend(q, key, value, mask.query, mask.memory, positions, positions,
-                                 causal=mask.causal, window=mask.window, scale=o.scale,
-                                 mode=o.context_parallel, balanced=mask.balanced,
-                                 kernel=(kernel if kernel != "cudnn_segments" else "cudnn")
-                                 if path == "flash" else None, bias=table)
+            options = context.Options(
+                causal=mask.causal, window=mask.window, scale=o.scale, mode=o.context_parallel,
+                kernel=(kernel if kernel != "cudnn_segments" else "cudnn")
+                if path == "flash" else None, balanced=mask.balanced)
+            at = context.Places(mask.query, mask.memory, positions, positions)
+            out = context.attend(q, key, value, at, options, bias=table)
         elif path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
                                   self.flash_max_segments, o.scale)

@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtrain.models.base import shape_field
 from mtrain.models.parameters import param
@@ -79,45 +81,79 @@ def _parameter_path(module: nn.Module, name: str) -> str:
     return "/".join((*module.scope.path, name))
 
 
+class Adapter(NamedTuple):
+    """A weight's adapter parameters `a` and `b` and their letters in its projection's
+    einsum (`rank`: the adapter rank's letter)."""
+
+    a: jax.Array
+    b: jax.Array
+    a_letters: str
+    b_letters: str
+    rank: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """A projection ``einsum(spec, x, w)`` by weight `w` (the parameter `name`) with its
+    `adapter` (None: not targeted), made by `projection`: applied factored (`__call__`) or
+    merged into the weight (`merged_weight`)."""
+
+    name: str
+    spec: str
+    w: jax.Array
+    adapter: Adapter | None
+    lora: LoraConfig | None
+
+    def __call__(self, x, deterministic: bool = True):
+        """``einsum(spec, x, w)`` plus the adapter's factored share (module doc)."""
+        y = jnp.einsum(self.spec, x, self.w)
+        if self.adapter is None:
+            return y
+        a, b, a_letters, b_letters, r = self.adapter
+        inputs, out = self.spec.split("->")
+        xs = inputs.split(",")[0]
+        if self.lora.dropout:
+            x = nn.Dropout(self.lora.dropout)(x, deterministic=deterministic)
+        hidden = "".join(c for c in xs if c in out) + r
+        low = jnp.einsum(f"{xs},{a_letters}->{hidden}", x, a)
+        return y + self.lora.scale * jnp.einsum(f"{hidden},{b_letters}->{out}", low, b)
+
+    def merged_weight(self):
+        """The weight with its adapter merged in (`merged`: w + scale a b, the same
+        parameters), for a computation that cannot take the factored form (dropless
+        experts' grouped matmuls): the merged weight and its gradient are as large as the
+        weight. Refuses adapter dropout, which applies to the input."""
+        if self.adapter is None:
+            return self.w
+        if self.lora.dropout:
+            raise ValueError(f"lora.dropout applies to the input of {self.name!r}, which the "
+                             f"dropless experts' grouped matmuls take merged: set lora.dropout"
+                             f" = 0.0 or moe.dispatch = 'capacity'")
+        ws = self.spec.split("->")[0].split(",")[1]
+        a, b, a_letters, b_letters, r = self.adapter
+        if ws != a_letters.replace(r, "") + b_letters.split(r)[1]:  # (as `merged` reads it)
+            raise ValueError(f"{self.name!r}: a weight {ws!r} that is not [shared..., "
+                             f"inputs..., outputs...] cannot be merged")
+        return merged(self.w, a, b, self.lora.scale)
+
+
+def projection(module: nn.Module, name: str, spec: str, w, names: tuple[str, ...],
+               lora: LoraConfig | None) -> Projection:
+    """The projection of `spec` by `w`, the parameter `name` of `module` (of logical
+    `names`), with its adapter's parameters made beside it where `lora` targets it."""
+    return Projection(name, spec, w, _adapter(module, name, spec, w, names, lora), lora)
+
+
 def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...],
             lora: LoraConfig | None, deterministic: bool = True):
     """``einsum(spec, x, w)`` (``w`` the parameter `name` of `module`, of logical `names`),
     with its adapter where `lora` targets it (module doc)."""
-    y = jnp.einsum(spec, x, w)
-    adapter = _adapter(module, name, spec, w, names, lora)
-    if adapter is None:
-        return y
-    a, b, a_letters, b_letters, r = adapter
-    inputs, out = spec.split("->")
-    xs = inputs.split(",")[0]
-    if lora.dropout:
-        x = nn.Dropout(lora.dropout)(x, deterministic=deterministic)
-    hidden = "".join(c for c in xs if c in out) + r
-    low = jnp.einsum(f"{xs},{a_letters}->{hidden}", x, a)
-    return y + lora.scale * jnp.einsum(f"{hidden},{b_letters}->{out}", low, b)
-
-
-def adapted(module: nn.Module, name: str, spec: str, w, names: tuple[str, ...],
-            lora: LoraConfig | None):
-    """The weight `w` of `project`'s `spec` with its adapter merged in (w + scale a b, the
-    same parameters) where `lora` targets it, for a computation that cannot take the
-    factored form (dropless experts' grouped matmuls): the merged weight and its gradient
-    are as large as the weight. Refuses adapter dropout, which applies to the input."""
-    adapter = _adapter(module, name, spec, w, names, lora)
-    if adapter is None:
-        return w
-    if lora.dropout:
-        raise ValueError(f"lora.dropout applies to the input of {name!r}, which the dropless "
-                         f"experts' grouped matmuls take merged: set lora.dropout = 0.0 or "
-                         f"moe.dispatch = 'capacity'")
-    a, b, a_letters, b_letters, _ = adapter
-    ws = spec.split("->")[0].split(",")[1]
-    return w + lora.scale * jnp.einsum(f"{a_letters},{b_letters}->{ws}", a, b).astype(w.dtype)
+    return projection(module, name, spec, w, names, lora)(x, deterministic)
 
 
 def _adapter(module, name, spec, w, names, lora):
-    """The adapter parameters of weight `name` ((a, b, their einsum letters, the rank's
-    letter)), or None where `lora` does not target it."""
+    """The `Adapter` of weight `name` (its parameters made here), or None where `lora` does
+    not target it."""
     if not lora or not lora.rank or not lora.targets_path(_parameter_path(module, name)):
         return None
     inputs, out = spec.split("->")
@@ -137,18 +173,18 @@ def _adapter(module, name, spec, w, names, lora):
     b = param(module, f"{name}_lora_b", nn.initializers.zeros,
               tuple(w.shape[ws.index(c)] if c != r else lora.rank for c in b_letters),
               tuple(name_of.get(c, RANK) for c in b_letters), w.dtype)
-    return a, b, "".join(a_letters), "".join(b_letters), r
+    return Adapter(a, b, "".join(a_letters), "".join(b_letters), r)
 
 
 def merged(w, a, b, scale: float):
-    """The weight `w` with its adapter (`a`, `b`, as `project` makes them) merged in, as
-    numpy arrays: w + scale x a b (the leading dimensions both adapters share with the
-    weight, experts' or a scanned stack's layers, taken pairwise)."""
-    import numpy as np
-
+    """The weight `w` with its adapter (`a`, `b`, as `project` makes them) merged in: w +
+    scale x a b (the leading dimensions both adapters share with the weight, experts' or a
+    scanned stack's layers, taken pairwise), in `w`'s dtype. Numpy arrays (an export's) by
+    numpy, others by jax (a traced step's: `Projection.merged_weight`)."""
+    xp = np if all(isinstance(x, np.ndarray) for x in (w, a, b)) else jnp
     lead = a.ndim + b.ndim - 2 - w.ndim
     letters = "abcdefghijklmnop"
     head, ins = letters[:lead], letters[lead:a.ndim - 1]
     outs = letters[a.ndim - 1:w.ndim]
-    delta = np.einsum(f"{head}{ins}z,{head}z{outs}->{head}{ins}{outs}", a, b)
-    return w + np.float32(scale) * delta
+    delta = xp.einsum(f"{head}{ins}z,{head}z{outs}->{head}{ins}{outs}", a, b)
+    return w + scale * delta.astype(w.dtype)

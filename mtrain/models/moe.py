@@ -48,8 +48,9 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.models import dropless, layers
+from mtrain.models.feedforward import gated, input_names
 from mtrain.models.grouped import GROUPED_KERNELS
-from mtrain.models.lora import LoraConfig, adapted, project
+from mtrain.models.lora import LoraConfig, Projection, projection
 from mtrain.models.base import shape_field
 from mtrain.parallel.layout import constrain
 
@@ -177,8 +178,8 @@ def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None
 
 class MoeFeedForward(nn.Module):
     """The mixture-of-experts feed-forward layer (see the module doc): x [batch, length,
-    d_model] -> [batch, length, d_model]. `activations` as `layers.DenseReluDense`'s (gated
-    activations apply in every expert); parameters ``router`` [d_model, experts_unsplit],
+    d_model] -> [batch, length, d_model]. `activations` as `feedforward.DenseReluDense`'s
+    (gated activations apply in every expert); parameters ``router`` [d_model, experts_unsplit],
     ``wi`` (or ``wi_0``, ``wi_1``, ...) [experts, d_model, d_ff] and ``wo`` [experts, d_ff,
     d_model]. `nonpadding` [batch, length]: the real tokens (None: all). `dropless`: so
     whatever `config.dispatch` (decoding: what a capacity would drop is no decoding step's)."""
@@ -194,7 +195,7 @@ class MoeFeedForward(nn.Module):
     def __call__(self, x, deterministic: bool, nonpadding=None, dropless: bool = False):
         m, dt = self.config, self.dtype
         b, length, d = x.shape
-        e, f = m.num_experts, self.d_ff
+        e = m.num_experts
         s = m.group_length(length)
         g = b * length // s
         xg = constrain(x.reshape(g, s, d), ("batch", "group", "d_model"))
@@ -217,21 +218,11 @@ class MoeFeedForward(nn.Module):
         unsplit = ("experts_unsplit", "batch", "expert_capacity", "d_model")
         inputs = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), xg)
         inputs = constrain(constrain(inputs, unsplit), (*slots, "d_model"))
-        h = None
-        for i, name in enumerate(self.activations):
-            wname, names = "wi" if len(self.activations) == 1 else f"wi_{i}", \
-                ("experts", "d_model", "d_ff")
-            wi = layers.param(self, wname, layers.normal(d**-0.5), (e, d, f), names, dt)
-            a = layers.ACTIVATIONS[name](project(self, wname, "egcd,edf->egcf", inputs, wi,
-                                                 names, self.lora, deterministic))
-            h = a if h is None else h * a
+        wis, wo = self._experts(d)
+        h = gated(self.activations, [wi(inputs, deterministic) for wi in wis])
         h = constrain(h, (*slots, "d_ff"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        wo = layers.param(self, "wo", layers.normal(f**-0.5), (e, f, d),
-                          ("experts", "d_ff", "d_model"), dt)
-        out = constrain(project(self, "wo", "egcf,efd->egcd", h, wo,
-                                ("experts", "d_ff", "d_model"), self.lora, deterministic),
-                        (*slots, "d_model"))
+        out = constrain(wo(h, deterministic), (*slots, "d_model"))
         out = constrain(out, unsplit)
         y = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out)
         y = constrain(y, ("batch", "group", "d_model")).reshape(b, length, d)
@@ -248,30 +239,35 @@ class MoeFeedForward(nn.Module):
         statistics (none dropped), the same parameters."""
         m, dt = self.config, self.dtype
         b, length, d = x.shape
-        e, f = m.num_experts, self.d_ff
+        e = m.num_experts
         probs, gates, index, choice = choose(logits, real, m.top_k, m.renormalizes)
         self._sow(statistics(logits, probs, choice, real, choice.sum()))
         index = jnp.where(real[..., None] > 0, index, e).reshape(b, length, m.top_k)
         gates = gates.reshape(b, length, m.top_k)
-        wis = []
-        for i in range(len(self.activations)):
-            name = "wi" if len(self.activations) == 1 else f"wi_{i}"
-            wis.append(self._weight(name, layers.normal(d**-0.5), (e, d, f),
-                                    ("experts", "d_model", "d_ff"), "egcd,edf->egcf"))
-        wo = self._weight("wo", layers.normal(f**-0.5), (e, f, d),
-                          ("experts", "d_ff", "d_model"), "egcf,efd->egcd")
+        wis, wo = self._experts(d)
         train_dropout = self.dropout_rate > 0 and not deterministic
-        y = dropless.experts(x.astype(dt), index, gates, wis, wo, activations=self.activations,
+        y = dropless.experts(x.astype(dt), index, gates, [wi.merged_weight() for wi in wis],
+                             wo.merged_weight(), activations=self.activations,
                              kernel=m.grouped_kernel, ragged=m.ragged_all_to_all,
                              dropout_rate=self.dropout_rate,
                              key=self.make_rng("dropout") if train_dropout else None)
         return constrain(y, ("batch", "length", "d_model"))
 
-    def _weight(self, name, init, shape, names, spec):
-        """An expert weight as the grouped matmuls use it: with its adapter merged in where
-        `lora` targets it (`lora.adapted`)."""
-        w = layers.param(self, name, init, shape, names, self.dtype)
-        return adapted(self, name, spec, w, names, self.lora)
+    def _experts(self, d: int) -> tuple[list[Projection], Projection]:
+        """The experts' weights ``wi`` (or ``wi_0``, ``wi_1``, ...: `input_names`) [experts,
+        d_model, d_ff] and ``wo`` [experts, d_ff, d_model] of tokens of `d` = d_model, each
+        made with its adapter where `lora` targets it, as projections of the dispatched
+        tokens [experts, groups, capacity, d_model] (the dropless experts take them merged)."""
+        e, f = self.config.num_experts, self.d_ff
+
+        def weight(name, fan_in, shape, names, spec):
+            w = layers.param(self, name, layers.normal(fan_in**-0.5), shape, names, self.dtype)
+            return projection(self, name, spec, w, names, self.lora)
+
+        into = ("experts", "d_model", "d_ff")
+        wis = [weight(name, d, (e, d, f), into, "egcd,edf->egcf")
+               for name in input_names(len(self.activations))]
+        return wis, weight("wo", f, (e, f, d), ("experts", "d_ff", "d_model"), "egcf,efd->egcd")
 
 
 def summary(stats) -> dict:

@@ -32,7 +32,8 @@ from mtrain.models.transformer_config import TransformerConfig
 
 
 def _norm(c: TransformerConfig, name: str | None = None):
-    return layers.RMSNorm(c.norm_epsilon, c.dtype, c.norm_scale_offset, name=name)
+    return layers.RMSNorm(epsilon=c.norm_epsilon, dtype=c.dtype, offset=c.norm_scale_offset,
+                          name=name)
 
 
 def _embed(c: TransformerConfig, embed: layers.Embed, ids):

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtrain.models import attention, context, layers
+from mtrain.models import attention, context, feedforward
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
 from mtrain.models.blocks import REMAT_POLICIES, period
@@ -51,7 +51,7 @@ class TransformerConfig:
     context_parallel: str = "gather"
     # The feed-forward layer's activations: ('relu',) one input projection; several
     # (('gelu', 'linear'): GeGLU as T5.1.1, ('silu', 'linear'): SwiGLU as Llama) one
-    # projection each, multiplied (`layers.ACTIVATIONS` has the names).
+    # projection each, multiplied (`feedforward.ACTIVATIONS` has the names).
     mlp_activations: tuple[str, ...] = shape_field(("relu",))
     # 'learned' (a position table per stack), 'rotary' (RoPE on queries and keys) or
     # 'relative_bias' (T5's bucketed relative position bias, a table per stack).
@@ -131,10 +131,10 @@ class TransformerConfig:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"transformer.num_kv_heads={self.num_kv_heads} must divide "
                              f"transformer.num_heads={self.num_heads}")
-        unknown = [a for a in self.mlp_activations if a not in layers.ACTIVATIONS]
+        unknown = [a for a in self.mlp_activations if a not in feedforward.ACTIVATIONS]
         if unknown or not self.mlp_activations:
             raise ValueError(f"transformer.mlp_activations: {unknown or 'none given'}; the "
-                             f"names are {', '.join(layers.ACTIVATIONS)}")
+                             f"names are {', '.join(feedforward.ACTIVATIONS)}")
         if self.position_encoding not in POSITION_ENCODINGS:
             raise ValueError(f"transformer.position_encoding must be one of "
                              f"{', '.join(POSITION_ENCODINGS)}, got {self.position_encoding!r}")
