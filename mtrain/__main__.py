@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adapter_dir", default=None, metavar="DIR",
                    help="--mode=import: a PEFT LoRA adapter folder (adapter_config.json, "
                         "adapter_model.safetensors) of the --input_dir model, imported with it")
+    p.add_argument("--ignore_adapter_base", action="store_true",
+                   help="--mode=import --adapter_dir: import the adapter even where its "
+                        "adapter_config.json names another base model than --input_dir "
+                        "(compared by their last names; refused without this flag)")
     p.add_argument("--adapter", action="store_true",
                    help="--mode=export of a LoRA model: its adapter alone, as a PEFT folder "
                         "(adapter_config.json, adapter_model.safetensors); without it, the "
@@ -280,7 +284,8 @@ def _run(args: argparse.Namespace) -> int:
         imported = None
         if args.mode == "import":
             imported = (args.input_dir, *config_lib.parse_import_config(
-                args.gin_file, args.gin_param, args.input_dir, args.adapter_dir),
+                args.gin_file, args.gin_param, args.input_dir, args.adapter_dir,
+                args.ignore_adapter_base),
                 args.adapter_dir)
         else:
             run_lib.parse_config(args.gin_file, args.gin_param)

@@ -224,7 +224,8 @@ def test_infer_writes_a_continuation_holding_a_newline_on_one_line(imports, tmp_
     model = imports / "llama_gqa"
     assert main([f"--gin_file={model / 'config.gin'}", f"--model_dir={model}", "--mode=infer",
                  f"--input_file={_texts(tmp_path, 'llama_gqa')}", f"--output_file={out}",
-                 "--gin_param=decoding.max_decode_length=4"]) == 0
+                 "--gin_param=decoding.max_decode_length=4",
+                 *[f"--gin_param={p}" for p in layout("batch:4;model:2", "llama_gqa")]]) == 0
     lines = out.read_text().split("\n")[:-1]
     assert len(lines) == len(made) == len(oracle("llama_gqa")["texts"])
     unescape = {"\\\\": "\\", "\\n": "\n", "\\r": "\r"}
@@ -307,6 +308,10 @@ def test_fine_tuning_an_import_lowers_the_loss_resumes_and_exports(tmp_path, dat
                 "--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=64",
                 "--gin_param=run.data_workers=0", "--gin_param=run.log_every=1",
                 "--gin_param=run.checkpoint_every=4", "--gin_param=run.eval_every=0",
+                # Mesh-TF's optimizer, not the import's fine-tuning default (AdamW, 1e-4):
+                "--gin_param=run.optimizer=@adafactor",
+                "--gin_param=learning_rate_schedule.shape='rsqrt'",
+                "--gin_param=learning_rate_schedule.constant=1.0",
                 "--gin_param=learning_rate_schedule.warmup_steps=100"]  # a rate of 0.1
     for name in ("straight", "resumed"):
         import_folder(os.path.join(ORACLES, "llama_gqa"), tmp_path / name, *settings)

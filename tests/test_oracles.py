@@ -19,7 +19,7 @@ import pytest
 from mtrain import run as run_lib
 from mtrain.__main__ import main
 from mtrain.data.vocabulary import load_vocabulary
-from mtrain.io.reading import restore_for_reading
+from mtrain.training.start import restore_for_reading
 from mtrain.io.model_dir import ModelDir
 from mtrain.models.blocks import layer_window
 from mtrain.models.transformer import DecoderLM, EncoderDecoder

@@ -4,13 +4,18 @@ names and conversion are `weights.adapters`'.
 
 A folder that asks for what mtrain's adapters do not do (DoRA, per-module ranks or alphas,
 LoRA biases, layers left out, modules that are not attention or feed-forward projections)
-is refused in one line rather than imported as something else.
+is refused in one line rather than imported as something else; so is an adapter whose
+``base_model_name_or_path`` names another model than the one imported with it (`same_base`:
+by their last names, so that a Hub name and a local copy of it agree), unless the user
+insists (``--ignore_adapter_base``). Exported adapters name the Hugging Face folder the
+model dir was imported from (`origin`) as their base.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 from mtrain.errors import ConfigError
 
@@ -31,8 +36,24 @@ _UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_patt
                 "lora_bias": "LoRA biases (lora_bias)", "fan_in_fan_out": "fan_in_fan_out"}
 
 
-def read_config(adapter_dir: str) -> dict:
-    """The gin bindings (``lora.rank``, ...) of the PEFT adapter folder `adapter_dir`."""
+def _name(path: str) -> str:
+    """A model's last name: a Hub name's (``Qwen/Qwen2.5-0.5B``), a folder's, or the model a
+    Hub cache's snapshot is of (``.../models--Qwen--Qwen2.5-0.5B/snapshots/<hash>``)."""
+    path = path.replace("\\", "/").rstrip("/")
+    cached = re.search(r"models--[^/]+--([^/]+)/snapshots/", path + "/")
+    return cached.group(1) if cached else path.rsplit("/", 1)[-1]
+
+
+def same_base(named: str | None, bases: list[str]) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` `named` is one of `bases` (the
+    imported folder, the name its config.json gives): by their last names. An adapter that
+    names none is taken to be of any base."""
+    return not named or any(_name(named) == _name(b) for b in bases if b)
+
+
+def read_config(adapter_dir: str, bases: list[str] | None = None) -> dict:
+    """The gin bindings (``lora.rank``, ...) of the PEFT adapter folder `adapter_dir`;
+    `bases`: the names of the model it goes onto, which its config must name (None: any)."""
     path = os.path.join(adapter_dir, CONFIG)
     if not os.path.isdir(adapter_dir):
         raise ConfigError(f"--adapter_dir {adapter_dir} is not a directory: name a PEFT "
@@ -51,6 +72,11 @@ def read_config(adapter_dir: str) -> dict:
     if config.get("bias", "none") != "none":
         raise ConfigError(f"{path} trains biases (bias={config['bias']!r}), which mtrain's "
                           f"LoRA does not do")
+    named = config.get("base_model_name_or_path")
+    if bases is not None and not same_base(named, bases):
+        raise ConfigError(f"the adapter in {adapter_dir} is of {named!r} ({CONFIG}'s "
+                          f"base_model_name_or_path), not of {bases[0]}: import it with its "
+                          f"base, or pass --ignore_adapter_base to put it on this one")
     modules = config.get("target_modules") or []
     if isinstance(modules, str):
         raise ConfigError(f"{path}: target_modules is the pattern {modules!r}; mtrain imports "

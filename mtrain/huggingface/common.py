@@ -1,4 +1,4 @@
-"""What the Hugging Face families share: their names, the error, what a config.json makes
+"""What the Hugging Face families share: the error, what a config.json makes
 of a run (`Settings`) and the helpers that read its fields."""
 
 from __future__ import annotations
@@ -10,16 +10,6 @@ from mtrain.errors import UserError
 
 class ConversionError(UserError):
     """A Hugging Face model mtrain cannot be, or an mtrain model Hugging Face cannot read."""
-
-
-LLAMA, MISTRAL, MIXTRAL, T5 = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-                               "T5ForConditionalGeneration")
-QWEN2, QWEN3, QWEN3_MOE, GEMMA3 = ("Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                   "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, T5)
-MODEL_TYPES = {LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3",
-               QWEN3_MOE: "qwen3_moe", MIXTRAL: "mixtral", GEMMA3: "gemma3_text", T5: "t5"}
-EXPERTS = (MIXTRAL, QWEN3_MOE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +26,13 @@ class Settings:
     eos_id: int | None
     bos_id: int | None
     pad_id: int | None = None  # config.json's pad_token_id, where it has one
+
+
+class GinReference(str):
+    """A `Settings` value that is a gin reference (``@adamw``), written as one."""
+
+    def __repr__(self) -> str:
+        return f"@{self}"
 
 
 def refuse(field: str, value, why: str):

@@ -1,19 +1,18 @@
 """The decoder-only families' ``config.json`` as mtrain settings (`settings`) and back
-(`hf_config`); `families`' module doc says what each family is."""
+(`hf_config`), each read off its record (`record.Family`: what it has and names);
+`families`' module doc says what each family is. `refusal` says why a model cannot be a
+family (None: it can), which export asks of the recorded family, or of each in turn for a
+model trained here."""
 
 from __future__ import annotations
 
 import math
 
-from mtrain.huggingface.common import (EXPERTS, GEMMA3, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES,
-                                       QWEN2, QWEN3, QWEN3_MOE, ConversionError, Settings,
-                                       first, get, refuse)
+from mtrain.huggingface.common import ConversionError, Settings, first, get, refuse
+from mtrain.huggingface.record import ACTIVATIONS, DECODER_FIELDS, Family
 from mtrain.models.blocks import layer_window
 
 ROPE_TYPES = ("default", "linear", "llama3")
-_QWEN = (QWEN2, QWEN3, QWEN3_MOE)
-# The feed-forward activation of each family (Gemma's field is hidden_activation).
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu"}
 
 
 def _rope(params: dict, field: str) -> dict:
@@ -53,7 +52,7 @@ def _rope_parameters(config: dict) -> tuple[dict, dict, str]:
     return params, ({"rope_theta": local} if local else params), field
 
 
-def _windows(config: dict, fam: str) -> tuple[int, ...]:
+def _windows(config: dict, fam: Family) -> tuple[int, ...]:
     """``transformer.attention_windows``: the shortest pattern of the layers' windows that
     repeats over them (0: a full layer), from ``layer_types`` where given, else
     ``sliding_window`` in every layer."""
@@ -68,8 +67,8 @@ def _windows(config: dict, fam: str) -> tuple[int, ...]:
             refuse("sliding_window", window, "layer_types has sliding layers")
         per_layer = [window if t == "sliding_attention" else 0 for t in types]
     elif window and get(config, "use_sliding_window", True):
-        if fam in _QWEN:
-            refuse("use_sliding_window", True, "without layer_types, Qwen's windows follow "
+        if fam.use_sliding_window:
+            refuse("use_sliding_window", True, f"without layer_types, {fam}'s windows follow "
                    "max_window_layers, which mtrain does not read")
         per_layer = [window] * layers
     else:
@@ -80,8 +79,8 @@ def _windows(config: dict, fam: str) -> tuple[int, ...]:
     return () if pattern == (0,) else pattern
 
 
-def _refusals(config: dict, fam: str) -> None:
-    if fam != QWEN2 and get(config, "attention_bias", False):
+def _refusals(config: dict, fam: Family) -> None:
+    if not fam.qkv_bias and get(config, "attention_bias", False):
         refuse("attention_bias", True, "mtrain's attention output has no bias (the q, k and "
                "v biases of Qwen2 it has)")
     if get(config, "mlp_bias", False):
@@ -91,23 +90,22 @@ def _refusals(config: dict, fam: str) -> None:
             refuse(field, config[field], "mtrain caps no logits (Gemma 2's soft-capping)")
     if get(config, "use_bidirectional_attention", False):
         refuse("use_bidirectional_attention", True, "mtrain's language models are causal")
-    if fam in EXPERTS and get(config, "router_jitter_noise", 0.0):
+    if fam.experts and get(config, "router_jitter_noise", 0.0):
         refuse("router_jitter_noise", config["router_jitter_noise"], "mtrain's router adds "
                "no noise")
-    if fam == QWEN3_MOE and get(config, "mlp_only_layers", []):
-        refuse("mlp_only_layers", config["mlp_only_layers"], "mtrain's experts are in every "
-               "decoder_sparse_step-th layer")
+    for field in fam.experts.refused if fam.experts else ():
+        if get(config, field, []):
+            refuse(field, config[field], f"mtrain's experts are in every "
+                   f"{fam.experts.every_field}-th layer")
 
 
-def settings(config: dict, fam: str) -> Settings:
+def settings(config: dict, fam: Family) -> Settings:
     """The mtrain settings of a decoder-only family's `config` (see `families.settings`)."""
     _refusals(config, fam)
-    gemma = fam == GEMMA3
-    act_field = "hidden_activation" if gemma else "hidden_act"
-    act = get(config, act_field, "gelu_pytorch_tanh" if gemma else "silu")
-    if _ACTIVATIONS.get(act) != ("gelu" if gemma else "silu"):
-        refuse(act_field, act, f"{fam}'s feed-forward layer is "
-               f"{'GeGLU (gelu_pytorch_tanh)' if gemma else 'SwiGLU (silu)'} here")
+    act_field = fam.activation_field
+    act = get(config, act_field, fam.activation)
+    if ACTIVATIONS.get(act) != fam.mtrain_activation:
+        refuse(act_field, act, f"{fam}'s feed-forward layer is gated {fam.activation} here")
     heads, d = config["num_attention_heads"], config["hidden_size"]
     head_dim = get(config, "head_dim", d // heads)
     full, local, rope_field = _rope_parameters(config)
@@ -118,42 +116,36 @@ def settings(config: dict, fam: str) -> Settings:
             refuse(f"{rope_field}.sliding_attention.rope_type", local.get("rope_type"),
                    "mtrain's sliding layers rotate unscaled")
         local_wavelength = float(local["rope_theta"])
-    scale = get(config, "query_pre_attn_scalar", head_dim) ** -0.5 if gemma else head_dim ** -0.5
+    scale = (get(config, fam.scale_field, head_dim) if fam.scale_field else head_dim) ** -0.5
     bos = config.get("bos_token_id")
+    own = (*DECODER_FIELDS, *fam.fields)
     fields = {
-        "transformer.d_model": "hidden_size", "transformer.d_ff": "intermediate_size",
-        "transformer.num_heads": "num_attention_heads",
+        **{f.setting: f.field for f in own},
         "transformer.num_kv_heads": "num_key_value_heads", "transformer.d_kv": "head_dim",
-        "transformer.num_layers": "num_hidden_layers",
-        "transformer.max_length": "max_position_embeddings",
-        "transformer.rotary_max_wavelength": "rope_theta",
-        "transformer.norm_epsilon": "rms_norm_eps", "transformer.start_id": "bos_token_id",
+        "transformer.rotary_max_wavelength": "rope_theta", "transformer.start_id": "bos_token_id",
         "transformer.attention_windows": "layer_types / sliding_window",
-        "transformer.attention_scale": "query_pre_attn_scalar" if gemma else "head_dim",
+        "transformer.attention_scale": fam.scale_field or "head_dim",
         "transformer.shared_embedding_and_softmax": "tie_word_embeddings",
     }
     arch = {
-        "transformer.d_model": d, "transformer.d_ff": config["intermediate_size"],
-        "transformer.num_heads": heads,
+        **{f.setting: f.read(config) for f in own},
         "transformer.num_kv_heads": get(config, "num_key_value_heads", heads),
-        "transformer.d_kv": head_dim, "transformer.num_layers": config["num_hidden_layers"],
-        "transformer.max_length": get(config, "max_position_embeddings", 2048),
-        "transformer.mlp_activations": (_ACTIVATIONS[act], "linear"),
+        "transformer.d_kv": head_dim,
+        "transformer.mlp_activations": (ACTIVATIONS[act], "linear"),
         "transformer.position_encoding": "rotary",
         "transformer.rotary_max_wavelength": float(full["rope_theta"]),
         "transformer.rotary_local_max_wavelength": local_wavelength,
         **_rope(full, rope_field),
         "transformer.attention_windows": windows,
         "transformer.attention_scale": float(scale),
-        "transformer.attention_bias": fam == QWEN2,
-        "transformer.qk_norm": fam in (QWEN3, QWEN3_MOE, GEMMA3),
-        "transformer.norm_scale_offset": 1.0 if gemma else 0.0,
-        "transformer.post_norms": gemma,
-        "transformer.embedding_multiplier": float(d ** 0.5) if gemma else 1.0,
+        "transformer.attention_bias": fam.qkv_bias,
+        "transformer.qk_norm": fam.qk_norm,
+        "transformer.norm_scale_offset": fam.norm_scale_offset,
+        "transformer.post_norms": fam.post_norms,
+        "transformer.embedding_multiplier": float(d ** 0.5) if fam.scaled_embedding else 1.0,
         "transformer.shared_embedding_and_softmax": bool(get(config, "tie_word_embeddings",
-                                                             gemma)),
+                                                             fam.tied_by_default)),
         "transformer.shared_softmax_scaled": False,
-        "transformer.norm_epsilon": float(get(config, "rms_norm_eps", 1e-6)),
     }
     # A family without a BOS (Qwen) reads its EOS (<|endoftext|>) first: a default.
     defaults = {"transformer.dropout_rate": 0.0}
@@ -161,23 +153,23 @@ def settings(config: dict, fam: str) -> Settings:
         arch["transformer.start_id"] = int(bos)
     else:
         defaults["transformer.start_id"] = int(first(config["eos_token_id"]))
-    if fam in EXPERTS:
+    if fam.experts:
         arch, fields, defaults = _experts(config, fam, arch, fields, defaults)
     pad = config.get("pad_token_id")
-    return Settings(fam, arch, fields, defaults, config["vocab_size"],
+    return Settings(fam.architecture, arch, fields, defaults, config["vocab_size"],
                     first(config.get("eos_token_id")), bos,
                     pad_id=pad if isinstance(pad, int) else None)
 
 
-def _experts(config: dict, fam: str, arch: dict, fields: dict, defaults: dict):
-    qwen = fam == QWEN3_MOE
-    experts_field = "num_experts" if qwen and "num_experts" in config else "num_local_experts"
+def _experts(config: dict, fam: Family, arch: dict, fields: dict, defaults: dict):
+    e = fam.experts
+    experts_field = next((f for f in e.count_fields if f in config), e.count_fields[-1])
     experts, top_k = config[experts_field], config["num_experts_per_tok"]
-    arch = arch | {"transformer.moe_every": get(config, "decoder_sparse_step", 1) if qwen else 1,
+    arch = arch | {"transformer.moe_every": get(config, e.every_field, 1) if e.every_field else 1,
                    "moe.num_experts": experts, "moe.top_k": top_k,
-                   "moe.expert_d_ff": config["moe_intermediate_size"] if qwen else 0,
-                   "moe.normalize_top_k": bool(get(config, "norm_topk_prob", False))
-                   if qwen else True}
+                   "moe.expert_d_ff": config[e.d_ff_field] if e.d_ff_field else 0,
+                   "moe.normalize_top_k": bool(get(config, e.normalize_field, False))
+                   if e.normalize_field else True}
     fields = fields | {"moe.num_experts": experts_field, "moe.top_k": "num_experts_per_tok",
                        "moe.normalize_top_k": "norm_topk_prob",
                        "moe.expert_d_ff": "moe_intermediate_size",
@@ -194,19 +186,6 @@ def _experts(config: dict, fam: str, arch: dict, fields: dict, defaults: dict):
     return arch, fields, defaults
 
 
-def family_of(c) -> str:
-    """The decoder-only family a rotary `TransformerConfig` exports as."""
-    if c.moe_every:
-        return QWEN3_MOE if c.qk_norm else MIXTRAL
-    if c.post_norms or c.norm_scale_offset:
-        return GEMMA3
-    if c.qk_norm:
-        return QWEN3
-    if c.attention_bias:
-        return QWEN2
-    return MISTRAL if c.attention_windows else LLAMA
-
-
 def _rope_out(c, wavelength: float, scaled: bool) -> dict:
     out = {"rope_type": "default", "rope_theta": wavelength}
     r = c.rope_scaling
@@ -218,73 +197,96 @@ def _rope_out(c, wavelength: float, scaled: bool) -> dict:
     return out
 
 
-def hf_config(c, vocab_rows: int, eos_id: int, bos_id: int | None) -> dict:
-    """The config.json of a rotary decoder-only `TransformerConfig` `c`."""
-    fam = family_of(c)
-
-    def refuse_(why):
-        raise ConversionError(f"this model has no Hugging Face family: {why}")
-
-    gemma = fam == GEMMA3
-    activations = ("gelu", "linear") if gemma else ("silu", "linear")
+def refusal(fam: Family, c) -> str | None:
+    """Why the rotary `TransformerConfig` `c` cannot be the family `fam` (None: it can): each
+    setting the record has or has not, in turn."""
+    activations = (fam.mtrain_activation, "linear")
     if c.mlp_activations != activations:
-        refuse_(f"{fam}'s feed-forward layer is {activations}, not "
+        return (f"{fam}'s feed-forward layer is {activations}, not "
                 f"transformer.mlp_activations={c.mlp_activations}")
     if c.shared_embedding_and_softmax and c.shared_softmax_scaled:
-        refuse_("mtrain's shared softmax scales its logits by d_model^-0.5 here, Hugging "
+        return ("mtrain's shared softmax scales its logits by d_model^-0.5 here, Hugging "
                 "Face's tied ones do not (transformer.shared_softmax_scaled)")
-    if gemma and not (c.post_norms and c.norm_scale_offset == 1.0 and c.qk_norm
-                      and math.isclose(c.embedding_multiplier, c.d_model ** 0.5)):
-        refuse_("Gemma 3 has post-sublayer (1 + w) norms, q/k norms and embeddings times "
-                "sqrt(d_model) together")
-    if not gemma and (c.embedding_multiplier != 1.0 or c.rotary_local_max_wavelength):
-        refuse_(f"{fam} has no embedding multiplier or RoPE of its own for sliding layers")
+    has = lambda yes: "has" if yes else "has no"  # noqa: E731
+    multiplier = c.d_model ** 0.5 if fam.scaled_embedding else 1.0
+    for ours, theirs, setting in (
+            (c.attention_bias, fam.qkv_bias, "biases on q, k and v (transformer.attention_bias)"),
+            (c.qk_norm, fam.qk_norm, "q/k norms (transformer.qk_norm)"),
+            (c.post_norms, fam.post_norms, "norms after each sublayer (transformer.post_norms)"),
+            (c.norm_scale_offset == 1.0, fam.norm_scale_offset == 1.0,
+             "(1 + w) norm scales (transformer.norm_scale_offset)"),
+            (not math.isclose(c.embedding_multiplier, 1.0), fam.scaled_embedding,
+             "embeddings times sqrt(d_model) (transformer.embedding_multiplier)"),
+            (bool(c.moe_every), bool(fam.experts), "experts (transformer.moe_every)")):
+        if bool(ours) != bool(theirs):
+            return f"{fam} {has(theirs)} {setting}"
+    if not math.isclose(c.embedding_multiplier, multiplier):
+        return f"{fam}'s embedding multiplier is {multiplier} (transformer.embedding_multiplier)"
+    if c.norm_scale_offset != fam.norm_scale_offset:
+        return f"{fam}'s norms scale by {fam.norm_scale_offset} + w (transformer.norm_scale_offset)"
+    if c.rotary_local_max_wavelength and not fam.local_rope:
+        return (f"{fam} has no RoPE of its own for sliding layers "
+                f"(transformer.rotary_local_max_wavelength)")
     windows = [layer_window(c, i) for i in range(c.num_layers)]
     sizes = sorted(set(windows) - {0})
-    if len(sizes) > 1 or (0 in windows and sizes and fam in (MISTRAL, MIXTRAL)):
-        refuse_(f"{fam} has one sliding window, in every layer "
+    if sizes and fam.windows == "none":
+        return f"{fam} has no sliding window (transformer.attention_windows={c.attention_windows})"
+    if len(sizes) > 1 or (0 in windows and sizes and fam.windows == "every_layer"):
+        return (f"{fam} has one sliding window, in every layer "
                 f"(transformer.attention_windows={c.attention_windows})")
+    e, m = fam.experts, c.moe
+    if e and e.every_field is None and (c.moe_every != 1 or m.expert_d_ff != c.d_ff):
+        return (f"{fam} has experts of d_ff in every layer (transformer.moe_every, "
+                f"moe.expert_d_ff)")
+    if e and e.normalize_field is None and not m.renormalizes:
+        return f"{fam} renormalises its top_k gates (moe.normalize_top_k)"
+    return None
+
+
+def hf_config(fam: Family, c, vocab_rows: int, eos_id: int, bos_id: int | None) -> dict:
+    """The config.json of a rotary decoder-only `TransformerConfig` `c` as the family `fam`
+    (ConversionError where `refusal` finds it cannot be)."""
+    why = refusal(fam, c)
+    if why:
+        raise ConversionError(f"this model has no Hugging Face family: {why}")
+    windows = [layer_window(c, i) for i in range(c.num_layers)]
+    sizes = sorted(set(windows) - {0})
     types = ["sliding_attention" if w else "full_attention" for w in windows]
     rope = _rope_out(c, c.rotary_max_wavelength, True)
     config = {
-        "architectures": [fam], "model_type": MODEL_TYPES[fam], "hidden_size": c.d_model,
-        "intermediate_size": c.d_ff, "num_attention_heads": c.num_heads,
+        "architectures": [fam.architecture], "model_type": fam.model_type,
+        **{f.field: f.value(c) for f in (*DECODER_FIELDS, *fam.fields)},
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.d_kv,
-        "num_hidden_layers": c.num_layers, "max_position_embeddings": c.max_length,
-        "rms_norm_eps": c.norm_epsilon, "rope_theta": c.rotary_max_wavelength,
+        "rope_theta": c.rotary_max_wavelength,
         "rope_parameters": rope, "rope_scaling": rope if rope["rope_type"] != "default" else None,
-        "attention_bias": c.attention_bias and fam != QWEN2, "mlp_bias": False,
+        "attention_bias": c.attention_bias and not fam.qkv_bias, "mlp_bias": False,
         "tie_word_embeddings": c.shared_embedding_and_softmax, "vocab_size": vocab_rows,
-        "bos_token_id": None if fam in _QWEN else (bos_id if bos_id is not None else c.start_id),
+        "bos_token_id": (bos_id if bos_id is not None else c.start_id) if fam.bos else None,
         "eos_token_id": eos_id, "initializer_range": 0.02, "dtype": "float32",
-        "hidden_act": "silu", "sliding_window": sizes[0] if sizes else None,
+        fam.activation_field: fam.activation, "sliding_window": sizes[0] if sizes else None,
     }
-    if fam in _QWEN:
-        config |= {"layer_types": types, "use_sliding_window": bool(sizes),
-                   "max_window_layers": c.num_layers}
-    if gemma:
+    if fam.windows == "layer_types":
+        config["layer_types"] = types
+    if fam.use_sliding_window:
+        config |= {"use_sliding_window": bool(sizes), "max_window_layers": c.num_layers}
+    if fam.scale_field:
+        config[fam.scale_field] = _whole(c.attention_scale ** -2)
+    if fam.local_rope:
         local = _rope_out(c, c.rotary_local_max_wavelength or c.rotary_max_wavelength,
                           not c.rotary_local_max_wavelength)
-        config |= {"layer_types": types, "hidden_activation": "gelu_pytorch_tanh",
-                   "query_pre_attn_scalar": _whole(c.attention_scale ** -2),
-                   "rope_parameters": {"full_attention": rope, "sliding_attention": local},
-                   "rope_local_base_freq": local["rope_theta"], "pad_token_id": 0,
-                   "attn_logit_softcapping": None, "final_logit_softcapping": None}
-        del config["hidden_act"]
-    if c.moe_every:
-        m = c.moe
-        if fam == MIXTRAL and (c.moe_every != 1 or m.expert_d_ff != c.d_ff):
-            refuse_("Mixtral has experts of d_ff in every layer (transformer.moe_every, "
-                    "moe.expert_d_ff)")
-        if fam == MIXTRAL and not m.renormalizes:
-            refuse_("Mixtral renormalises its top_k gates (moe.normalize_top_k)")
+        config |= {"rope_parameters": {"full_attention": rope, "sliding_attention": local},
+                   "rope_local_base_freq": local["rope_theta"]}
+    config |= dict(fam.constants)
+    if fam.experts:
+        e, m = fam.experts, c.moe
         config |= {"num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
                    "router_aux_loss_coef": m.load_balance_loss, "router_jitter_noise": 0.0,
-                   "output_router_logits": False}
-        if fam == QWEN3_MOE:
-            config |= {"num_experts": m.num_experts, "moe_intermediate_size": m.expert_d_ff,
-                       "decoder_sparse_step": c.moe_every, "mlp_only_layers": [],
-                       "norm_topk_prob": m.renormalizes}
+                   "output_router_logits": False, **{f: m.num_experts for f in e.count_fields},
+                   **{f: [] for f in e.refused}}
+        for field, value in ((e.d_ff_field, m.expert_d_ff), (e.every_field, c.moe_every),
+                             (e.normalize_field, m.renormalizes)):
+            if field:
+                config[field] = value
     return config
 
 

@@ -36,9 +36,11 @@ layer type for Gemma 3) and the older ``rope_theta`` + ``rope_scaling`` (+ Gemma
 ``rope_local_base_freq``); rope types 'default', 'linear' and 'llama3' are honoured,
 others ('yarn', 'dynamic', 'longrope') refused.
 
-`settings` turns a ``config.json`` into gin bindings, refusing in one line every field
+Each family is a record (`records`, what one holds: `record`) that the functions here loop
+over. `settings` turns a ``config.json`` into gin bindings, refusing in one line every field
 whose value mtrain cannot honour (the field named); `hf_config` turns a model's settings
-back into one (its family read off the settings: `family_of`).
+back into one as the family its model dir recorded at import (`origin`), or, for a model
+trained here, as the first family of `records.RECORDS` whose settings it has (`of_model`).
 """
 
 from __future__ import annotations
@@ -46,10 +48,27 @@ from __future__ import annotations
 import json
 import os
 
-from mtrain.huggingface import decoders
-from mtrain.huggingface.common import (ARCHITECTURES, T5, ConversionError, Settings, first,
-                                       get, refuse)
+from mtrain.huggingface import decoders, records
+import dataclasses
 
+from mtrain.huggingface.common import (ConversionError, GinReference, Settings, first, get,
+                                       refuse)
+from mtrain.huggingface.record import Family
+
+# What an import's config.gin trains with where the user's gin says otherwise: a
+# fine-tuning's optimizer, not Mesh-TF's pretraining one (Adafactor, rsqrt decay after 10,000
+# warmup steps, which leaves a fine-tune of a few hundred steps at a rate of ~1e-5). AdamW
+# with torch's and Hugging Face Trainer's betas (0.9, 0.999) and its weight decay of 0 (the
+# Trainer's and TRL's default), clipped to norm 1.0 as the Trainer clips; a constant rate
+# (the Trainer's `constant_with_warmup`) after a short warmup of 10 steps, so that a run of
+# any length trains at the same rate, and its peak 1e-4: the top of full fine-tuning's usual
+# range (TRL's SFT 2e-5, the Trainer's 5e-5, 1e-4 for models of a few billion parameters or
+# less) and the bottom of LoRA's (1e-4 to 2e-4), one rate that trains both. A large model
+# fine-tuned in full may want 2e-5 (learning_rate_schedule.constant), a short LoRA 2e-4.
+FINE_TUNING = {"run.optimizer": GinReference("adamw"), "adamw.b2": 0.999,
+               "adamw.weight_decay": 0.0, "learning_rate_schedule.shape": "constant",
+               "learning_rate_schedule.warmup_steps": 10,
+               "learning_rate_schedule.constant": 1e-4}
 # README "Starting from a published model" lists what is read of each family's config.json.
 _T5_ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu", "gelu": "gelu_exact", "silu": "silu"}
 
@@ -69,12 +88,13 @@ def read_config(folder: str) -> dict:
     return config
 
 
-def family(config: dict) -> str:
+def family(config: dict) -> Family:
+    """The record of the family config.json's ``architectures`` names."""
     names = config.get("architectures") or []
-    if len(names) != 1 or names[0] not in ARCHITECTURES:
+    if len(names) != 1 or names[0] not in records.ARCHITECTURES:
         raise ConversionError(f"config.json: architectures={names}: mtrain imports "
-                              f"{', '.join(sorted(ARCHITECTURES))}")
-    return names[0]
+                              f"{', '.join(sorted(records.ARCHITECTURES))}")
+    return records.named(names[0])
 
 
 def settings(config: dict) -> Settings:
@@ -82,14 +102,16 @@ def settings(config: dict) -> Settings:
     field mtrain cannot honour)."""
     fam = family(config)
     try:
-        return _t5(config) if fam == T5 else decoders.settings(config, fam)
+        read = {"encoder_decoder": _t5, "decoder": decoders.settings}[fam.kind]
+        imported = read(config, fam)
     except KeyError as e:
         raise ConversionError(f"config.json has no {e.args[0]}, which a {fam} needs") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise ConversionError(f"config.json has a field of the wrong type: {e}") from None
+    return dataclasses.replace(imported, defaults={**FINE_TUNING, **imported.defaults})
 
 
-def _t5(config: dict) -> Settings:
+def _t5(config: dict, fam: Family) -> Settings:
     proj = get(config, "feed_forward_proj", "relu")
     gated = proj.startswith("gated-")
     act = "gelu_new" if proj == "gated-gelu" else proj.split("-")[-1]
@@ -135,60 +157,86 @@ def _t5(config: dict) -> Settings:
     defaults = {"transformer.dropout_rate": float(get(config, "dropout_rate", 0.0)),
                 "transformer.max_length": get(config, "n_positions", 512),
                 "run.task": "bible_enfr"}
-    return Settings(T5, arch, fields, defaults, config["vocab_size"],
+    return Settings(fam.architecture, arch, fields, defaults, config["vocab_size"],
                     first(config.get("eos_token_id")), None)
 
 
-def hf_config(model_config, vocab_rows: int, eos_id: int, bos_id: int | None) -> dict:
-    """The config.json of an mtrain model (`TransformerConfig`), or ConversionError if no
-    family here can be it."""
-    c = model_config
+def of_model(c) -> Family:
+    """The family a model trained here (no record of an import) exports as: T5 for relative
+    position bias, else the first decoder-only family of `records.RECORDS` whose settings
+    it has (ConversionError naming, for each, the setting it has not)."""
+    if c.position_encoding == "relative_bias":
+        return records.of_kind("encoder_decoder")[0]
+    if c.position_encoding != "rotary":
+        raise ConversionError(f"this model has no Hugging Face family: the decoder-only "
+                              f"families have rotary positions, and transformer."
+                              f"position_encoding={c.position_encoding!r} (the 2018 "
+                              f"Transformer has none in Hugging Face)")
+    why = {}
+    for fam in records.of_kind("decoder"):
+        why[fam] = decoders.refusal(fam, c)
+        if why[fam] is None:
+            return fam
+    raise ConversionError("this model has no Hugging Face family: " + "; ".join(
+        why.values()))
 
+
+def hf_config(fam: Family, model_config, vocab_rows: int, eos_id: int,
+              bos_id: int | None) -> dict:
+    """The config.json of an mtrain model (`TransformerConfig`) as the family `fam`, or
+    ConversionError if it cannot be (the setting named)."""
+    c = model_config
+    positions = {"decoder": "rotary", "encoder_decoder": "relative_bias"}[fam.kind]
+    if c.position_encoding != positions:
+        raise ConversionError(f"this model has no Hugging Face family: {fam} has "
+                              f"transformer.position_encoding={positions!r}, and this model "
+                              f"{c.position_encoding!r}")
+    if fam.kind == "decoder":
+        return decoders.hf_config(fam, c, vocab_rows, eos_id, bos_id)
+    return _t5_config(fam, c, vocab_rows, eos_id)
+
+
+def _t5_config(fam: Family, c, vocab_rows: int, eos_id: int) -> dict:
     def refuse(why):
         raise ConversionError(f"this model has no Hugging Face family: {why}")
 
-    if c.position_encoding == "relative_bias":
-        if c.num_kv_heads != c.num_heads:
-            refuse("T5 has no grouped-query attention (transformer.num_kv_heads)")
-        if c.moe_every:
-            refuse("T5 has no experts (transformer.moe_every)")
-        acts = {v: k for k, v in _T5_ACTIVATIONS.items()}
-        # (Hugging Face's 'gated-gelu' is the tanh GELU; a gated exact GELU has no spelling.)
-        if c.mlp_activations[-1:] == ("linear",) and len(c.mlp_activations) == 2 \
-                and c.mlp_activations[0] in ("relu", "gelu", "silu"):
-            proj = "gated-gelu" if c.mlp_activations[0] == "gelu" else \
-                f"gated-{acts[c.mlp_activations[0]]}"
-        elif len(c.mlp_activations) == 1 and c.mlp_activations[0] in ("relu", "gelu_exact", "silu"):
-            proj = acts[c.mlp_activations[0]]
-        else:
-            refuse(f"T5's feed_forward_proj cannot be transformer.mlp_activations="
-                   f"{c.mlp_activations}")
-        return {
-            "architectures": [T5], "model_type": "t5", "d_model": c.d_model, "d_ff": c.d_ff,
-            "d_kv": c.d_kv, "num_heads": c.num_heads,
-            "num_layers": c.num_encoder_layers or c.num_layers,
-            "num_decoder_layers": c.num_layers, "feed_forward_proj": proj,
-            "is_gated_act": proj.startswith("gated-"),
-            "dense_act_fn": "gelu_new" if proj == "gated-gelu" else proj.split("-")[-1],
-            "relative_attention_num_buckets": c.relative_num_buckets,
-            "relative_attention_max_distance": c.relative_max_distance,
-            "layer_norm_epsilon": c.norm_epsilon, "dropout_rate": c.dropout_rate,
-            "tie_word_embeddings": c.shared_embedding_and_softmax,
-            "scale_decoder_outputs": c.shared_embedding_and_softmax and c.shared_softmax_scaled,
-            "vocab_size": vocab_rows,
-            "is_encoder_decoder": True, "decoder_start_token_id": 0, "pad_token_id": 0,
-            "eos_token_id": eos_id, "n_positions": c.max_length, "initializer_factor": 1.0,
-            "dtype": "float32",
-        }
-    if c.position_encoding != "rotary":
-        refuse(f"the decoder-only families have rotary positions, and "
-               f"transformer.position_encoding={c.position_encoding!r} (the 2018 "
-               f"Transformer has none in Hugging Face)")
-    return decoders.hf_config(c, vocab_rows, eos_id, bos_id)
+    if c.num_kv_heads != c.num_heads:
+        refuse("T5 has no grouped-query attention (transformer.num_kv_heads)")
+    if c.moe_every:
+        refuse("T5 has no experts (transformer.moe_every)")
+    acts = {v: k for k, v in _T5_ACTIVATIONS.items()}
+    # (Hugging Face's 'gated-gelu' is the tanh GELU; a gated exact GELU has no spelling.)
+    if c.mlp_activations[-1:] == ("linear",) and len(c.mlp_activations) == 2 \
+            and c.mlp_activations[0] in ("relu", "gelu", "silu"):
+        proj = "gated-gelu" if c.mlp_activations[0] == "gelu" else \
+            f"gated-{acts[c.mlp_activations[0]]}"
+    elif len(c.mlp_activations) == 1 and c.mlp_activations[0] in ("relu", "gelu_exact", "silu"):
+        proj = acts[c.mlp_activations[0]]
+    else:
+        refuse(f"T5's feed_forward_proj cannot be transformer.mlp_activations="
+               f"{c.mlp_activations}")
+    return {
+        "architectures": [fam.architecture], "model_type": fam.model_type,
+        "d_model": c.d_model, "d_ff": c.d_ff,
+        "d_kv": c.d_kv, "num_heads": c.num_heads,
+        "num_layers": c.num_encoder_layers or c.num_layers,
+        "num_decoder_layers": c.num_layers, "feed_forward_proj": proj,
+        "is_gated_act": proj.startswith("gated-"),
+        "dense_act_fn": "gelu_new" if proj == "gated-gelu" else proj.split("-")[-1],
+        "relative_attention_num_buckets": c.relative_num_buckets,
+        "relative_attention_max_distance": c.relative_max_distance,
+        "layer_norm_epsilon": c.norm_epsilon, "dropout_rate": c.dropout_rate,
+        "tie_word_embeddings": c.shared_embedding_and_softmax,
+        "scale_decoder_outputs": c.shared_embedding_and_softmax and c.shared_softmax_scaled,
+        "vocab_size": vocab_rows,
+        "is_encoder_decoder": True, "decoder_start_token_id": 0, "pad_token_id": 0,
+        "eos_token_id": eos_id, "n_positions": c.max_length, "initializer_factor": 1.0,
+        "dtype": "float32",
+    }
 
 
-def generation_config(config: dict) -> dict:
-    if config["model_type"] == "t5":
+def generation_config(fam: Family, config: dict) -> dict:
+    if fam.kind == "encoder_decoder":
         return {"decoder_start_token_id": 0, "eos_token_id": config["eos_token_id"],
                 "pad_token_id": 0}
     return {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],

@@ -26,10 +26,10 @@ import os
 
 from mtrain.data.tokenizer_vocabulary import TokenizerVocabulary
 from mtrain.data.vocabulary import Vocabulary, VocabularyError, load_vocabulary
-from mtrain.huggingface.families import T5, ConversionError, Settings
+from mtrain.huggingface import records
+from mtrain.huggingface.common import ConversionError, Settings
 
 log = logging.getLogger("mtrain")
-SENTENCEPIECE = {T5: "spiece.model"}  # the others': tokenizer.model
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
@@ -96,8 +96,7 @@ def chat_template(folder: str) -> str | None:
 
 def folder_vocabulary(folder: str, settings: Settings) -> Vocabulary:
     """The vocabulary of the model folder `folder`, checked against its config.json."""
-    names = [SENTENCEPIECE.get(settings.family, "tokenizer.model"), "tokenizer.model",
-             "spiece.model"]
+    names = [records.named(settings.family).sentencepiece, "tokenizer.model", "spiece.model"]
     found = next((n for n in names if os.path.exists(os.path.join(folder, n))), None)
     try:
         if found:
@@ -133,7 +132,7 @@ def write_tokenizer(vocab: Vocabulary, config: dict, folder: str,
     tokens' strings, and the chat `template` if any, which also goes to chat_template.jinja:
     transformers 5 reads that file first, older readers tokenizer_config.json). Returns the
     names written."""
-    t5 = config["model_type"] == "t5"
+    fam = records.of_model_type(config["model_type"])
     piece = vocab.piece
 
     def token(i):
@@ -148,22 +147,21 @@ def write_tokenizer(vocab: Vocabulary, config: dict, folder: str,
                     "eos_token": token(vocab.eos_id), "pad_token": token(vocab.pad_id),
                     "unk_token": token(vocab.unk_id)}
     else:
-        name = "spiece.model" if t5 else "tokenizer.model"
+        name = fam.sentencepiece
         vocab.save(os.path.join(folder, name))
-        if t5:
+        if fam.kind == "encoder_decoder":  # (T5's: EOS appended, pad 0, its extra ids)
             extra = config["vocab_size"] - vocab.vocab_size
-            settings = {"tokenizer_class": "T5Tokenizer", "eos_token": piece(vocab.eos_id),
+            settings = {"tokenizer_class": fam.tokenizer_class, "eos_token": piece(vocab.eos_id),
                         "unk_token": piece(vocab.unk_id), "pad_token": piece(0),
                         "extra_ids": 100 if extra >= 100 else 0}
         else:
-            gemma = config["model_type"].startswith("gemma")
-            settings = {"tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer",
+            settings = {"tokenizer_class": fam.tokenizer_class,
                         "add_bos_token": True, "add_eos_token": False,
                         "bos_token": piece(config["bos_token_id"]),
                         "eos_token": piece(vocab.eos_id), "unk_token": piece(vocab.unk_id)}
             if vocab.pad_id is not None:
                 settings["pad_token"] = piece(vocab.pad_id)
-            if not gemma:
+            if fam.legacy_tokenizer:
                 settings["legacy"] = True
     settings["model_max_length"] = config.get("max_position_embeddings",
                                               config.get("n_positions", 512))

@@ -1,8 +1,9 @@
 """A Hugging Face family's tensors as mtrain's parameters, and back.
 
 `parameters` pairs every mtrain parameter with the tensors it comes from and
-the conversion between them, both ways (`Source`), so that import and export share one
-table:
+the conversion between them, both ways (`sources.Source`), so that import and export share
+one table; the tensors' names are the family's record's (`record.Family`: its attention,
+feed-forward, norm and expert tensors), so that a family made of known layers adds no row:
 
 - **Projections**: Hugging Face stores a linear layer as [out, in] (torch's), mtrain as
   [in, out]: transposed. Attention projections also split their heads: q/k/v [heads x d_kv,
@@ -38,181 +39,19 @@ table:
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
-
-from mtrain.huggingface.common import GEMMA3, MIXTRAL, T5
+from mtrain.huggingface.record import Family
+from mtrain.huggingface.sources import (HeadsIn, HeadsOut, Plain, Reshaped, Source, Stacked,
+                                        Transposed, ranges)
 from mtrain.models.blocks import is_moe, period
+from mtrain.models.feedforward import input_names
+
+__all__ = ["ranges", "parameters", "adapters", "peft_name", "PEFT_PREFIX"]
 
 
-def ranges(index, shape) -> list[tuple[int, int]]:
-    """A `jax.make_array_from_callback` index (slices, maybe open) as (start, stop) ranges."""
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return [s.indices(n)[:2] for s, n in zip(index, shape)]
-
-
-class Source:
-    """An mtrain parameter of `shape` made of Hugging Face tensors: `read` makes a slice of
-    it (ranges per axis) from a `tensors.Folder`, reading only the rows the slice needs;
-    `tensors` are the (name, shape) it comes from, `to_hf` makes them from the whole
-    parameter (export)."""
-
-    shape: tuple[int, ...]
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        raise NotImplementedError
-
-    def read(self, folder, ranges) -> np.ndarray:
-        raise NotImplementedError
-
-    def to_hf(self, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        raise NotImplementedError
-
-
-@dataclasses.dataclass
-class Plain(Source):
-    """The tensor as it is ([rows, ...]: norm scales, embedding tables); mtrain's rows
-    past the tensor's `rows` (a padded vocabulary) are zeros."""
-
-    name: str
-    shape: tuple[int, ...]
-    rows: int | None = None
-
-    def tensors(self):
-        return [(self.name, (self.rows or self.shape[0], *self.shape[1:]))]
-
-    def read(self, folder, ranges):
-        (start, stop), rest = ranges[0], ranges[1:]
-        have = min(stop, self.rows or self.shape[0])
-        out = np.zeros((stop - start, *[b - a for a, b in rest]), np.float32)
-        if have > start:
-            out[:have - start] = folder.read(self.name, start, have)[
-                (slice(None), *[slice(a, b) for a, b in rest])]
-        return out
-
-    def to_hf(self, value):
-        return [(self.name, value[:self.rows or self.shape[0]])]
-
-
-@dataclasses.dataclass
-class Transposed(Source):
-    """mtrain [a, b] = the tensor [b, a] transposed (a linear layer's kernel; the untied
-    softmax, whose b past `rows` are zeros; T5's relative bias)."""
-
-    name: str
-    shape: tuple[int, int]
-    rows: int | None = None
-
-    def tensors(self):
-        return [(self.name, (self.rows or self.shape[1], self.shape[0]))]
-
-    def read(self, folder, ranges):
-        (a0, a1), (b0, b1) = ranges
-        have = min(b1, self.rows or self.shape[1])
-        out = np.zeros((a1 - a0, b1 - b0), np.float32)
-        if have > b0:
-            out[:, :have - b0] = folder.read(self.name, b0, have)[:, a0:a1].T
-        return out
-
-    def to_hf(self, value):
-        return [(self.name, value[:, :self.rows or self.shape[1]].T)]
-
-
-@dataclasses.dataclass
-class HeadsIn(Source):
-    """mtrain's q/k/v [d_model, heads, d_kv] = the projection [heads x d_kv, d_model],
-    transposed and split into heads, times `scale` (Llama's d_kv^-0.5 on the queries)."""
-
-    name: str
-    shape: tuple[int, int, int]
-    scale: float = 1.0
-
-    def tensors(self):
-        d, h, k = self.shape
-        return [(self.name, (h * k, d))]
-
-    def read(self, folder, ranges):
-        (d0, d1), (h0, h1), (k0, k1) = ranges
-        k = self.shape[2]
-        rows = folder.read(self.name, h0 * k, h1 * k)[:, d0:d1]  # [heads x d_kv, d]
-        out = rows.reshape(h1 - h0, k, d1 - d0)[:, k0:k1].transpose(2, 0, 1)
-        return out * np.float32(self.scale) if self.scale != 1.0 else out
-
-    def to_hf(self, value):
-        d, h, k = self.shape
-        if self.scale != 1.0:
-            value = value / np.float32(self.scale)
-        return [(self.name, value.reshape(d, h * k).T)]
-
-
-@dataclasses.dataclass
-class HeadsOut(Source):
-    """mtrain's o [heads, d_kv, d_model] = the projection [d_model, heads x d_kv],
-    transposed and split into heads."""
-
-    name: str
-    shape: tuple[int, int, int]
-
-    def tensors(self):
-        h, k, d = self.shape
-        return [(self.name, (d, h * k))]
-
-    def read(self, folder, ranges):
-        (h0, h1), (k0, k1), (d0, d1) = ranges
-        k = self.shape[1]
-        rows = folder.read(self.name, d0, d1)[:, h0 * k:h1 * k]  # [d, heads x d_kv]
-        return rows.reshape(d1 - d0, h1 - h0, k)[:, :, k0:k1].transpose(1, 2, 0)
-
-    def to_hf(self, value):
-        h, k, d = self.shape
-        return [(self.name, value.reshape(h * k, d).T)]
-
-
-@dataclasses.dataclass
-class Reshaped(Source):
-    """mtrain [a, b] = the tensor [a x b] (q/k/v biases split into heads)."""
-
-    name: str
-    shape: tuple[int, int]
-
-    def tensors(self):
-        return [(self.name, (self.shape[0] * self.shape[1],))]
-
-    def read(self, folder, ranges):
-        (a0, a1), (b0, b1) = ranges
-        b = self.shape[1]
-        return folder.read(self.name, a0 * b, a1 * b).reshape(a1 - a0, b)[:, b0:b1]
-
-    def to_hf(self, value):
-        return [(self.name, value.reshape(-1))]
-
-
-@dataclasses.dataclass
-class Stacked(Source):
-    """mtrain [n, ...] = `parts` stacked (Mixtral's experts; scanned layers)."""
-
-    parts: list
-    shape: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        self.shape = (len(self.parts), *self.parts[0].shape)
-
-    def tensors(self):
-        return [t for part in self.parts for t in part.tensors()]
-
-    def read(self, folder, ranges):
-        (n0, n1), rest = ranges[0], ranges[1:]
-        return np.stack([self.parts[i].read(folder, rest) for i in range(n0, n1)])
-
-    def to_hf(self, value):
-        return [t for part, v in zip(self.parts, value) for t in part.to_hf(v)]
-
-
-def parameters(fam: str, c, vocab_rows: int) -> dict[str, Source]:
-    """Every mtrain parameter of the model `c` (`TransformerConfig`) of family `fam`, by its
-    path ("layer_0/self_attention/q"), with the tensors it is made of (`vocab_rows`: the
-    checkpoint's vocab_size)."""
+def parameters(fam: Family, c, vocab_rows: int) -> dict[str, Source]:
+    """Every mtrain parameter of the model `c` (`TransformerConfig`) of family `fam` (its
+    record names its tensors), by its path ("layer_0/self_attention/q"), with the tensors it
+    is made of (`vocab_rows`: the checkpoint's vocab_size)."""
     d, h, kv, k, f, v = c.d_model, c.num_heads, c.num_kv_heads, c.d_kv, c.d_ff, c.vocab_size
     rows = vocab_rows if vocab_rows != v else None
 
@@ -224,8 +63,8 @@ def parameters(fam: str, c, vocab_rows: int) -> dict[str, Source]:
 
     def mlp(prefix, names):
         *wi, wo = names
-        ours = {f"{prefix}/wi" if len(wi) == 1 else f"{prefix}/wi_{i}": Transposed(n, (d, f))
-                for i, n in enumerate(wi)}
+        ours = {f"{prefix}/{w}": Transposed(n, (d, f))
+                for w, n in zip(input_names(len(wi)), wi)}
         return ours | {f"{prefix}/wo": Transposed(wo, (f, d))}
 
     def scale(name, size=d):
@@ -235,7 +74,7 @@ def parameters(fam: str, c, vocab_rows: int) -> dict[str, Source]:
         return {} if c.shared_embedding_and_softmax else {"softmax": Transposed(name, (d, v), rows)}
 
     out = {}
-    if fam == T5:
+    if fam.kind == "encoder_decoder":  # T5's stacks
         out["embed/embedding"] = Plain("shared.weight", (v, d), rows)
         out |= softmax("lm_head.weight")
         stacks = (("encoder", c.num_encoder_layers or c.num_layers), ("decoder", c.num_layers))
@@ -245,7 +84,7 @@ def parameters(fam: str, c, vocab_rows: int) -> dict[str, Source]:
                 f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
                 (h, c.relative_num_buckets))
             ff = 2 if stack == "decoder" else 1
-            wi = ["wi"] if len(c.mlp_activations) == 1 else ["wi_0", "wi_1"]
+            wi = list(input_names(len(c.mlp_activations)))
             for i in range(layers):
                 hf, me = f"{stack}.block.{i}.layer.", f"{stack}_{i}"
                 parts = [(f"{hf}0.SelfAttention.", "self_attention", "attention_norm", "0")]
@@ -263,40 +102,33 @@ def parameters(fam: str, c, vocab_rows: int) -> dict[str, Source]:
     out |= softmax("lm_head.weight")
     out["final_norm/scale"] = scale("model.norm.weight")
     # The queries carry what the checkpoint's scale is not of this model's (1 on import).
-    hf_scale = c.attention_scale if fam == GEMMA3 else k ** -0.5
+    hf_scale = c.attention_scale if fam.scale_field else k ** -0.5
     q_factor = c.attention_scale / hf_scale
     for i in range(c.num_layers):
         hf, me = f"model.layers.{i}.", f"layer_{i}"
-        attn = f"{hf}self_attn."
-        out |= attention(f"{me}/self_attention", [f"{attn}{p}_proj.weight" for p in "qkvo"],
-                         q_factor)
+        attn = f"{hf}{fam.attention}"
+        out |= attention(f"{me}/self_attention",
+                         [f"{attn}{p}.weight" for p in fam.attention_projections], q_factor)
         if c.attention_bias:
-            for p, heads in (("q", h), ("k", kv), ("v", kv)):
-                out[f"{me}/self_attention/{p}_bias"] = Reshaped(f"{attn}{p}_proj.bias",
+            for p, theirs, heads in zip("qkv", fam.attention_projections, (h, kv, kv)):
+                out[f"{me}/self_attention/{p}_bias"] = Reshaped(f"{attn}{theirs}.bias",
                                                                 (heads, k))
         if c.qk_norm:
             for p in "qk":
                 out[f"{me}/self_attention/{p}_norm/scale"] = scale(f"{attn}{p}_norm.weight", k)
-        norms = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-        if fam == GEMMA3:
-            norms = {"attention_norm": "input_layernorm",
-                     "post_attention_norm": "post_attention_layernorm",
-                     "mlp_norm": "pre_feedforward_layernorm",
-                     "post_mlp_norm": "post_feedforward_layernorm"}
-        for ours, theirs in norms.items():
+        for ours, theirs in fam.norms:
             out[f"{me}/{ours}/scale"] = scale(f"{hf}{theirs}.weight")
         if is_moe(c, i):
             out |= _experts(fam, c, f"{me}/mlp", hf)
         else:
-            out |= mlp(f"{me}/mlp", [f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down")])
+            out |= mlp(f"{me}/mlp", [f"{hf}{fam.mlp}{p}.weight" for p in fam.mlp_projections])
     return _scanned(c, out, ("",))
 
 
-def _experts(fam: str, c, prefix: str, hf: str) -> dict[str, Source]:
-    """The router and the stacked experts of a Mixtral or Qwen3-MoE layer."""
+def _experts(fam: Family, c, prefix: str, hf: str) -> dict[str, Source]:
+    """The router and the stacked experts of a layer of experts (`record.Experts`)."""
     d, e, f = c.d_model, c.moe.num_experts, c.moe.expert_d_ff
-    moe, names = ((f"{hf}block_sparse_moe.", ("w1", "w3", "w2")) if fam == MIXTRAL else
-                  (f"{hf}mlp.", ("gate_proj", "up_proj", "down_proj")))
+    moe, names = f"{hf}{fam.experts.prefix}", fam.experts.projections
     out = {f"{prefix}/router": Transposed(f"{moe}gate.weight", (d, e))}
     for ours, w, shape in zip(("wi_0", "wi_1", "wo"), names, ((d, f), (d, f), (f, d))):
         out[f"{prefix}/{ours}"] = Stacked(

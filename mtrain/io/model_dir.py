@@ -5,6 +5,8 @@
       vocabulary.model          the vocabulary the checkpoints were trained with
       config.gin                the operative gin config of the last training run
       chat_template.jinja       an imported model's chat template (its folder's), exported back
+      huggingface.json          what an import came from: its family, folder and adapter
+                                (`huggingface.origin`), which export writes it back as
       metrics.jsonl             one JSON record per logged step (`metrics.MetricsWriter`)
       events.out.tfevents.*     TensorBoard events (the same records)
       decodes/<split>-<step>.tsv  translation: every decode of an evaluation with BLEU
@@ -12,8 +14,9 @@
       profile/                  jax.profiler traces (run.profile_steps)
       before-restart-<n>/       what --restart moved aside (`RUN_FILES`)
 
-Training writes all of them but the chat template. The readers (eval, score, infer, plan) never write the model
-dir's own files; what they measure (metrics, events, decodes) goes to `outputs`: their
+Training writes all of them but the chat template and huggingface.json (an import's).
+The readers (eval, score, infer, plan) never write the model dir's own files; what they
+measure (metrics, events, decodes) goes to `outputs`: their
 --output_dir, else the model dir when it can be written, else nowhere, which one line says.
 """
 
@@ -37,6 +40,7 @@ CHECKPOINTS = "checkpoints"
 VOCABULARY = "vocabulary.model"
 CONFIG = "config.gin"
 CHAT_TEMPLATE = "chat_template.jinja"
+HUGGINGFACE = "huggingface.json"
 METRICS = "metrics.jsonl"
 DECODES = "decodes"
 PROFILE = "profile"
@@ -71,6 +75,10 @@ class ModelDir:
     @property
     def chat_template(self) -> str:
         return self / CHAT_TEMPLATE
+
+    @property
+    def huggingface(self) -> str:
+        return self / HUGGINGFACE
 
     @property
     def profile(self) -> str:

@@ -7,17 +7,21 @@ alone (`Checkpoints.save_imported`). Each parameter is made by `jax.make_array_f
 in the run's layout: every device's slice read from the safetensors files and converted
 there (`huggingface.weights`), so that a host reads and holds only what its devices hold,
 a slice at a time. The folder's chat template, if any, is kept as the model dir's
-``chat_template.jinja``. Everything is written to ``<model_dir>.importing`` and renamed to
-the model dir at the end (`work_dirs.writing`): a failed or killed import leaves no model
-dir behind, and what a killed one leaves is marked as mtrain's and cleared by the next
-import or export beside it.
+``chat_template.jinja``, and where it came from (its family, folder and adapter) as
+``huggingface.json`` (`huggingface.origin`), which export reads. Its config.gin carries
+fine-tuning's optimizer where the user's gin names none (`families.FINE_TUNING`: AdamW at
+a constant 1e-4 after 10 warmup steps). Everything is written to ``<model_dir>.importing``
+and renamed to the model dir at the end (`work_dirs.writing`): a failed or killed import
+leaves no model dir behind, and what a killed one leaves is marked as mtrain's and cleared
+by the next import or export beside it.
 
 Export (`export_model`) writes a checkpoint of a model dir (the newest, or
-``--checkpoint_step``) as a folder Hugging Face loads: ``config.json``,
-``generation_config.json``, the weights in safetensors shards of at most 5 GB (with
-``model.safetensors.index.json`` when there are several) and the tokenizer's files. Each
-parameter is gathered, converted and written in turn (`tensors.write_folder`): no host holds
-more than one at a time; the model dir's chat template goes to chat_template.jinja and
+``--checkpoint_step``) as a folder Hugging Face loads, as the family the model dir
+recorded at import (else the first whose settings the model has: `families.of_model`):
+``config.json``, ``generation_config.json``, the weights in safetensors shards of at most
+5 GB (with ``model.safetensors.index.json`` when there are several) and the tokenizer's
+files. Each parameter is gathered, converted and written in turn (`tensors.write_folder`):
+no host holds more than one at a time; the model dir's chat template goes to chat_template.jinja and
 tokenizer_config.json. It too writes into ``<output_dir>.exporting`` and renames.
 """
 
@@ -33,10 +37,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mtrain.errors import ConfigError
-from mtrain.huggingface import adapters, families, tensors, weights
+from mtrain.huggingface import adapters, families, origin, records, tensors, weights
 from mtrain.huggingface.vocabulary import chat_template, write_tokenizer
 from mtrain.io.checkpoints import Checkpoints
-from mtrain.io.reading import restore_for_reading
+from mtrain.training.start import restore_for_reading
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
 from mtrain.io.work_dirs import writing
@@ -51,6 +55,17 @@ log = logging.getLogger("mtrain")
 # table in each stack, and the rotary frequencies older Llama checkpoints saved.
 _IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# The top of an import's config.gin (a training run writes its own operative config).
+_HEADER = """\
+# {} imported from {} (huggingface.json).
+# Unless the import's gin said otherwise, a fine-tuning's optimizer, as Hugging Face's
+# Trainer and TRL fine-tune: AdamW (b2 0.999, no weight decay), a constant rate of 1e-4
+# after 10 warmup steps (mtrain/huggingface/families.py, FINE_TUNING, says why). For LoRA,
+# 2e-4 trains a little faster; a large model fine-tuned in full may want 2e-5.
+
+"""
 
 
 def _unflatten(flat: dict[str, object]) -> dict:
@@ -82,7 +97,8 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
     model_dir = exp.model_dir
     folder = tensors.Folder(input_dir)
     c = exp.model_config
-    sources = weights.parameters(settings.family, c, settings.vocab_size)
+    family = records.named(settings.family)
+    sources = weights.parameters(family, c, settings.vocab_size)
     if adapter_dir is not None:
         folder.add(adapter_dir, adapters.WEIGHTS)
         sources |= weights.adapters(sources, c.lora)
@@ -104,9 +120,11 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
                 leaf.shape, shardings[name],
                 lambda index, s=source, shape=leaf.shape: s.read(
                     folder, weights.ranges(index, shape)).astype(np.float32))
-        imported = {"from": os.path.abspath(input_dir), "architecture": settings.family}
+        record = origin.Origin(settings.family, origin.location(input_dir),
+                               adapter_dir and origin.location(adapter_dir))
+        imported = {"from": record.source, "architecture": record.architecture}
         if adapter_dir is not None:
-            imported["adapter"] = os.path.abspath(adapter_dir)
+            imported["adapter"] = record.adapter
         meta = {"model": exp.model_meta(vocab), "imported": imported}
         checkpoints = Checkpoints(ModelDir(work).checkpoints, async_save=False)
         try:
@@ -116,7 +134,9 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
         del arrays
         if jax.process_index() == 0:
             vocab.save(ModelDir(work).vocabulary)
-            write_atomically(ModelDir(work).config, exp.config_text)
+            write_atomically(ModelDir(work).config, _HEADER.format(record.architecture,
+                                                                   record.source) + exp.config_text)
+            origin.write(work, record)
             if template is not None:
                 write_atomically(ModelDir(work).chat_template, template)
     count = sum(int(np.prod(leaf.shape)) for leaf in wanted.values())
@@ -180,8 +200,10 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
                           f"not a model dir that trained or imported a model")
     vocab = load_vocabulary(model_dir.vocabulary)
     rows = max(vocab.vocab_size, model_size or 0)
-    config = families.hf_config(exp.model_config, rows, vocab.eos_id, vocab.bos_id)
-    family = config["architectures"][0]
+    came_from = origin.read(exp.model_dir, exp.config.init_from)
+    family = (records.named(came_from.architecture) if came_from
+              else families.of_model(exp.model_config))
+    config = families.hf_config(family, exp.model_config, rows, vocab.eos_id, vocab.bos_id)
     sources = weights.parameters(family, exp.model_config, rows)
     lora = exp.model_config.lora
     if adapter and lora is None:
@@ -190,7 +212,8 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
                                       exp.reader_meta(vocab), step)
     params = parameters.paths(state.params)
     if adapter:
-        return _export_adapter(exp, output_dir, dtype, sources, params, step, start)
+        return _export_adapter(exp, output_dir, dtype, sources, params, step, start,
+                               came_from.source if came_from else None)
     template_file = model_dir.chat_template
     template = None
     if os.path.isfile(template_file):
@@ -210,8 +233,9 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
             written = tensors.write_folder(work, entries, DTYPES[dtype], produce,
                                            max_shard_bytes)
             config["dtype"] = dtype
+            generation = families.generation_config(family, config)
             for name, content in (("config.json", config),
-                                  ("generation_config.json", families.generation_config(config))):
+                                  ("generation_config.json", generation)):
                 with open(os.path.join(work, name), "w") as f:
                     json.dump(content, f, indent=2)
             written += ["config.json", "generation_config.json",
@@ -236,8 +260,15 @@ def _gathered(params: dict, name: str, lora) -> np.ndarray:
 
 
 def _export_adapter(exp: Experiment, output_dir: str, dtype: str, sources: dict,
-                    params: dict, step: int, start: float) -> dict:
-    """Writes the adapters of `params` as a PEFT adapter folder (`huggingface.adapters`)."""
+                    params: dict, step: int, start: float, base: str | None) -> dict:
+    """Writes the adapters of `params` as a PEFT adapter folder (`huggingface.adapters`) of
+    the base model `base` (the folder the model dir was imported from; None: a model
+    trained here, whose model dir it names)."""
+    if base is None:
+        base = os.path.abspath(exp.model_dir)
+        log.warning("%s records no Hugging Face import: the adapter's base_model_name_or_path "
+                    "names the model dir; export the base too (--mode=export without "
+                    "--adapter) and name that folder there", exp.model_dir)
     lora = exp.model_config.lora
     adapted = weights.adapters(sources, lora)
     entries = [t for source in adapted.values() for t in source.tensors()]
@@ -252,7 +283,7 @@ def _export_adapter(exp: Experiment, output_dir: str, dtype: str, sources: dict,
         if jax.process_index() == 0:
             written = tensors.write_folder(work, entries, DTYPES[dtype], produce,
                                            single=adapters.WEIGHTS)
-            adapters.write_config(work, lora, os.path.abspath(exp.model_dir), modules)
+            adapters.write_config(work, lora, base, modules)
             written.append(adapters.CONFIG)
         else:
             for _ in produce():
