@@ -105,14 +105,14 @@ TYPED = {"run": RunConfig, "vocabulary": VocabularyConfig, "transformer": Transf
 
 
 def _fits(value, hint) -> bool:
-    """Whether `value` is of the declared type `hint` (int, float, bool, str, or one of
-    them or None); any other hint fits anything."""
+    """Whether `value` is of the declared numeric type `hint` (int, float, or one of them
+    or None); any other hint fits anything (the settings' own checks say more of a string
+    or a flag than a type would)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None and type(None) in options:
         return True
     checks = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
     if not all(o in checks or o is type(None) for o in options):
         return True
     return any(checks[o](value) for o in options if o in checks)
@@ -221,10 +221,11 @@ def operative() -> str:
 
 
 def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: str,
-                        adapter_dir: str | None = None):
+                        adapter_dir: str | None = None, ignore_adapter_base: bool = False):
     """Parses the gin config of ``--mode=import`` from the Hugging Face folder `input_dir`
     (`config.parse_import`), with the ``lora.*`` settings of the PEFT adapter folder
-    `adapter_dir` if given; returns (its `families.Settings`, its vocabulary)."""
+    `adapter_dir` if given (refused where it names another base, unless
+    `ignore_adapter_base`); returns (its `families.Settings`, its vocabulary)."""
     parse(gin_files, gin_params)
     if bound("vocabulary.path", None) is not None:
         raise ConfigError("vocabulary.path is set, but an import's vocabulary is the model's "
@@ -233,7 +234,8 @@ def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: 
     if not os.path.isdir(input_dir):
         raise ConfigError(f"--input_dir {input_dir} is not a directory: name a Hugging Face "
                           f"model folder (config.json, *.safetensors, its tokenizer)")
-    settings = families.settings(families.read_config(input_dir))
+    hf_config = families.read_config(input_dir)
+    settings = families.settings(hf_config)
     vocab = folder_vocabulary(input_dir, settings)
     vocabulary = {"vocabulary.size": vocab.vocab_size,
                   "vocabulary.model_size": settings.vocab_size}
@@ -243,7 +245,8 @@ def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: 
                 "vocabulary.model_size": "vocab_size"})
     if adapter_dir is not None:
         check_reachable(adapter_dir, "--adapter_dir")
-        peft = adapters.read_config(adapter_dir)
+        bases = [input_dir, hf_config.get("_name_or_path")]
+        peft = adapters.read_config(adapter_dir, None if ignore_adapter_base else bases)
         settings = dataclasses.replace(
             settings, architecture={**settings.architecture, **peft},
             source={**settings.source, **{name: f"{adapters.CONFIG}'s {field}" for name, field

@@ -6,7 +6,7 @@ gin once by `config.run_config`; `build` makes the `Experiment` in phases, each 
 what it can before the next costs anything:
 
 1. `_validate`: the settings alone (numbers, names, files that must exist);
-2. `_layout`: the mesh and the layout rules;
+2. `modes.meshes.layout_and_mesh`: the mesh and the layout rules;
 3. `_model`: the model, optimizer and trainer (its sharded state and steps), for the
    vocabulary size the settings plan (the model dir's recorded vocabulary, vocabulary.path or
    vocabulary.size: known without data), so that the layout's legality and the model's
@@ -21,7 +21,6 @@ it. The modes are in `mtrain.modes`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 
@@ -36,88 +35,63 @@ from mtrain.data.vocabulary import DEFAULT_SIZE, load_vocabulary
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
-from mtrain.io.reading import require_checkpoints
 from mtrain.training import freezing
-from mtrain.io.lock import check_data_dir, check_model_dir_free, preparing_data
+from mtrain.io.lock import check_data_dir, preparing_data
 from mtrain.io.metrics import log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import check_reachable
-from mtrain.modes.evaluate import evaluate_checkpoint
-from mtrain.modes import convert
+from mtrain.modes import dispatch, meshes
 from mtrain.modes.experiment import Experiment, RunConfig
-from mtrain.modes.infer import check_output_file, infer
-from mtrain.modes.plan import describe_model, plan
-from mtrain.modes.score import score
-from mtrain.modes.train import train
+from mtrain.modes.dispatch import Request
+from mtrain.modes.plan import describe_model
 from mtrain.parallel import distributed
 from mtrain.parallel.layout import Layout, LayoutError
+from mtrain.training.dpo import Preference
+from mtrain.training.language_modeling import LanguageModeling
 from mtrain.training.sgp import SGPTrainer
 from mtrain.training.trainer import Trainer
 
 parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tests, benchmarks
-NO_DATA = ("plan", "import", "export")  # the modes that build the model without its data
+NO_DATA = meshes.NO_DATA  # the modes that build the model without its data
 # The modes that read a checkpoint with the model dir's vocabulary and no training data:
 # they never build the data source (no dataset prepared, no vocabulary trained).
 READERS = ("infer", "score")
 
 
-def run(input_file: str | None = None, output_file: str | None = None,
-        plan_options: dict | None = None, restart: bool = False,
-        output_dir: str | None = None, imported=None, export_options: dict | None = None,
-        **overrides):
-    """Trains (``run.mode='train'``; `restart`: from step 0 whatever the model dir holds,
-    moved aside first), evaluates the latest checkpoint (``'eval'``), translates
-    `input_file` to `output_file` with it (``'infer'``; None is stdin / stdout), scores the
-    lines of `input_file` into `output_file` (``'score'``) or plans (``'plan'``, with
-    `plan_options` for `modes.plan.plan`), as the gin config and `overrides` of its ``run.*``
-    settings (e.g. model_dir from the command line) say. Eval and score write what they
-    measure to `output_dir`, else into the model dir if it can be written. ``'import'``
-    writes the model dir from a Hugging Face folder (`imported`: (input dir, its settings,
-    its vocabulary), after `config.parse_import_config`); ``'export'`` writes a checkpoint of it
-    to the folder `output_dir` (`export_options`: step, dtype)."""
-    settings = config.run_config(**overrides)
+def run(restart: bool = False, **options):
+    """Does what the run's mode says (``run.mode``: `modes.dispatch.MODES`) with the
+    experiment the gin config builds: trains (`restart`: from step 0 whatever the model dir
+    holds, moved aside first), evaluates the latest checkpoint (``'eval'``), continues or
+    translates the lines of `input_file` into `output_file` (``'infer'``; None is stdin /
+    stdout), scores them (``'score'``), plans (``'plan'``, with `plan_options` for
+    `modes.plan.plan`), imports a Hugging Face folder (``'import'``; `imported`: (input
+    dir, its settings, its vocabulary, adapter dir), after `config.parse_import_config`) or
+    exports a checkpoint to the folder `output_dir` (``'export'``; `export_options`: step,
+    dtype, adapter). Eval and score write what they measure to `output_dir`, else into the
+    model dir if it can be written. The other `options` override ``run.*`` settings (the
+    model dir from the command line, ...)."""
+    fields = {f.name for f in dataclasses.fields(Request)}
+    request = Request(restart=restart, **{k: v for k, v in options.items() if k in fields})
+    settings = config.run_config(**{k: v for k, v in options.items() if k not in fields})
     mode, model_dir = settings.mode, settings.model_dir
     # What can fail at once, before data and compilation: a bucket that cannot be reached,
-    # another run in the model dir, no checkpoint to read, an output file that could not be
-    # written.
+    # a model dir that is a file, then what the mode needs (`dispatch.check`).
     if mode != "plan" and model_dir:
         check_reachable(model_dir, "the model dir")
         if ModelDir(model_dir).is_file():
             raise ConfigError(f"the model dir {model_dir} is a file, not a directory; name a "
                               f"directory (a new one to train into)")
-    if mode == "train" and model_dir:
-        check_model_dir_free(model_dir)
-    if mode in ("import", "export") and not model_dir:
-        raise ConfigError(f"--mode={mode} needs a --model_dir")
-    if mode == "import":
-        convert.check_new_dir(model_dir, "the model dir")
-    if mode == "export":
-        convert.check_new_dir(output_dir, "--output_dir")
-    if mode in ("eval", "infer", "score", "export") and model_dir:
-        require_checkpoints(ModelDir(model_dir).checkpoints, "train first (--mode=train)")
-    if mode in ("infer", "score"):
-        check_output_file(output_file, input_file)
+    dispatch.check(mode, model_dir, request)
     exp = build(settings, restart=restart)
-    auto_layout = (plan_options or {}).get("auto_layout")
-    where = (f"searching layouts for {(plan_options or {}).get('devices') or jax.device_count()}"
+    auto_layout = request.plan_options.get("auto_layout")
+    where = (f"searching layouts for {request.plan_options.get('devices') or jax.device_count()}"
              f" devices" if auto_layout else f"{exp.layout} over {jax.device_count()} devices")
     log.info("mtrain: task %s, model %s, %s", exp.task.name, describe_model(exp.model_config),
              where)
-    if mode == "train":
-        return train(exp, restart=restart)
-    if mode == "eval":
-        return evaluate_checkpoint(exp, output_dir)
-    if mode == "plan":
-        return plan(exp, **(plan_options or {}))
-    if mode == "score":
-        return score(exp, input_file, output_file, output_dir)
-    if mode == "import":
-        input_dir, hf_settings, vocab, adapter_dir = imported
-        return convert.import_model(exp, input_dir, hf_settings, vocab, adapter_dir)
-    if mode == "export":
-        return convert.export_model(exp, output_dir, model_size=config.vocabulary_config().model_size,
-                                    **export_options)
-    return infer(exp, input_file, output_file)
+    if mode == "export":  # (known once the config is parsed)
+        request = dataclasses.replace(request,
+                                      model_size=config.vocabulary_config().model_size)
+    return dispatch.MODES[mode].act(exp, request)
 
 
 def build(settings: RunConfig | None = None, restart: bool = False, **overrides) -> Experiment:
@@ -127,7 +101,7 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
     settings = settings or config.run_config(**overrides)
     task = _validate(settings)
     settings = dataclasses.replace(settings, eval_split=settings.eval_split or task.eval_split)
-    layout, mesh = _layout(settings)
+    layout, mesh = meshes.layout_and_mesh(settings)
     planning = settings.mode in NO_DATA
     vocab_config = config.vocabulary_config()
     recorded = (None if restart or settings.mode in ("plan", "import")
@@ -148,7 +122,7 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
             vocab = _reader_vocabulary(settings, vocab_config, recorded)
         else:
             source, vocab = _data(settings, task, vocab_config, recorded, restart)
-        if isinstance(source, user_data.UserData) and settings.mode == "train":
+        if settings.mode == "train":
             source.check_loss_fraction()
         if _padded(vocab_config.rows(vocab.vocab_size)) != _padded(planned):  # sentencepiece fell short
             raise ConfigError(f"the vocabulary has {vocab.vocab_size} pieces, where "
@@ -206,80 +180,6 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
     return task
 
 
-def _layout(s: RunConfig) -> tuple[Layout, jax.sharding.Mesh]:
-    """Phase 2: the mesh and the layout rules."""
-    layout = Layout(s.mesh_shape, s.layout_rules, s.parameter_layout_rules,
-                    drop_unused_rules=True)
-    _warn_of_dropped_rules(layout)
-    try:
-        mesh = _mesh(s, layout)
-    except LayoutError as e:
-        raise ConfigError(f"{e} — change run.mesh_shape (or, on CPU, --cpu_devices)") from None
-    data_ways = layout.ways("batch")
-    if s.num_microbatches > 1 and s.batch_size % (s.num_microbatches * data_ways):
-        raise ConfigError(f"run.batch_size={s.batch_size} must split into "
-                          f"run.num_microbatches={s.num_microbatches} microbatches of a "
-                          f"multiple of {data_ways} rows (the mesh's batch dimension)")
-    return layout, mesh
-
-
-def _warn_of_dropped_rules(layout: Layout) -> None:
-    """Rules naming a mesh dimension the mesh lacks are dropped (Mesh-TF's way: one set of
-    rules serves every mesh, the one-device mesh included), in silence unless the drop
-    probably loses something the user meant: on a mesh of several devices, a mesh
-    dimension that no rule left splits over (its devices would all do the same work: the
-    dropped rule was likely meant for it, under another name), or rules of which none is
-    left (``d_model:batch`` on a ``model:8`` mesh: no FSDP at all)."""
-    kept = {m for _, m in [*layout.layout_rules, *layout.parameter_rules]}
-    idle = [name for name, size in layout.mesh_shape if size > 1 and name not in kept]
-    for kind, dropped, rules in (
-            ("layout rules", layout.dropped_rules, layout.layout_rules),
-            ("parameter layout rules", layout.dropped_parameter_rules, layout.parameter_rules)):
-        if not dropped or layout.size == 1 or (rules and not idle):
-            continue
-        missing = " or ".join(repr(m) for m in sorted({m for _, m in dropped}))
-        why = (f"; its dimension {' and '.join(repr(m) for m in idle)} splits nothing"
-               if idle else ", so none of them applies")
-        log.warning("%s %s ignored: the mesh %r has no dimension %s%s", kind,
-                    ", ".join(f"'{t}:{m}'" for t, m in dropped), layout.mesh_text, missing, why)
-
-
-def _mesh(s: RunConfig, layout: Layout) -> jax.sharding.Mesh:
-    """The mesh of `layout`: over every device of every process, but for the modes that
-    only lay the model out. A plan lays it out on the mesh's first devices, however many
-    the machine has (`__main__` simulates enough). An import or export in one process
-    needs no mesh of the training run's shape (it reads or gathers each parameter whole):
-    on the first devices where there are enough, else on a mesh of the same dimension
-    names shrunk to fit the devices there are (`_shrunk`): each size a divisor of the
-    configured one, so that every split the layout checked still divides. The layout (its
-    legality checks, the config written) stays the configured one."""
-    if s.mode == "plan" or (s.mode in NO_DATA and jax.process_count() == 1):
-        devices = jax.devices()
-        if s.mode == "plan" or layout.size <= len(devices):
-            return layout.make_mesh(devices[:layout.size])
-        shrunk = _shrunk(layout, len(devices))
-        log.info("--mode=%s: the mesh %r needs %d devices and this process has %d: the "
-                 "parameters are laid out on the mesh %r", s.mode, layout.mesh_text,
-                 layout.size, len(devices), shrunk.mesh_text or "(one device)")
-        return shrunk.make_mesh(devices[:shrunk.size])
-    return layout.make_mesh()
-
-
-def _shrunk(layout: Layout, devices: int) -> Layout:
-    """`layout`'s mesh with each dimension cut to a divisor of its size, on as many of
-    `devices` as such a mesh can use (of equals, the one whose trailing dimensions, where
-    Mesh-TF puts `model`, are largest: the one that splits parameters most); rules as
-    `layout`'s."""
-    best: tuple = ()
-    for sizes in itertools.product(*[[d for d in range(1, n + 1) if n % d == 0]
-                                     for _, n in layout.mesh_shape]):
-        if math.prod(sizes) <= devices:
-            best = max(best, (math.prod(sizes), sizes[::-1]))
-    sizes = best[1][::-1] if best else ()
-    mesh = ";".join(f"{name}:{size}" for (name, _), size in zip(layout.mesh_shape, sizes))
-    return Layout(mesh, layout.rules_text, layout.parameter_rules_text)
-
-
 def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size: int):
     """Phase 3: (trainer, stepper, schedule) of the model for a vocabulary of `vocab_size`
     pieces, padded to a multiple of 128 so that it splits over any mesh dimension up to 128
@@ -303,12 +203,13 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
         raise ConfigError(f"run.model {type(model).__name__} takes {model.features}, but "
                           f"task {s.task!r} gives {features}")
     trainable = freezing.trainable(s.trainable, model_config.lora is not None)
-    trainer = Trainer(model, opt, layout, mesh, s.batch_size, s.sequence_length, seed=s.seed,
-                      loss_config=config.loss(), num_microbatches=s.num_microbatches,
-                      trainable=trainable, dpo=config.dpo() if task.preference else None)
+    objective = Preference(config.dpo()) if task.preference else LanguageModeling(config.loss())
+    trainer = Trainer(model=model, optimizer=opt, objective=objective, layout=layout, mesh=mesh,
+                      batch_size=s.batch_size, sequence_length=s.sequence_length, seed=s.seed,
+                      num_microbatches=s.num_microbatches, trainable=trainable)
     stepper = trainer
     if s.data_parallel == "sgp":
-        if trainer.frozen or trainer.dpo:
+        if trainer.frozen or task.preference:
             raise ConfigError("run.data_parallel='sgp' trains every parameter on a token "
                               "loss: it takes no frozen ones (run.trainable, LoRA) nor DPO")
         try:
@@ -342,7 +243,8 @@ def _prepare(s: RunConfig, task: tasks_lib.Task, vocab_config, data_dir: str,
     if task.data is not None:  # a user's files
         return user_data.prepare_run(task, vocab_config, data_dir, recorded=recorded,
                                      unrecorded=unrecorded, model_dir=s.model_dir,
-                                     eval_split=s.eval_split, init_from=s.init_from)
+                                     eval_split=s.eval_split, init_from=s.init_from,
+                                     sequence_length=s.sequence_length)
     source = task.source(data_dir, s.data_source)
     source.check_split(s.eval_split)
     cached = os.path.join(source.cache_dir(data_dir), task.name,

@@ -9,10 +9,12 @@ import gin
 import numpy as np
 import pytest
 
+from mtrain import MODES
 from mtrain import run as run_lib
 from conftest import split_import_times
 from test_oracles import ORACLES
 from mtrain.__main__ import main
+from mtrain.modes import dispatch
 from mtrain.parallel import targets
 from tiny_config import TINY
 
@@ -154,9 +156,9 @@ def test_settings_that_cannot_work_are_refused_before_the_data_is_prepared(tmp_p
         built = []
 
         class Counted(run_lib.Trainer):
-            def __init__(self, *args, **kwargs):
-                built.append(args[0].config.vocab_size)
-                super().__init__(*args, **kwargs)
+            def __init__(self, **kwargs):
+                built.append(kwargs["model"].config.vocab_size)
+                super().__init__(**kwargs)
 
         monkeypatch.setattr(run_lib, "Trainer", Counted)
         run_lib.parse_config(["tasks/bible_lm.gin", "layouts/dp4_mp2.gin"], TINY)
@@ -314,3 +316,9 @@ def test_a_bare_command_is_one_line(capsys):
     assert capsys.readouterr().err.strip() == (
         "mtrain: error: nothing to run: give a --gin_file (the quickstart's is "
         "--gin_file=quickstart.gin; see --help)")
+
+
+def test_every_mode_has_its_row_in_the_table():
+    """--mode's choices are the modes the run dispatches (`modes.dispatch.MODES`): a mode
+    named in one and not the other would be refused by the flags or fail at dispatch."""
+    assert tuple(dispatch.MODES) == MODES

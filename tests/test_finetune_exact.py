@@ -21,6 +21,7 @@ from mtrain.models.moe import MoEConfig
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.parallel.layout import Layout
 from mtrain.training import optimizer
+from mtrain.training.language_modeling import LanguageModeling
 from mtrain.training.losses import LossConfig
 from mtrain.training.trainer import Trainer
 
@@ -51,8 +52,9 @@ def stacked(params: dict, config: TransformerConfig) -> dict:
 
 def trainer(config, opt, mesh_shape="", rules=""):
     layout = Layout(mesh_shape, rules)
-    return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=layout.make_mesh(jax.devices()[:layout.size]),
-                   batch_size=B, sequence_length=L, seed=0, objective=LanguageModeling(LossConfig(z_loss=0.0)))
+    return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout,
+                   mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=B,
+                   sequence_length=L, seed=0, objective=LanguageModeling(LossConfig(z_loss=0.0)))
 
 
 def run(trainer_, params, batches):
