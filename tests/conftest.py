@@ -67,3 +67,14 @@ def data_dir(tmp_path_factory):
     os.environ["MTRAIN_DATA_DIR"] = str(path)
     yield path
     del os.environ["MTRAIN_DATA_DIR"]
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch):
+    """An empty HOME and no data dir set: a user's first command on a new machine (its data
+    dir ~/.cache/mtrain under that HOME)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MTRAIN_DATA_DIR", raising=False)
+    return home

@@ -24,14 +24,11 @@ CHAT = {"role": "system", "content": "Answer in the words of the King James Bibl
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    """An empty HOME, no data dir set: the user's first command."""
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("MTRAIN_DATA_DIR", raising=False)
+def home(fresh_home, tmp_path, monkeypatch):
+    """An empty HOME, no data dir set (`conftest.fresh_home`), in a new working directory:
+    the user's first command."""
     monkeypatch.chdir(tmp_path)
-    return home
+    return fresh_home
 
 
 def refused(capsys, argv, *fragments):

@@ -24,15 +24,6 @@ from mtrain.__main__ import main
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def fresh_home(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("MTRAIN_DATA_DIR", raising=False)
-    return home
-
-
 def refused(capsys, argv, model_dir, setting):
     """`argv` is refused in one line naming `setting`, and the model dir is unchanged."""
     before = digest(model_dir)
