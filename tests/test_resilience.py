@@ -106,7 +106,8 @@ def test_checkpoint_restores_across_meshes(tmp_path, caplog, monkeypatch, backen
         layout = Layout(mesh_shape, rules, drop_unused_rules=True)
         mesh = layout.make_mesh(jax.devices()[: layout.size])
         opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
-        return Trainer(DecoderLM(config), opt, layout, mesh, 8, 16, seed=0)
+        return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
+                       batch_size=8, sequence_length=16, seed=0)
 
     rng = np.random.default_rng(0)
     batch = {"targets": rng.integers(1, 256, (8, 16)).astype(np.int32),
@@ -131,7 +132,7 @@ def test_checkpoint_restores_across_meshes(tmp_path, caplog, monkeypatch, backen
         sliced = [r for r in caplog.records if "jit(slice)" in r.getMessage()]
         assert bool(sliced) == (backend == "gpu")
         target = trainer(mesh_shape)
-        state = source.restore(1, target.sharded_abstract_state(), None, meta)
+        state = source.read(1, target.sharded_abstract_state(), meta).state
         source.close()
         assert_bitwise_equal(jax.device_get(state), expected)
         wi = state.params["layer_0"]["mlp"]["wi"]

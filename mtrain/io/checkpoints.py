@@ -10,14 +10,16 @@ A checkpoint is one orbax step directory ``<model_dir>/checkpoints/<step>/`` wit
 
 A checkpoint written by ``--mode=import`` (`save_imported`) holds the parameters of a
 published model and no more: its ``state`` item is ``{"params": ...}``, it has no input
-position, and its meta says ``imported``. Readers restore its parameters; training starts
-from them at step 0 with a fresh optimizer state and input (`is_imported`), as from
-``run.init_from``.
+position, and its meta says ``imported``.
 
 A run that freezes parameters and started from a checkpoint stores them once: its
-checkpoints name their *base* (`io.bases`), which every restore reads them from
-(`base_params`) and checks. A model dir keeps its step 0 (its import) whatever
-``keep_checkpoints`` says.
+checkpoints name their *base* (`io.bases`). A model dir keeps its step 0 (its import)
+whatever ``keep_checkpoints`` says.
+
+Checkpoints are read one way, `Checkpoints.read`: it checks that the checkpoint fits the
+run, reads the part of the tree it is asked for that the checkpoint holds, and verifies it
+against its checksums. What the rest is (a base's parameters, fresh adapters, a fresh
+optimizer for an import) is decided where the run starts (`training.start`).
 
 A checkpoint that cannot be read (missing, truncated or corrupt files) is *damaged*: a
 resuming run moves it to ``<step>.damaged`` and tries the one before. One that reads but
@@ -34,20 +36,20 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any
+import re
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
 from mtrain.io import checksums
-from mtrain.io.bases import Base, base_digest, stored_params
+from mtrain.io.bases import Base, stored_params
 from mtrain.io.input_state import DataIteratorRestore, DataIteratorSave
 from mtrain.parallel import distributed
 from mtrain.errors import IncompatibleRun, UserError, failure_reason
 from mtrain.models import parameters
-from mtrain.models.lora import is_adapter
-from mtrain.io.compatibility import ADVICE, check_compatible
+from mtrain.io.compatibility import ADVICE, check_compatible, data_differs
 from mtrain.io.textfiles import is_remote
 
 log = logging.getLogger("mtrain")
@@ -146,14 +148,6 @@ class Checkpoints:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
 
-    def is_imported(self, step: int) -> bool:
-        """Whether checkpoint `step` holds imported parameters alone (`save_imported`)."""
-        return bool(self.meta(step).get("imported"))
-
-    def has_adapters(self, step: int) -> bool:
-        """Whether checkpoint `step` holds LoRA adapters (`models.lora`)."""
-        return "lora.rank" in self.meta(step).get("model", {})
-
     def meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]
@@ -172,83 +166,37 @@ class Checkpoints:
                 f"could not save a checkpoint (step {step} or the one before it) in "
                 f"{self.directory}: {failure_reason(e)}; {kept}") from None
 
-    def restore(self, step: int, abstract_state, iterator, meta: dict,
-                advice: str | None = None):
-        """Restores `step` into the shardings of `abstract_state` and, if given, moves
-        `iterator` to the saved input position (resuming a run). Of an imported checkpoint
-        only the parameters are restored; the rest of the state is `abstract_state`'s.
+    def read(self, step: int | None, abstract, meta: dict, *, part: str = "state",
+             iterator=None, advice: str | None = None, set_aside: bool = False,
+             expect: Callable[[dict], None] | None = None, data_may_change: bool = False
+             ) -> "Read":
+        """What checkpoint `step` holds of `abstract`, into its shardings, verified: the one
+        way checkpoints are read (module doc).
 
-        Raises `IncompatibleRun` if the checkpoint was saved by a run that `meta` (this
-        run's, as `save` takes it) cannot continue (`advice`: what its error tells a reader
-        to do), `DamagedCheckpoint` if it cannot be read,
-        if what it restores does not match its checksums, or if that is not finite (no
-        run saves a state that is not). A checkpoint without checksums (of an older mtrain)
-        restores with one warning, once.
-        """
-        where = self.directory / str(step)
-        try:
-            saved = self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # orbax, tensorstore and the file system raise many kinds
-            raise DamagedCheckpoint(where, failure_reason(e)) from None
-        imported = bool(saved.get("imported"))  # parameters alone: no run, state or data
-        check_compatible(saved, meta, where, resume=iterator is not None, advice=advice)
-        base = Base(**saved["base"]) if "base" in saved else None
-        target = {"params": abstract_state.params} if imported else abstract_state
-        if base is not None:  # the frozen parameters are the base's
-            target = abstract_state.replace(params=base.without_frozen(abstract_state.params))
-        # A base imported without adapters, for a model with them: its parameters, and
-        # zero adapters (the base's function; training makes fresh ones:
-        # `has_adapters`).
-        fresh_adapters = imported and "lora.rank" not in saved.get("model", {})
-        if fresh_adapters:
-            target = {"params": parameters.select(abstract_state.params,
-                                                    lambda path: not is_adapter(path))}
-        items = {"state": ocp.args.StandardRestore(target)}
-        if iterator is not None and not imported:
-            items["data"] = DataIteratorRestore(iterator)
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except IncompatibleRun:
-            raise
-        except Exception as e:
-            if "tree structures do not match" in str(e):  # a checkpoint without "state" meta
-                raise IncompatibleRun(
-                    f"checkpoint {where} holds a train state of another structure (a model or "
-                    f"optimizer setting differs); {ADVICE}") from None
-            raise DamagedCheckpoint(where, failure_reason(e)) from None
-        state = restored["state"]
-        if "checksums" not in saved:
-            if str(self.directory) not in _UNVERIFIED:
-                _UNVERIFIED.add(str(self.directory))
-                log.warning("checkpoint %s has no checksums (an older mtrain wrote it): what it "
-                            "restores cannot be verified", where)
-        elif bad := checksums.mismatches(saved["checksums"], state):
-            raise DamagedCheckpoint(where, f"{array_name(bad[0])} does not match its checksum"
-                                    + (f" (nor do {len(bad) - 1} other arrays)" if bad[1:] else ""))
-        if bad := checksums.not_finite(state):
-            raise DamagedCheckpoint(where, f"{array_name(bad[0])} holds values that are not finite")
-        if imported:  # (the optimizer state stays abstract: `is_imported` says to make one)
-            params = state["params"]
-            if fresh_adapters:
-                params = parameters.merge(jax.tree.map(_zeros, abstract_state.params), params)
-            return abstract_state.replace(params=params)
-        if base is not None:
-            frozen = base_params(self, base, abstract_state.params, meta, where)
-            return state.replace(params=parameters.merge(frozen, state.params))
-        return state
+        `part`: "state", `abstract` a whole train state (of an import: its parameters
+        alone, the rest staying abstract), and `iterator`, if given, moved to the saved
+        input position (resuming a run); or "params", `abstract` parameters (any part of
+        them). Only the arrays the checkpoint holds are read (what it stores elsewhere, in
+        a `Base`, or never had, is missing from the `Read`: its reader decides what they
+        are). `meta`: this run's, as `save` takes it, which the checkpoint's must fit (of
+        "params": only its ``model``), else `IncompatibleRun` (`advice`: what to do); with
+        `data_may_change`, other data than the checkpoint's is no error: the input starts
+        from its beginning (`Read.data_restarted`). `expect(meta)`: the caller's own check
+        of the checkpoint's meta, before anything is read.
 
-    def restore_intact(self, abstract_state, iterator, meta: dict, set_aside: bool = True,
-                       advice: str | None = None):
-        """(state, step) of the newest checkpoint that restores.
-
-        A checkpoint that cannot be read (partly written, truncated, corrupted) is moved
-        aside to ``<step>.damaged`` (`set_aside`; a reader, which changes nothing in the
-        model dir, only skips it), and the one before it is tried (one warning line says
-        which were moved or skipped): a run never silently starts from scratch over a model
-        dir that has checkpoints. A checkpoint of another run (`IncompatibleRun`) is not
-        damage: that is an error, and nothing is renamed.
-        """
+        `step` None: the newest that can be read. A checkpoint whose files cannot be read,
+        or whose arrays do not match their checksums or are not finite, is *damaged*
+        (`DamagedCheckpoint`): of `step` None, it is moved aside to ``<step>.damaged``
+        (`set_aside`; else only skipped) and the one before it tried, with one warning line;
+        a run never silently starts from scratch over a model dir with checkpoints. A
+        checkpoint without checksums (of an older mtrain) reads with one warning, once."""
+        steps = self.all_steps()
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint of step {step} in {self.directory} "
+                                      f"(it has {steps})")
+            return self._read(step, abstract, meta, part, iterator, advice, expect,
+                              data_may_change)
         damaged, first_reason = [], None
 
         def report() -> str:
@@ -258,9 +206,10 @@ class Checkpoints:
             return (f"checkpoint{'s' * (len(damaged) > 1)} {', '.join(damaged)} in "
                     f"{self.directory} cannot be read ({first_reason}) and {moved}")
 
-        for step in self.all_steps()[::-1]:
+        for step in steps[::-1]:
             try:
-                state = self.restore(step, abstract_state, iterator, meta, advice)
+                read = self._read(step, abstract, meta, part, iterator, advice, expect,
+                                  data_may_change)
             except DamagedCheckpoint as e:
                 if set_aside:
                     self.move_aside(step, "damaged")
@@ -273,9 +222,56 @@ class Checkpoints:
                 raise
             if damaged:
                 log.warning(report() + f"; using the checkpoint of step {step}")
-            return state, step
+            return read
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {self.directory}")
         raise CheckpointError(f"no checkpoint can be read: {report()}; restore a good copy, "
                               f"or pass --restart to train from step 0")
+
+    def _read(self, step, abstract, meta, part, iterator, advice, expect, data_may_change):
+        where = self.directory / str(step)
+        try:
+            saved = self.meta(step)
+        except Exception as e:  # orbax, tensorstore and the file system raise many kinds
+            raise DamagedCheckpoint(where, failure_reason(e)) from None
+        if expect is not None:
+            expect(saved)
+        imported = bool(saved.get("imported"))  # parameters alone: no run, state or data
+        resume = iterator is not None and not imported
+        restarted = resume and data_may_change and data_differs(saved, meta)
+        check_compatible(saved, meta, where, resume=resume, advice=advice,
+                         model_only=part == "params", data_may_change=restarted)
+        params = abstract if part == "params" else getattr(abstract, "params", None)
+        if params is not None and "base" in saved:  # (held in the base)
+            params = Base(**saved["base"]).without_frozen(params)
+        if params is not None and (stored := stored_params(saved)) is not None:
+            params = parameters.select(params, lambda path: path in stored)
+        try:
+            if part == "params" or imported:
+                target = {"params": params}
+                with ocp.PyTreeCheckpointer() as checkpointer:  # (a part of the tree)
+                    tree = checkpointer.restore(where / "state", args=ocp.args.PyTreeRestore(
+                        target, partial_restore=True,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+            else:
+                target = abstract if params is None else abstract.replace(params=params)
+                items = {"state": ocp.args.StandardRestore(target)}
+                if resume and not restarted:
+                    items["data"] = DataIteratorRestore(iterator)
+                tree = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+        except IncompatibleRun:
+            raise
+        except Exception as e:
+            if "tree structures do not match" in str(e):  # a checkpoint without "state" meta
+                raise IncompatibleRun(
+                    f"checkpoint {where} holds a train state of another structure (a model or "
+                    f"optimizer setting differs); {ADVICE}") from None
+            raise DamagedCheckpoint(where, failure_reason(e)) from None
+        _verify(tree, saved, where, str(self.directory))
+        state = None if part == "params" else (
+            abstract.replace(params=tree["params"]) if imported else tree)
+        return Read.of(step, saved, state, tree["params"] if part == "params" or imported else
+                    getattr(tree, "params", None), restarted)
 
     def move_aside(self, step: int, why: str) -> epath.Path:
         """Renames the directory of checkpoint `step` to <step>.<why>[.N] (keeping it for a
@@ -301,95 +297,51 @@ class Checkpoints:
         self.manager.close()
 
 
-def restore_params(checkpoints: Checkpoints, step: int, abstract_params, meta: dict,
-                   advice: str | None = None):
-    """The parameters of checkpoint `step`, whatever it holds (an import, with or
-    without adapters; a run's state, its frozen parameters in a base), laid out as
-    `abstract_params`: a base's, or ``run.init_from``'s. `meta`: this run's (its
-    ``model`` must match; `advice`: what its error says to do). Adapters the checkpoint
-    lacks (of a model without them) are zeros from an import, and missing from a run's
-    state."""
-    where = checkpoints.directory / str(step)
-    try:
-        saved = checkpoints.meta(step)
-    except Exception as e:
-        raise DamagedCheckpoint(where, failure_reason(e)) from None
-    # Only the model must match (the task, optimizer and state may differ).
-    current = {"model": meta.get("model", {}), "task": saved.get("task"),
-               "state": saved.get("state")}
-    if saved.get("imported"):
-        return checkpoints.restore(step, _params_only(abstract_params), None, current,
-                                   advice).params
-    check_compatible(saved, current, where, resume=False, advice=advice)
-    base = Base(**saved["base"]) if "base" in saved else None
-    own = base.without_frozen(abstract_params) if base else abstract_params
-    stored = stored_params(saved)  # (None: an older mtrain's, which stored them all)
-    if stored is not None:  # (a model with adapters from one without: theirs are not)
-        own = parameters.select(own, lambda path: path in stored)
-    # (a part of the state: orbax's PyTree handler restores a subtree, the manager not)
-    target = {"params": own}
-    try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            restored = checkpointer.restore(where / "state", args=ocp.args.PyTreeRestore(
-                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True))
-    except Exception as e:
-        raise DamagedCheckpoint(where, failure_reason(e)) from None
-    if "checksums" in saved and (bad := checksums.mismatches(saved["checksums"], restored)):
-        raise DamagedCheckpoint(where, f"{array_name(bad[0])} does not match its checksum")
-    params = restored["params"]
-    if base is not None:
-        params = parameters.merge(base_params(checkpoints, base, abstract_params, meta, where),
-                                  params)
-    return params
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """What `Checkpoints.read` restored of checkpoint `step` (its `meta`): the train
+    `state` (None for a "params" read; of an import, the parameters in the abstract state
+    asked for) and the `params` it holds; `data_restarted`: the data differs from its run's,
+    so the input was not restored (it starts from its beginning); `imported`: a published
+    model's parameters alone (`save_imported`); `base`: where its frozen parameters lie, if
+    it stores them once."""
 
-
-def base_params(checkpoints: Checkpoints, base: Base, abstract_params, meta: dict, where):
-    """The frozen parameters of a checkpoint (`where`) whose `base` holds them."""
-    directory = epath.Path(base.checkpoints) if base.checkpoints else checkpoints.directory
-    named = f"step {base.step} of {directory}"
-    try:
-        reader = checkpoints if not base.checkpoints else Checkpoints(directory, read_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
-                              f"which cannot be opened: {failure_reason(e)}") from None
-    try:
-        if base.step not in reader.all_steps():
-            raise CheckpointError(
-                f"checkpoint {where} keeps its frozen parameters in {named}, which is "
-                f"gone; put that checkpoint back, or pass --restart to train from step 0")
-        if base_digest(reader.meta(base.step), base.frozen) != base.digest:
-            raise IncompatibleRun(
-                f"checkpoint {where} was trained on other frozen parameters than those of "
-                f"{named} (another model is there now); put back the base it was trained "
-                f"on, or pass --restart to train from step 0")
-        params = restore_params(reader, base.step, abstract_params, meta)
-    except DamagedCheckpoint as e:
-        raise CheckpointError(f"checkpoint {where} keeps its frozen parameters in {named}, "
-                              f"which cannot be read: {e.reason}") from None
-    finally:
-        if reader is not checkpoints:
-            reader.close()
-    frozen = set(base.frozen)
-    return parameters.select(params, lambda path: path in frozen)
-
-
-def _params_only(abstract_params):
-    """An abstract state of parameters alone, as `Checkpoints.restore` takes (an import)."""
-    return _ParamsOnly(abstract_params)
-
-
-@dataclasses.dataclass
-class _ParamsOnly:
+    step: int
+    meta: dict
+    state: Any
     params: Any
+    data_restarted: bool
+    imported: bool
+    base: Base | None
 
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
+    @classmethod
+    def of(cls, step: int, meta: dict, state, params, data_restarted: bool) -> "Read":
+        return cls(step, meta, state, params, data_restarted, bool(meta.get("imported")),
+                   Base(**meta["base"]) if "base" in meta else None)
 
 
-def _zeros(leaf: jax.ShapeDtypeStruct) -> jax.Array:
-    return jax.jit(lambda: jax.numpy.zeros(leaf.shape, leaf.dtype),
-                   out_shardings=leaf.sharding)()
+def _verify(tree, saved: dict, where, directory: str) -> None:
+    """Raises DamagedCheckpoint if what `tree` restored does not match the checksums of the
+    checkpoint's meta (`saved`), or is not finite (no run saves a state that is not)."""
+    if "checksums" not in saved:
+        if directory not in _UNVERIFIED:
+            _UNVERIFIED.add(directory)
+            log.warning("checkpoint %s has no checksums (an older mtrain wrote it): what it "
+                        "restores cannot be verified", where)
+    else:
+        sums = {_dotted(key): value for key, value in saved["checksums"].items()}
+        now = {_dotted(key): value for key, value in checksums.of_arrays(tree).items()}
+        if bad := [key for key, value in now.items() if key in sums and sums[key] != value]:
+            raise DamagedCheckpoint(where, f"{array_name(bad[0])} does not match its checksum"
+                                    + (f" (nor do {len(bad) - 1} other arrays)" if bad[1:] else ""))
+    if bad := checksums.not_finite(tree):
+        raise DamagedCheckpoint(where, f"{array_name(bad[0])} holds values that are not finite")
+
+
+def _dotted(key: str) -> str:
+    """An array's path with its first key as an attribute: a state's ``.params['x']`` and a
+    part's ``['params']['x']`` name the same array."""
+    return re.sub(r"^\['([^']*)'\]", r".\1", key)
 
 
 _UNVERIFIED: set[str] = set()  # the directories whose checkpoints without checksums were reported

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from mtrain.evaluation.heldout import evaluate
-from mtrain.io.reading import restore_for_reading
+from mtrain.training.start import restore_for_reading
 from mtrain.io.metrics import MetricsWriter
 from mtrain.io.model_dir import ModelDir
 from mtrain.modes.experiment import Experiment

@@ -21,7 +21,7 @@ import jax
 from mtrain.data.chat import ChatTemplate, prompt_completion
 from mtrain.data.user_data import model_dir_template
 from mtrain.evaluation.generation import Prompt
-from mtrain.io.reading import restore_for_reading
+from mtrain.training.start import restore_for_reading
 from mtrain.errors import ConfigError
 from mtrain.modes.experiment import Experiment
 from mtrain.io.textfiles import check_writable

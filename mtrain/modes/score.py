@@ -28,7 +28,7 @@ import os
 import jax
 import numpy as np
 
-from mtrain.io.reading import restore_for_reading
+from mtrain.training.start import restore_for_reading
 from mtrain.errors import ConfigError
 from mtrain.evaluation.heldout import scored_words
 from mtrain.models.base import LOSS_WEIGHTS

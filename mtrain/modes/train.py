@@ -22,18 +22,16 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 
 import jax
 from etils import epath
 
-from mtrain.errors import IncompatibleRun, TrainingDiverged
+from mtrain.errors import TrainingDiverged
 from mtrain.evaluation.heldout import evaluate
-from mtrain.io.bases import Base, base_digest
-from mtrain.io.checkpoints import CheckpointError, Checkpoints, restore_params
-from mtrain.io.reading import read_params, restore_for_reading
+from mtrain.io.bases import Base
+from mtrain.io.checkpoints import CheckpointError, Checkpoints
 from mtrain.io.lock import lock_model_dir
 from mtrain.io.metrics import MetricsWriter
 from mtrain.io.model_dir import ModelDir
@@ -42,7 +40,7 @@ from mtrain.modes.experiment import Experiment
 from mtrain.parallel import targets
 from mtrain.training import hooks
 from mtrain.models import parameters
-from mtrain.models.lora import is_adapter
+from mtrain.training import start as starting
 from mtrain.training.loop import Diverged, FiniteGuard, train_loop
 
 log = logging.getLogger("mtrain")
@@ -69,9 +67,9 @@ def train(exp: Experiment, restart: bool = False) -> dict:
             with _closing(batches.close):  # the input pipeline's workers
                 state, start, origin = _restore_or_init(exp, checkpoints, batches, initial)
                 base = _base(exp, checkpoints, origin)
-                if exp.trainer.dpo and exp.trainer.reference.needs_copy:  # DPO's frozen copy
-                    exp.trainer.reference.set(state.params if start == 0 else
-                                              _base_params(exp, checkpoints))
+                if exp.trainer.objective.needs_start:  # (DPO's frozen reference)
+                    exp.trainer.objective.set_start(state.params if start == 0 else
+                                                    _base_params(exp, checkpoints))
                 if jax.process_index() == 0:
                     write_atomically(model_dir.config, exp.config_text)
                     _keep_chat_template(exp, model_dir)
@@ -108,7 +106,9 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
         config.checkpoint_every,
         lambda step, state: checkpoints.save(step, state, batches, exp.checkpoint_meta(), base),
         stepper, guard)
-    schedule = [log_train, evaluation, saving]
+    schedule = [log_train, evaluation, saving] if exp.evaluates else [log_train, saving]
+    if not exp.evaluates:
+        log.info("files.validation=0: no held-out data, this run evaluates nothing")
     if config.profile_steps:
         schedule.insert(0, hooks.Profile(*config.profile_steps, ModelDir(exp.model_dir).profile))
     with _on_divergence(guard, checkpoints):
@@ -139,14 +139,9 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
     else freshly initialised. `origin`: the checkpoint (directory, step) the run started
     from ("": the model dir's own), or where it resumed; None: from nothing."""
     if checkpoints.all_steps():
-        state, step = checkpoints.restore_intact(exp.trainer.sharded_abstract_state(),
-                                                 iterator, exp.checkpoint_meta())
-        if checkpoints.is_imported(step):  # a published model's parameters (--mode=import)
-            log.info("starting from the imported parameters of step %d in %s (a fresh "
-                     "optimizer state)", step, checkpoints.directory)
-            return _from_import(exp, checkpoints, step, state.params), step, ("", step)
-        log.info("resuming from the checkpoint of step %d in %s", step, checkpoints.directory)
-        return state, step, ("", step)
+        state, read = starting.resume(checkpoints, exp.trainer, exp.checkpoint_meta(),
+                                      iterator)
+        return state, read.step, ("", read.step)
     set_aside = checkpoints.set_aside()
     if set_aside:
         raise CheckpointError(
@@ -164,29 +159,8 @@ def _restore_or_init(exp: Experiment, checkpoints: Checkpoints, iterator, initia
 
 
 def _base(exp: Experiment, checkpoints: Checkpoints, origin) -> Base | None:
-    """Where this run's checkpoints keep their frozen parameters (`io.checkpoints.Base`):
-    a resumed run's, where it has one; the checkpoint a frozen run started from; else
-    None (they hold every parameter)."""
-    if origin is None or not exp.trainer.frozen:
-        return None
-    directory, step = origin
-    reader = checkpoints if not directory else Checkpoints(directory, read_only=True)
-    try:
-        meta = reader.meta(step)
-    finally:
-        if reader is not checkpoints:
-            reader.close()
-    if not meta.get("imported") and not directory:  # resumed: as its checkpoint says
-        return Base(**meta["base"]) if "base" in meta else None
-    frozen = sorted(p for p in parameters.paths(exp.trainer.abstract_state.params)
-                    if not exp.trainer.trainable(p))
-    digest = base_digest(meta, frozen)
-    if digest != "incomplete":
-        return Base(directory, step, frozen, digest)
-    if "base" in meta and sorted(meta["base"]["frozen"]) == frozen:  # (a run stored once:
-        theirs = Base(**meta["base"])  # the same frozen parameters lie in its base)
-        return dataclasses.replace(theirs, checkpoints=theirs.checkpoints or directory)
-    return None
+    """Where this run's checkpoints keep their frozen parameters (`training.start.base_for`)."""
+    return starting.base_for(exp.trainer, checkpoints, origin)
 
 
 def _keep_chat_template(exp: Experiment, model_dir: ModelDir) -> None:
@@ -197,22 +171,14 @@ def _keep_chat_template(exp: Experiment, model_dir: ModelDir) -> None:
         write_atomically(model_dir.chat_template, theirs.read_text())
 
 
-def _from_import(exp: Experiment, checkpoints: Checkpoints, step: int, params):
-    """A fresh state at the `params` of the imported checkpoint `step` (with fresh
-    adapters where it has none)."""
-    fresh = exp.trainer.init_state()
-    if not checkpoints.has_adapters(step):  # a base alone: fresh adapters on it
-        params = parameters.merge(params, parameters.select(fresh.params, is_adapter))
-    return fresh.replace(params=params)
-
-
 def _base_params(exp: Experiment, checkpoints: Checkpoints):
     """The parameters a resumed run started from (DPO's reference): the model dir's import,
     else `init_from`'s, else the initialisation of its seed."""
     fresh = exp.trainer.init_state().params
-    if 0 in checkpoints.all_steps() and checkpoints.is_imported(0):
-        return parameters.merge(fresh, restore_params(
-            checkpoints, 0, exp.trainer.sharded_abstract_state().params, exp.checkpoint_meta()))
+    if 0 in checkpoints.all_steps() and checkpoints.meta(0).get("imported"):
+        return parameters.merge(fresh, starting.params_in(
+            checkpoints, 0, exp.trainer.sharded_abstract_state().params,
+            exp.checkpoint_meta())[0])
     if exp.config.init_from:
         return parameters.merge(fresh, _params_from(exp)[0])
     return fresh
@@ -220,20 +186,8 @@ def _base_params(exp: Experiment, checkpoints: Checkpoints):
 
 def _params_from(exp: Experiment):
     """The parameters of checkpoint `init_step` (default: the latest) of run `init_from`."""
-    where = exp.config.init_from
-    if epath.Path(ModelDir(where).checkpoints).is_dir():
-        where = ModelDir(where).checkpoints
-    kwargs = dict(missing="run.init_from must name the model dir of a run",
-                  advice="run.init_from starts from a run of the same model: give this run "
-                         "that run's model settings (its config.gin)")
-    try:  # (the whole state read and verified, as a reader does)
-        state, step = restore_for_reading(where, exp.trainer.sharded_abstract_state(),
-                                          exp.checkpoint_meta(), exp.config.init_step, **kwargs)
-        return state.params, step, where
-    except IncompatibleRun:  # another task, optimizer or adapters: its parameters alone
-        params, step = read_params(where, exp.trainer.sharded_abstract_state().params,
-                                   exp.checkpoint_meta(), exp.config.init_step, **kwargs)
-        return params, step, where
+    return starting.init_from(exp.config.init_from, exp.trainer.sharded_abstract_state(),
+                              exp.checkpoint_meta(), exp.config.init_step)
 
 
 @contextlib.contextmanager
