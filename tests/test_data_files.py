@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from mtrain.data import files, hub_layout
+from mtrain.data import file_identity, files, hub_layout
 from mtrain.errors import DataError
 
 RECORDS = [{"text": "hello world", "n": 1}, {"text": "ça va ✓", "tags": ["a", "b"]},
@@ -144,21 +144,21 @@ def test_identity_follows_edits(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"x": 1}\n')
     b.write_text('{"x": 2}\n')
-    first = files.identity([a, b])
+    first = file_identity.identity([a, b])
     assert len(first) >= 8 and int(first, 16) >= 0
-    assert files.identity([str(a), str(b)]) == first == files.identity(files.expand([str(a), str(b)]))
-    assert files.identity([a]) != first  # a file removed
+    assert file_identity.identity([str(a), str(b)]) == first == file_identity.identity(files.expand([str(a), str(b)]))
+    assert file_identity.identity([a]) != first  # a file removed
     stat = os.stat(a)
     os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # mtime only
-    assert files.identity([a, b]) == first  # the same contents: the same data
+    assert file_identity.identity([a, b]) == first  # the same contents: the same data
     a.write_text('{"x": 1}\n')  # rewritten with the same bytes (cp, git checkout)
-    assert files.identity([a, b]) == first
+    assert file_identity.identity([a, b]) == first
     a.write_text('{"x": 3}\n')  # the same size, other contents
     os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and its old modification time
-    second = files.identity([a, b])
-    assert second != first and files.identity([a, b]) == second
+    second = file_identity.identity([a, b])
+    assert second != first and file_identity.identity([a, b]) == second
     a.write_text('{"x": 10}\n')  # size too
-    assert files.identity([a, b]) not in (first, second)
+    assert file_identity.identity([a, b]) not in (first, second)
 
 
 def test_hf_dataset_splits(tmp_path):

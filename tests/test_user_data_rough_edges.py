@@ -8,7 +8,6 @@ import random
 import tracemalloc
 
 import numpy as np
-import pytest
 
 from mtrain.__main__ import main
 from mtrain.data import files, formats, prepared

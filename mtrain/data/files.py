@@ -36,7 +36,6 @@ from typing import Iterator
 
 from etils import epath
 
-from mtrain.data.file_identity import identity  # noqa: F401 (files.identity, as before)
 from mtrain.errors import DataError, first_line
 
 Record = dict  # one example as read: a JSON object, {"text": str}, or a Parquet row

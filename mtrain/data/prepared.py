@@ -40,7 +40,8 @@ import numpy as np
 from etils import epath
 
 from mtrain.data import files as files_lib
-from mtrain.data import formats, hub_layout, preference, ragged
+from mtrain.data import formats, hub_layout, ragged
+from mtrain.data import preference  # noqa: F401 (registers the 'preference' format)
 from mtrain.errors import DataError
 from mtrain.models.base import READ_INPUTS
 

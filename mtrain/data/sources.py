@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
-from mtrain.data import files, formats
+from mtrain.data import file_identity, formats
 from mtrain.data.bible import BIBLE_LANGUAGES, SPLITS, bible_column
 from mtrain.data.streams import Stream
 from mtrain.errors import DataError, first_line
@@ -211,14 +211,14 @@ def tfds_data_dir(data_dir: str, data_source: str | None) -> Path:
 
 def raw_files_identity(root: Path) -> str:
     """A short digest of every file under `root` (following links, as the builders read
-    them; a dangling link, which they cannot read either, left out): `files.identity`, of
+    them; a dangling link, which they cannot read either, left out): `file_identity.identity`, of
     each one's name and contents. Any of them changed, a file added or removed, changes
     it; each file is read once per process."""
     paths = []
     for directory, subdirs, names in os.walk(root, followlinks=True):
         subdirs.sort()
         paths += [p for p in (Path(directory) / name for name in sorted(names)) if p.exists()]
-    return files.identity(paths)[:8]
+    return file_identity.identity(paths)[:8]
 
 
 def _shipped_raw_tree(name: str, data_dir: str) -> str:
