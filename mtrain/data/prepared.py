@@ -40,7 +40,7 @@ import numpy as np
 from etils import epath
 
 from mtrain.data import files as files_lib
-from mtrain.data import formats, hub_layout, ragged
+from mtrain.data import file_identity, formats, hub_layout, ragged
 from mtrain.data import preference  # noqa: F401 (registers the 'preference' format)
 from mtrain.errors import DataError
 from mtrain.models.base import READ_INPUTS
@@ -131,7 +131,7 @@ def _key(spec: Files, splits: dict, fmt: formats.Format, vocab, piece: int) -> s
     described = json.dumps({
         "version": VERSION, "format": fmt.describe(), "reader": spec.reader_kind(),
         "vocabulary": vocab.digest, "holdout": spec.holdout, "piece": piece,
-        "files": {split: files_lib.identity(paths) for split, paths in sorted(splits.items())},
+        "files": {split: file_identity.identity(paths) for split, paths in sorted(splits.items())},
     }, sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 

@@ -18,8 +18,7 @@ from collections.abc import Iterator
 
 from etils import epath
 
-from mtrain.data import files as files_lib
-from mtrain.data import formats
+from mtrain.data import file_identity, formats
 from mtrain.data.chat import ChatTemplate
 from mtrain.data.streams import Stream, stream_config
 from mtrain.data.prepared import PreparedSource, prepare
@@ -135,7 +134,7 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
     hold out nothing (files.validation=0): the run then evaluates nothing. A run refused
     leaves no prepared copy it made behind."""
     splits = {name: spec.splits() for name, spec in task.data.items()}
-    identity = files_lib.identity([p for s in splits.values() for p in s.get("train", [])])
+    identity = file_identity.identity([p for s in splits.values() for p in s.get("train", [])])
     cached = os.path.join(data_dir, "vocab", f"{task.name}-{identity}",
                           f"spm_{vocab_config.size or DEFAULT_SIZE}.model")
     vocab = vocab_config.choose(recorded, cached, lambda: texts(task),
