@@ -40,7 +40,7 @@ from mtrain.data.prepared import Files
 from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import DecodingConfig
-from mtrain.huggingface import adapters, families
+from mtrain.huggingface import adapters, families, origin
 from mtrain.huggingface.vocabulary import folder_vocabulary
 from mtrain.io.textfiles import check_reachable
 from mtrain.models.lora import LoraConfig
@@ -118,6 +118,13 @@ def _fits(value, hint) -> bool:
     return any(checks[o](value) for o in options if o in checks)
 
 
+def _macro_value(reference):
+    """The value a gin macro (``%N``) stands for; a reference to a configurable as it is."""
+    if not reference.scoped_selector.endswith("/gin.macro"):
+        return reference
+    return gin.query_parameter(f"%{reference.scoped_selector.rsplit('/', 1)[0]}")
+
+
 def check_types() -> None:
     """Raises ConfigError for the first binding of a `TYPED` configurable whose value is
     not of its parameter's declared type."""
@@ -125,6 +132,10 @@ def check_types() -> None:
         hints = typing.get_type_hints(target)
         for parameter, value in gin.get_bindings(name, resolve_references=False).items():
             hint = hints.get(parameter)
+            if isinstance(value, gin.config.ConfigurableReference):
+                value = _macro_value(value)
+            if isinstance(value, gin.config.ConfigurableReference):
+                continue  # (@fn(): known only when called)
             if hint is not None and not _fits(value, hint):
                 wanted = " or ".join(getattr(o, "__name__", str(o)) for o in (
                     typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)))
@@ -138,7 +149,8 @@ def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:
     (`settings`: `huggingface.families.Settings`, its tokenizer's ``vocabulary.*`` among
     them). A user binding of an architecture setting that differs from config.json's is an
     error naming both values; the other settings (`settings.defaults`) apply where the user
-    bound none."""
+    bound none, fine-tuning's optimizer and schedule (`families.FINE_TUNING`) only where the
+    user names no optimizer."""
     bindings = []
     for name, value in settings.architecture.items():
         mine = bound(name, None)
@@ -148,7 +160,10 @@ def parse_import(gin_files: list[str], gin_params: list[str], settings) -> None:
             raise ConfigError(f"{name}={mine!r} in the gin config contradicts {whose}="
                               f"{value!r}; leave it out (the import sets it)")
         bindings.append(f"{name} = {value!r}")
+    own_optimizer = bound("run.optimizer", None) is not None
     for name, value in settings.defaults.items():
+        if own_optimizer and name in families.FINE_TUNING:
+            continue  # (an optimizer the user names keeps its own schedule's defaults too)
         if bound(name, None) is None:
             bindings.append(f"{name} = {value!r}")
     parse(gin_files, [*gin_params, *bindings])
@@ -245,7 +260,7 @@ def parse_import_config(gin_files: list[str], gin_params: list[str], input_dir: 
                 "vocabulary.model_size": "vocab_size"})
     if adapter_dir is not None:
         check_reachable(adapter_dir, "--adapter_dir")
-        bases = [input_dir, hf_config.get("_name_or_path")]
+        bases = [origin.location(input_dir), hf_config.get("_name_or_path")]  # ('.' named)
         peft = adapters.read_config(adapter_dir, None if ignore_adapter_base else bases)
         settings = dataclasses.replace(
             settings, architecture={**settings.architecture, **peft},

@@ -9,11 +9,12 @@ import gin
 import numpy as np
 import pytest
 
-from mtrain import MODES
+from mtrain import MODES, config
 from mtrain import run as run_lib
 from conftest import split_import_times
 from test_oracles import ORACLES
 from mtrain.__main__ import main
+from mtrain.errors import ConfigError
 from mtrain.modes import dispatch
 from mtrain.parallel import targets
 from tiny_config import TINY
@@ -318,7 +319,25 @@ def test_a_bare_command_is_one_line(capsys):
         "--gin_file=quickstart.gin; see --help)")
 
 
-def test_every_mode_has_its_row_in_the_table():
+def test_every_mode_has_its_row_in_the_table(tmp_path, capsys):
     """--mode's choices are the modes the run dispatches (`modes.dispatch.MODES`): a mode
-    named in one and not the other would be refused by the flags or fail at dispatch."""
+    named in one and not the other would be refused by the flags or fail at dispatch. A
+    mode gin names that is neither is one line."""
     assert tuple(dispatch.MODES) == MODES
+    assert main(["--gin_file=quickstart.gin", f"--model_dir={tmp_path / 'run'}",
+                 "--gin_param=run.mode='evall'"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mtrain: error: unknown mode 'evall'; use one of " + ", ".join(MODES))
+    assert not (tmp_path / "run").exists()
+
+
+def test_gin_macros_and_references_pass_the_type_check():
+    """The type check of numeric settings reads a macro's value (``%N``) and leaves
+    references to configurables, which are called only when the run builds them."""
+    try:
+        config.parse([], ["N = 3", "transformer.num_layers = %N", "run.model = @DecoderLM"])
+        assert config.model_config(256).num_layers == 3
+        with pytest.raises(ConfigError, match=r"^lora.rank must be int, got 2.5$"):
+            config.parse([], ["M = 2.5", "lora.rank = %M"])
+    finally:
+        gin.clear_config()

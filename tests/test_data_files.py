@@ -4,6 +4,8 @@ import gzip
 import inspect
 import json
 import os
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -138,6 +140,27 @@ def test_expand_globs_in_order_without_duplicates(tmp_path):
             files.expand([str(tmp_path / "a.jsonl"), pattern])
     with pytest.raises(DataError, match="is a folder"):
         files.expand(str(tmp_path / "sub"))
+
+
+def test_file_digests_are_kept_in_the_data_dir_for_the_next_run(tmp_path):
+    """A file is read once: its digest is kept in the data dir by its stat, and a later
+    process takes it from there (shown by a digest tampered with there, which the next
+    process believes while the file's stat stands)."""
+    data = tmp_path / "data"
+    a = tmp_path / "a.jsonl"
+    a.write_text('{"x": 1}\n')
+    first = file_identity.identity([a], str(data))
+    store = data / file_identity.STORE
+    kept = json.loads(store.read_text())
+    assert len(kept) == 1 and list(kept.values())[0].startswith("9 ")  # its size, its digest
+    store.write_text(json.dumps({k: "9 tampered" for k in kept}))
+    code = ("import sys; from mtrain.data import file_identity as f; "
+            "print(f.identity([sys.argv[1]], sys.argv[2]))")
+    stored = subprocess.run([sys.executable, "-c", code, str(a), str(data)], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    assert len(stored) == len(first) and stored != first
+    a.write_text('{"x": 1}\n')  # rewritten: its stat changes, so it is read again
+    assert file_identity.identity([a], str(data)) == first
 
 
 def test_identity_follows_edits(tmp_path):

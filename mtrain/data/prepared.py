@@ -127,11 +127,13 @@ def _held_out(ordinals: np.ndarray, fraction: float) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
 
 
-def _key(spec: Files, splits: dict, fmt: formats.Format, vocab, piece: int) -> str:
+def _key(spec: Files, splits: dict, fmt: formats.Format, vocab, piece: int,
+         data_dir: str) -> str:
     described = json.dumps({
         "version": VERSION, "format": fmt.describe(), "reader": spec.reader_kind(),
         "vocabulary": vocab.digest, "holdout": spec.holdout, "piece": piece,
-        "files": {split: file_identity.identity(paths) for split, paths in sorted(splits.items())},
+        "files": {split: file_identity.identity(paths, data_dir)
+                  for split, paths in sorted(splits.items())},
     }, sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
@@ -142,7 +144,7 @@ def prepare(spec: Files, fmt: formats.Format, vocab, data_dir: str, name: str = 
     `splits`: their `Files.splits`, where the caller has them; `piece`: the ids a long
     text's stored examples hold (`formats.piece_size`)."""
     splits = splits or spec.splits()
-    key = _key(spec, splits, fmt, vocab, piece)
+    key = _key(spec, splits, fmt, vocab, piece, data_dir)
     directory = epath.Path(data_dir) / "prepared" / f"{name}-{key}"
     made = not (directory / "info.json").exists()
     if made:

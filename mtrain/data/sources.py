@@ -211,14 +211,15 @@ def tfds_data_dir(data_dir: str, data_source: str | None) -> Path:
 
 def raw_files_identity(root: Path) -> str:
     """A short digest of every file under `root` (following links, as the builders read
-    them; a dangling link, which they cannot read either, left out): `file_identity.identity`, of
-    each one's name and contents. Any of them changed, a file added or removed, changes
-    it; each file is read once per process."""
+    them; a dangling link, which they cannot read either, left out):
+    `file_identity.stat_identity`, of each one's path, size and modification time. Any of
+    them changed, a file added or removed, changes it; reading them costs one stat each (a
+    rebuild, not a resume, is what a change costs here: raw trees keep this cheap kind)."""
     paths = []
     for directory, subdirs, names in os.walk(root, followlinks=True):
         subdirs.sort()
         paths += [p for p in (Path(directory) / name for name in sorted(names)) if p.exists()]
-    return file_identity.identity(paths)[:8]
+    return file_identity.stat_identity(paths)[:8]
 
 
 def _shipped_raw_tree(name: str, data_dir: str) -> str:

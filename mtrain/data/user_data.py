@@ -134,7 +134,8 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
     hold out nothing (files.validation=0): the run then evaluates nothing. A run refused
     leaves no prepared copy it made behind."""
     splits = {name: spec.splits() for name, spec in task.data.items()}
-    identity = file_identity.identity([p for s in splits.values() for p in s.get("train", [])])
+    identity = file_identity.identity([p for s in splits.values() for p in s.get("train", [])],
+                                      data_dir)
     cached = os.path.join(data_dir, "vocab", f"{task.name}-{identity}",
                           f"spm_{vocab_config.size or DEFAULT_SIZE}.model")
     vocab = vocab_config.choose(recorded, cached, lambda: texts(task),

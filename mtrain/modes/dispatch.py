@@ -76,6 +76,8 @@ def check(name: str, model_dir: str | None, request: Request) -> None:
     """What can fail at once for mode `name`, before data and compilation: another run in
     the model dir, a directory that must be new, no checkpoint to read, an output file that
     could not be written (the model dir's reachability is the caller's)."""
+    if name not in MODES:
+        raise ConfigError(f"unknown mode {name!r}; use one of {', '.join(MODES)}")
     mode = MODES[name]
     if mode.writes_model_dir and model_dir:
         check_model_dir_free(model_dir)

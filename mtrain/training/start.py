@@ -54,8 +54,9 @@ def resume(checkpoints: Checkpoints, trainer, meta: dict, iterator):
     log.info("resuming from the checkpoint of step %d in %s", got.step, where)
     if got.data_restarted:
         log.warning("the data differs from the data the checkpoint of step %d was trained "
-                    "on: continuing on the new data from its beginning, with the parameters "
-                    "and optimizer state of step %d", got.step, got.step)
+                    "on (its files, or how they are prepared): continuing on the new data "
+                    "from its beginning, with the parameters and optimizer state of step %d",
+                    got.step, got.step)
     params = _with_base(checkpoints, got, abstract.params, meta)
     return got.state.replace(params=params), got
 

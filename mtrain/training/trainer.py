@@ -88,7 +88,8 @@ class Trainer:
         self.batch_sharding = layout.sharding(mesh, BATCH_NAMES, self.batch_shape, tensor="batch")
         self.length_order = context.length_order(sequence_length, layout, model.features)
         layout.check_rules_used()  # every parameter and activation has been laid out above
-        self.objective = (objective or LanguageModeling()).bind(Setting(
+        self.given_objective = objective or LanguageModeling()  # (unbound: `with_layout`)
+        self.objective = self.given_objective.bind(Setting(
             model=model, layout=layout, mesh=mesh, batch_shape=self.batch_shape,
             num_microbatches=num_microbatches, abstract_params=abstract_params,
             param_shardings=self.state_shardings.params, trainable=self.trainable,
@@ -237,7 +238,7 @@ class Trainer:
         (over the first `layout.size` devices; the objective's own state fresh)."""
         batch_size, sequence_length = self.batch_shape
         return Trainer(model=self.model, optimizer=self.given_optimizer,
-                       objective=self.objective, layout=layout,
+                       objective=self.given_objective, layout=layout,
                        mesh=layout.make_mesh(jax.devices()[:layout.size]),
                        batch_size=batch_size, sequence_length=sequence_length, seed=self.seed,
                        num_microbatches=self.num_microbatches,
