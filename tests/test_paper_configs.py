@@ -97,11 +97,12 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 512)
 from mtrain import run as run_lib
+from mtrain.modes.plan import plan
 for path in sys.argv[1:]:
     full = path.endswith(("lm_size_5.gin", "tr_size_4.gin"))
     run_lib.parse_config([path], [] if full else ["transformer.num_layers=1"])
     exp = run_lib.build(model_dir="unused", mode="plan")
-    report = run_lib.plan(exp, target="tpu-v3", output_format="json", out=io.StringIO())
+    report = plan(exp, target="tpu-v3", output_format="json", out=io.StringIO())
     print(json.dumps({"path": path, "layers": exp.model_config.num_layers, **report}), flush=True)
 """
 

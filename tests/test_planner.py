@@ -16,6 +16,7 @@ from conftest import no_compilation_cache, split_import_times
 from mtrain.planning import auto_layout, planner
 from mtrain import run as run_lib
 from mtrain.__main__ import main
+from mtrain.modes.plan import plan
 from mtrain.parallel.layout import Layout
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.planning.hlo_cost import hlo_cost
@@ -248,8 +249,8 @@ def test_auto_layout_ranks_the_legal_layouts_that_fit(capsys):
     run_lib.parse_config(["quickstart.gin"], ["transformer.num_layers=1"])
     exp = run_lib.build(model_dir="unused", mode="plan", mesh_shape="")
     out = io.StringIO()
-    report = run_lib.plan(exp, target="tpu-v3", output_format="json", auto_layout=True,
-                          devices=8, out=out)
+    report = plan(exp, target="tpu-v3", output_format="json", auto_layout=True, devices=8,
+                  out=out)
     assert json.loads(out.getvalue()) == json.loads(json.dumps(report))
     candidates = report["candidates"]
     assert {c["mesh_shape"] for c in candidates} == {
