@@ -143,15 +143,18 @@ def test_expand_globs_in_order_without_duplicates(tmp_path):
 
 
 def test_file_digests_are_kept_in_the_data_dir_for_the_next_run(tmp_path):
-    """A file is read once: its digest is kept in the data dir by its stat, and a later
-    process takes it from there (shown by a digest tampered with there, which the next
+    """A file is read once: its digest is kept in the data dir by its stat once a run has
+    prepared its data, and a later process takes it from there (shown by a digest tampered with there, which the next
     process believes while the file's stat stands)."""
     data = tmp_path / "data"
     a = tmp_path / "a.jsonl"
     a.write_text('{"x": 1}\n')
     first = file_identity.identity([a], str(data))
     store = data / file_identity.STORE
-    kept = json.loads(store.read_text())
+    assert not store.exists()  # (kept once a run has prepared its data: `remember`)
+    file_identity.remember(str(data))
+    kept = {k: v for k, v in json.loads(store.read_text()).items()
+            if k.startswith(f"{a}\t")}  # (and those of other files this process read)
     assert len(kept) == 1 and list(kept.values())[0].startswith("9 ")  # its size, its digest
     store.write_text(json.dumps({k: "9 tampered" for k in kept}))
     code = ("import sys; from mtrain.data import file_identity as f; "

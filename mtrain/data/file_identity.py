@@ -8,9 +8,10 @@ other data.
 
 Each file is read once (in chunks, never whole), however often its digest is asked for: the
 digest of a file is kept for as long as its path, size, inode and times (modification and
-change: any write changes the latter) stay the same, in this process and, given a `store`
-directory (the data dir), in its ``file_digests.json`` for the runs after it, so that a
-large corpus, or one in a bucket, is not read again at every start.
+change: any write changes the latter) stay the same, in this process and, once a run has
+prepared its data (`remember`), in the data dir's ``file_digests.json`` for the runs after
+it (`identity`'s `store`), so that a large corpus, or one in a bucket, is not read again at
+every start. A run refused before that leaves the data dir as it was.
 
 `stat_identity` is the older, cheaper kind (paths, sizes, modification times): what names a
 TFDS dataset prepared from local raw files, where a rebuild is the cost of a change.
@@ -36,13 +37,12 @@ def identity(paths: Sequence, store: str | None = None) -> str:
     """A short hex digest of the files' names (without their folders) and contents, in the
     order given. It changes when a file's contents change or a file is added, removed or
     renamed, and is the same in every process and run otherwise (a file rewritten with the
-    same bytes, or its folder moved, included). `store`: a local directory that keeps the
-    digests for later runs (module doc)."""
-    store = store if store and not _URI.match(str(store)) else None  # (a local data dir)
+    same bytes, or its folder moved, included). `store`: a directory whose digests
+    (`remember`) stand in for reading a file whose stat they name."""
     stats = [_stat(path) for path in paths]
     keys = ["\t".join(map(str, fields)) for fields in stats]
-    kept = _load(store) if store and any(k not in _KNOWN for k in keys) else {}
-    digest, added = hashlib.sha256(), False
+    kept = _load(store) if any(k not in _KNOWN for k in keys) else {}
+    digest = hashlib.sha256()
     for path, fields, key in zip(paths, stats, keys):
         if key not in _KNOWN:
             if key in kept:
@@ -50,11 +50,16 @@ def identity(paths: Sequence, store: str | None = None) -> str:
             else:
                 with epath.Path(fields[0]).open("rb") as f:
                     _KNOWN[key] = f"{fields[1]} {hashlib.file_digest(f, 'sha256').hexdigest()}"
-                kept[key], added = _KNOWN[key], True
         digest.update(f"{epath.Path(path).name}\t{_KNOWN[key]}\n".encode())
-    if store and added:
-        _save(store, kept)
     return digest.hexdigest()[:16]
+
+
+def remember(store: str) -> None:
+    """Keeps the digests this process has read in `store` (a local directory: the data
+    dir), for `identity` in the runs after it."""
+    kept = _load(store)
+    if store and not _URI.match(str(store)) and not set(_KNOWN.items()) <= set(kept.items()):
+        _save(store, {**kept, **_KNOWN})
 
 
 def stat_identity(paths: Sequence) -> str:
@@ -78,7 +83,9 @@ def _stat(path) -> tuple:
     return str(path), stat.length, stat.mtime, "", ""
 
 
-def _load(store: str) -> dict[str, str]:
+def _load(store: str | None) -> dict[str, str]:
+    if not store or _URI.match(str(store)):
+        return {}
     try:
         with open(os.path.join(store, STORE), encoding="utf-8") as f:
             kept = json.load(f)

@@ -152,4 +152,5 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
             if p.made:
                 shutil.rmtree(p.directory, ignore_errors=True)
         raise
+    file_identity.remember(data_dir)  # (once the data is prepared: the next start reads none)
     return source, vocab
