@@ -58,24 +58,24 @@ T5 = Family("T5ForConditionalGeneration", "t5",
 
 RECORDS = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, T5)
 ARCHITECTURES = tuple(r.architecture for r in RECORDS)
+_BY_ARCHITECTURE = {r.architecture: r for r in RECORDS}
+_BY_MODEL_TYPE = {r.model_type: r for r in RECORDS}
 
 
 def named(architecture: str) -> Family:
     """The record of the family config.json names `architecture` (ConversionError if none)."""
-    for r in RECORDS:
-        if r.architecture == architecture:
-            return r
-    raise ConversionError(f"config.json: architectures=[{architecture!r}]: mtrain imports "
-                          f"{', '.join(sorted(ARCHITECTURES))}")
+    if architecture not in _BY_ARCHITECTURE:
+        raise ConversionError(f"config.json: architectures=[{architecture!r}]: mtrain imports "
+                              f"{', '.join(sorted(_BY_ARCHITECTURE))}")
+    return _BY_ARCHITECTURE[architecture]
 
 
 def of_model_type(model_type: str) -> Family:
     """The record of config.json's ``model_type`` (what export wrote)."""
-    for r in RECORDS:
-        if r.model_type == model_type:
-            return r
-    raise ConversionError(f"config.json: model_type={model_type!r}: mtrain writes "
-                          f"{', '.join(sorted(r.model_type for r in RECORDS))}")
+    if model_type not in _BY_MODEL_TYPE:
+        raise ConversionError(f"config.json: model_type={model_type!r}: mtrain writes "
+                              f"{', '.join(sorted(_BY_MODEL_TYPE))}")
+    return _BY_MODEL_TYPE[model_type]
 
 
 def of_kind(kind: str) -> tuple[Family, ...]:
