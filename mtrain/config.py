@@ -8,6 +8,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     vocabulary.*              VocabularyConfig (size or path: `vocabulary_config`)
     transformer.*             TransformerConfig (the model's hyper-parameters; not vocab_size)
     moe.*                     MoEConfig (its experts, where transformer.moe_every > 0)
+    mla.*                     LatentConfig (latent attention, where transformer.latent_attention)
     lora.*                    LoraConfig (low-rank adapters, where lora.rank > 0)
     rope_scaling.*            RopeScaling (rotary frequencies stretched: Llama 3.1's, linear)
     loss.*                    LossConfig
@@ -43,6 +44,7 @@ from mtrain.evaluation.translation import DecodingConfig
 from mtrain.huggingface import adapters, families, origin
 from mtrain.huggingface.vocabulary import folder_vocabulary
 from mtrain.io.textfiles import check_reachable
+from mtrain.models.latent_attention import LatentConfig
 from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
 from mtrain.models.positions import RopeScaling
@@ -60,6 +62,7 @@ transformer = gin.external_configurable(TransformerConfig, "transformer",
                                         denylist=["vocab_size", "moe", "rope_scaling",
                                                   "real_vocab_size"])
 moe = gin.external_configurable(MoEConfig, "moe")
+mla = gin.external_configurable(LatentConfig, "mla")
 lora = gin.external_configurable(LoraConfig, "lora")
 rope_scaling = gin.external_configurable(RopeScaling, "rope_scaling")
 loss = gin.external_configurable(LossConfig, "loss")
@@ -199,6 +202,11 @@ def model_config(vocab_size: int, real_vocab_size: int = 0) -> TransformerConfig
     model = transformer(vocab_size=vocab_size, rope_scaling=rope_scaling(),
                         real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0,
                         lora=adapter if adapter.rank else None)
+    if model.latent_attention:
+        model = dataclasses.replace(model, mla=mla())
+    elif gin.get_bindings("mla"):
+        raise ValueError(f"mla.{sorted(gin.get_bindings('mla'))[0]} is set, but "
+                         "transformer.latent_attention is False: no layer has latent attention")
     if not model.moe_every:
         if gin.get_bindings("moe"):
             raise ValueError(f"moe.{sorted(gin.get_bindings('moe'))[0]} is set, but "

@@ -209,9 +209,10 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
                       num_microbatches=s.num_microbatches, trainable=trainable)
     stepper = trainer
     if s.data_parallel == "sgp":
-        if trainer.frozen or task.preference:
+        if trainer.partial or task.preference:
             raise ConfigError("run.data_parallel='sgp' trains every parameter on a token "
-                              "loss: it takes no frozen ones (run.trainable, LoRA) nor DPO")
+                              "loss: it takes no frozen ones (run.trainable, LoRA), no "
+                              "balancing bias (moe.choice_bias) nor DPO")
         try:
             stepper = SGPTrainer(trainer, overlap=s.sgp_overlap,
                                  average_every=s.sgp_average_every)

@@ -48,6 +48,14 @@ logits of one query are [memory_length] per head, a matrix-vector product that X
 any backend. The encoder of a translation still runs the configured path over its whole
 inputs, and so do training, evaluation and scoring.
 
+Attention sinks (gpt-oss, `transformer.attention_sinks`): a learned logit per head that joins
+each query's softmax as one more column whose value is 0 (softmax over [logits..., sink],
+the sink's share dropped: a head's weights sum to less than 1, and a query that sees
+nothing gives 0, not NaN). The einsum path (`reference`, every decoding step) and splash
+take them; cuDNN's kernels, tokamax's Triton kernel and `jax.nn.dot_product_attention` do
+not (`flash_refusal`: 'auto' runs einsum on a GPU for a model with sinks, and naming
+such a kernel, or 'dot_product', is a configuration error).
+
 A padding query (segment 0) of splash and cuDNN is given the segment of the first memory
 position, so that no row of their mask is empty (in encoder-decoder attention a padded
 target may have no padded input to see). What padding positions compute is never used (the
@@ -114,13 +122,14 @@ class AttentionMask:
 
 
 def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,
-              scale: float = 1.0):
+              scale: float = 1.0, sinks=None):
     """softmax(scale q k^T + bias, masked) v in float32 logits: q [b, l, h, d], k and v [b,
     m, g, d] with g key/value heads dividing h (query head i uses key/value head i // (h /
     g)); `mask` an `AttentionMask` or a dense boolean [b, 1|h, l, m]; `bias` (float32, [1|b,
     h, l, m]) added to the logits; `dropout(weights)` applied to the attention weights.
     `scale` 1 by default: Mesh-TF's unscaled logits (the query initialiser has 1/sqrt(d));
-    Llama's d^-0.5 where a published model was trained so."""
+    Llama's d^-0.5 where a published model was trained so. `sinks` [h] (None: none): each
+    head's sink logit in the softmax (`softmax_with_sinks`)."""
     dense = mask.dense() if isinstance(mask, AttentionMask) else mask
     (b, length, h, d), g = q.shape, k.shape[2]
     if g == h:
@@ -135,13 +144,24 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,
         logits = logits + bias
     logits = jnp.where(dense, logits, NEG_INF)
     logits = layout_lib.constrain(logits, ("batch", "heads", "length", "memory_length"))
-    weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    weights = jax.nn.softmax(logits, axis=-1) if sinks is None else \
+        softmax_with_sinks(logits, sinks)
+    weights = weights.astype(q.dtype)
     if dropout is not None:
         weights = dropout(weights)
     if g == h:
         return jnp.einsum("bhlm,bmhk->blhk", weights, v)
     weights = weights.reshape(b, g, h // g, length, k.shape[1])
     return jnp.einsum("bgrlm,bmgk->blgrk", weights, v).reshape(b, length, h, d)
+
+
+def softmax_with_sinks(logits, sinks):
+    """The softmax of float32 `logits` [b, h, l, m] over [logits..., sink] per head (`sinks`
+    [h]), the sink's column dropped (Hugging Face's gpt-oss, its maximum taken over both)."""
+    sink = sinks.astype(jnp.float32)[None, :, None, None]
+    peak = jax.lax.stop_gradient(jnp.maximum(logits.max(axis=-1, keepdims=True), sink))
+    e = jnp.exp(logits - peak)
+    return e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - peak))
 
 
 def default_kernel(backend: str | None = None) -> str:
@@ -162,16 +182,20 @@ def _tokamax_missing() -> bool:
     return importlib.util.find_spec("tokamax") is None
 
 
-def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
+def flash_refusal(kernel: str, backend: str, dtype, d_kv: int,
+                  sinks: bool = False, hopper: bool | None = None) -> str | None:
     """Why `flash` with `kernel` cannot run on `backend` for activations of `dtype` and heads
-    of `d_kv` (None: it can). The GPU kernels need a GPU, triton tokamax as well; splash
-    takes any model. cuDNN's are jax's own checks (`check_is_flash_attention`): bfloat16 or
-    float16, heads up to 256 from Hopper (compute capability 9.0) on, 128 before, and the
-    packed layout from Hopper on; for another backend (a plan for a GPU target, made on a
-    CPU), the lower limit."""
+    of `d_kv` (None: it can), with attention `sinks` or not. The GPU kernels need a GPU,
+    triton tokamax as well, and take no sinks; splash takes any model. cuDNN's are jax's
+    own checks (`check_is_flash_attention`): bfloat16 or float16, heads up to 256 from
+    Hopper (compute capability 9.0) on, 128 before, and the packed layout from Hopper on.
+    `hopper`: whether the GPU is one (None: this process's, where it runs on `backend`; for
+    another backend, a plan for a GPU target made on a CPU, no, unless the plan says)."""
     kernel = kernel if kernel != "auto" else default_kernel(backend)
     if kernel not in kernels.GPU_KERNELS:
         return None
+    if sinks:
+        return sinks_refusal(kernel)
     if backend != "gpu":
         return kernels.needs_a_gpu(kernel)
     if kernel == "triton":
@@ -180,29 +204,39 @@ def flash_refusal(kernel: str, backend: str, dtype, d_kv: int) -> str | None:
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return (f"cuDNN's flash attention takes bfloat16 or float16 activations, not "
                 f"{jnp.dtype(dtype).name}")
-    hopper = backend == jax.default_backend() and _compute_capability() >= 9.0
+    here = backend == jax.default_backend()
+    if hopper is None:
+        hopper = here and _compute_capability() >= 9.0
     limit = 256 if hopper else 128
     if d_kv % 8 or d_kv > limit:
         return f"cuDNN's flash attention takes d_kv a multiple of 8 up to {limit}, not {d_kv}"
-    if kernel == "cudnn_segments" and backend == jax.default_backend() and not hopper:
+    if kernel == "cudnn_segments" and here and not hopper:
         return "flash_kernel='cudnn_segments' (cuDNN's packed layout) needs a Hopper GPU or later"
     return None
 
 
-def uses_flash(implementation: str, kernel: str, backend: str, dtype, d_kv: int) -> bool:
+def sinks_refusal(kernel: str) -> str:
+    return (f"flash_kernel={kernel!r} takes no attention sinks (transformer.attention_sinks): "
+            f"only 'splash' does")
+
+
+def uses_flash(implementation: str, kernel: str, backend: str, dtype, d_kv: int,
+               sinks: bool = False, hopper: bool | None = None) -> bool:
     """Whether attention `implementation` ('flash', 'auto', ...) runs the flash kernels on
-    `backend`: 'flash' always, 'auto' off the CPU where `kernel` takes the model (attention
-    dropout in training aside, see `layers.MultiHeadAttention`)."""
-    return implementation == "flash" or (implementation == "auto" and backend != "cpu" and
-                                         flash_refusal(kernel, backend, dtype, d_kv) is None)
+    `backend` (for a model with attention `sinks` or not): 'flash' always, 'auto' off the
+    CPU where `kernel` takes the model (attention dropout in training aside, see
+    `layers.MultiHeadAttention`)."""
+    return implementation == "flash" or (
+        implementation == "auto" and backend != "cpu" and
+        flash_refusal(kernel, backend, dtype, d_kv, sinks, hopper) is None)
 
 
 def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
-          max_segments: int = CUDNN_MAX_SEGMENTS, scale: float = 1.0):
+          max_segments: int = CUDNN_MAX_SEGMENTS, scale: float = 1.0, sinks=None):
     """The attention of `reference` by a flash kernel (see the module doc), split over the
     active layout's ``batch`` and ``heads`` mesh dimensions. `max_segments`: the size of
     cudnn_segments' table (packed examples per row at most); the mask's window is each
-    kernel's own local-window support."""
+    kernel's own local-window support; `sinks` [h] (splash alone takes them)."""
     if kernel == "auto":
         kernel = default_kernel()
         packing = base.current_packing()  # (known only where adapts_segment_table says)
@@ -214,37 +248,41 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
     if kernel == "cudnn_segments" and (not mask.self_attention
                                        or (mask.window and not mask.causal)):
         kernel = "cudnn"  # (the packed layout is self-attention's, its window causal's)
+    if sinks is not None and kernel != "splash":
+        raise ValueError(f"transformer.{sinks_refusal(kernel)}")
     fn = functools.partial(kernels.KERNELS[kernel], causal=mask.causal, window=mask.window,
                            scale=scale)
     if kernel == "cudnn_segments":
         fn = functools.partial(fn, max_segments=max_segments)
     # cudnn_segments leaves padding (segment 0) out of every segment.
     query_ids = mask.query if kernel == "cudnn_segments" else mask.kernel_query_ids()
-    return _sharded(fn, q, k, v, query_ids, mask.memory)
+    return _sharded(fn, q, k, v, query_ids, mask.memory, sinks)
 
 
-def _sharded(fn, q, k, v, query_ids, memory_ids):
-    """fn(q, k, v, query_ids, memory_ids) under a shard_map over the mesh axes that split
-    ``batch`` and ``heads`` in the active layout (`manual.shard_map_by_names`: inside a
-    replica, over the axes not already manual); called directly when no layout is active
-    or nothing is split.
+def _sharded(fn, q, k, v, query_ids, memory_ids, sinks=None):
+    """fn(q, k, v, query_ids, memory_ids) (and `sinks=`, their heads', where given) under a
+    shard_map over the mesh axes that split ``batch`` and ``heads`` in the active layout
+    (`manual.shard_map_by_names`: inside a replica, over the axes not already manual);
+    called directly when no layout is active or nothing is split.
 
     Grouped key/value heads (fewer than the query heads, on ``kv_heads``) go in split as
     ``kv_heads`` is; where that is not as ``heads`` is, each shard cuts the key/value heads
     its query heads use out of the whole ones (`context.kv_heads_of_shard`)."""
     qkv, ids = ("batch", None, "heads", None), ("batch", None)
     heads = manual.axis("heads")
-    if k.shape[2] == q.shape[2] or manual.axis("kv_heads") == heads:
-        kv, local = qkv, fn  # (full multi-head attention: keys and values on ``heads``)
-    else:
-        kv = ("batch", None, None, None)
+    whole = k.shape[2] == q.shape[2] or manual.axis("kv_heads") == heads
+    # (full multi-head attention: keys and values on ``heads``)
+    kv = qkv if whole else ("batch", None, None, None)
 
-        def local(q, k, v, query_ids, memory_ids):
+    def local(q, k, v, query_ids, memory_ids, *sinks):
+        if not whole:
             k, v = kv_heads_of_shard(q.shape[2], k, v, heads)
-            return fn(q, k, v, query_ids, memory_ids)
+        return fn(q, k, v, query_ids, memory_ids, **({"sinks": sinks[0]} if sinks else {}))
 
-    return manual.shard_map_by_names(local, in_names=(qkv, kv, kv, ids, ids),
-                                     out_names=qkv)(q, k, v, query_ids, memory_ids)
+    extra = () if sinks is None else (sinks,)
+    return manual.shard_map_by_names(
+        local, in_names=(qkv, kv, kv, ids, ids) + (("heads",),) * len(extra),
+        out_names=qkv)(q, k, v, query_ids, memory_ids, *extra)
 
 
 # The largest table 'auto' gives cudnn_segments; a batch whose rows need more runs the masked
@@ -265,7 +303,8 @@ def adapts_segment_table(config) -> bool:
         return False
     backend = jax.default_backend()
     return (default_kernel(backend) == "cudnn" and jax.process_count() == 1 and
-            uses_flash(config.attention, "cudnn_segments", backend, config.dtype, config.d_kv))
+            uses_flash(config.attention, "cudnn_segments", backend, config.dtype,
+                       config.attention_head_dim, config.attention_sinks))
 
 
 def check_batch(config, batch: dict) -> None:
@@ -274,7 +313,7 @@ def check_batch(config, batch: dict) -> None:
     kernel would only give NaN for it."""
     if config.flash_kernel != "cudnn_segments" or not uses_flash(
             config.attention, config.flash_kernel, jax.default_backend(), config.dtype,
-            config.d_kv):
+            config.attention_head_dim, config.attention_sinks):
         return
     table = config.flash_max_segments
     for key, ids in batch.items():

@@ -12,7 +12,8 @@ import flax.linen as nn
 import jax
 
 from mtrain.models import layers, positions
-from mtrain.models.feedforward import DenseReluDense
+from mtrain.models.feedforward import DenseReluDense, clamp_of
+from mtrain.models.latent_attention import LatentAttention
 from mtrain.models.moe import STATS, MoeFeedForward
 from mtrain.parallel.layout import constrain
 
@@ -52,13 +53,15 @@ class Block(nn.Module):
             return norm(f"post_{name}_norm")(y) if c.post_norms else y
 
         y = norm("attention_norm")(x)
-        y = layers.MultiHeadAttention.of(
+        attend = LatentAttention if c.latent_attention else layers.MultiHeadAttention
+        y = attend.of(
             c, rotary_frequencies=rotary_frequencies(c, self.window), window=self.window,
             name="self_attention")(y, y, mask, deterministic, decode_index, positions, bias)
         x = x + drop(sublayer("attention", y), deterministic=deterministic)
         if self.cross_attention:
             y = norm("encoder_decoder_attention_norm")(x)
-            y = layers.MultiHeadAttention.of(c, name="encoder_decoder_attention")(
+            y = layers.MultiHeadAttention.of(c, name="encoder_decoder_attention",
+                                             self_attention=False)(
                 y, memory, memory_mask, deterministic)
             x = x + drop(sublayer("encoder_decoder_attention", y), deterministic=deterministic)
         y = norm("mlp_norm")(x)
@@ -68,28 +71,33 @@ class Block(nn.Module):
             # token, which no capacity binds, and a prefill must compute what steps would
             y = MoeFeedForward(config=c.moe, d_ff=c.moe.expert_d_ff,
                                dropout_rate=c.dropout_rate, dtype=c.dtype,
-                               activations=c.mlp_activations, lora=c.lora, name="mlp")(
+                               activations=c.mlp_activations, lora=c.lora, clamp=clamp_of(c),
+                               name="mlp")(
                 y, deterministic, real, dropless=decode_index is not None)
         else:
             y = DenseReluDense(d_ff=c.d_ff, dropout_rate=c.dropout_rate, dtype=c.dtype,
-                               activations=c.mlp_activations, lora=c.lora,
+                               activations=c.mlp_activations, lora=c.lora, clamp=clamp_of(c),
                                name="mlp")(y, deterministic)
         x = x + drop(sublayer("mlp", y), deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
 
 
-def rotary_frequencies(c, window: int = 0) -> tuple[float, ...] | None:
-    """The RoPE frequencies of a self-attention layer with sliding `window` (None without
-    rotary positions): a windowed layer of a model with ``rotary_local_max_wavelength``
-    (Gemma 3's local layers) rotates by that wavelength unscaled, every other layer by
-    ``rotary_max_wavelength`` and ``rope_scaling``."""
+def rotary_frequencies(c, window: int = 0) -> positions.Rotary | None:
+    """The RoPE of a self-attention layer with sliding `window` (None without rotary
+    positions): a windowed layer of a model with ``rotary_local_max_wavelength`` (Gemma 3's
+    local layers) rotates by that wavelength unscaled, every other layer by
+    ``rotary_max_wavelength`` and ``rope_scaling`` (YaRN's with its amplitude). Latent
+    attention rotates its ``qk_rope_head_dim`` dimensions, interleaved where ``mla`` says."""
     if c.position_encoding != "rotary":
         return None
+    d, interleaved = (c.mla.qk_rope_head_dim, c.mla.rope_interleaved) if c.latent_attention \
+        else (c.d_kv, False)
     if window and c.rotary_local_max_wavelength:
-        inverse = positions.inverse_frequencies(c.d_kv, c.rotary_local_max_wavelength)
+        inverse, amplitude = positions.inverse_frequencies(d, c.rotary_local_max_wavelength), 1.0
     else:
-        inverse = positions.inverse_frequencies(c.d_kv, c.rotary_max_wavelength, c.rope_scaling)
-    return tuple(float(f) for f in inverse)
+        inverse = positions.inverse_frequencies(d, c.rotary_max_wavelength, c.rope_scaling)
+        amplitude = c.rope_scaling.amplitude
+    return positions.Rotary(tuple(float(f) for f in inverse), amplitude, interleaved)
 
 
 class ScannedBlock(Block):
@@ -105,23 +113,30 @@ class ScannedBlock(Block):
 class ScannedGroup(nn.Module):
     """`period(c)` Blocks ``layer_0``, ``layer_1``, ..., each as its place in the stack's
     repeating pattern says (experts every `moe_every`, a window by `attention_windows`):
-    the body of `nn.scan` for a stack whose layers repeat in groups (`scanned_blocks`)."""
+    the body of `nn.scan` for a stack whose layers repeat in groups (`scanned_blocks`).
+    `first`: the stack's layer the scan starts at; `dense`: the first_dense_layers' scan
+    (`dense_period` Blocks, none with experts)."""
 
     config: Any
     cross_attention: bool = False
+    first: int = 0
+    dense: bool = False
 
     @nn.compact
     def __call__(self, x, *args):
         c = self.config
-        for i in range(period(c)):
-            x = block_class(c)(c, self.cross_attention, moe=is_moe(c, i),
-                               window=layer_window(c, i), name=f"layer_{i}")(x, *args)
+        for i in range(dense_period(c) if self.dense else period(c)):
+            layer = self.first + i
+            x = block_class(c)(c, self.cross_attention, moe=not self.dense and is_moe(c, layer),
+                               window=layer_window(c, layer), name=f"layer_{i}")(x, *args)
         return x, None
 
 
 def is_moe(c, layer: int) -> bool:
-    """Whether a stack's layer `layer` (from 0) has experts: the last of every `moe_every`."""
-    return bool(c.moe_every) and (layer + 1) % c.moe_every == 0
+    """Whether a stack's layer `layer` (from 0) has experts: after the `first_dense_layers`
+    k, the last of every `moe_every` counted from layer k."""
+    k = getattr(c, "first_dense_layers", 0)
+    return bool(c.moe_every) and layer >= k and (layer - k + 1) % c.moe_every == 0
 
 
 def layer_window(c, layer: int) -> int:
@@ -133,8 +148,13 @@ def layer_window(c, layer: int) -> int:
 
 def period(c) -> int:
     """After how many layers a stack's layers repeat (experts, windows): what one scanned
-    step holds."""
+    step holds (after the `first_dense_layers`: `dense_period`)."""
     return math.lcm(max(c.moe_every, 1), max(len(c.attention_windows), 1))
+
+
+def dense_period(c) -> int:
+    """After how many of the `first_dense_layers` their layers repeat (windows)."""
+    return max(len(c.attention_windows), 1)
 
 
 def block_class(c, scanned: bool = False):
@@ -147,42 +167,54 @@ def block_class(c, scanned: bool = False):
 
 
 def scanned_blocks(c, num_layers: int, cross_attention: bool = False,
-                   **kwargs):
-    """One (remat) Block scanned `num_layers` times; run it with `run_layers`. With
-    layers that repeat in groups (experts every `moe_every` > 1 layers, sliding windows on
-    some layers: `period`), one `ScannedGroup` of that many Blocks scanned num_layers /
-    period times.
+                   names: tuple[str | None, str | None] = (None, None)):
+    """A stack of `num_layers` layers as one (remat) Block scanned `num_layers` times; run
+    it with `run_layers`. With layers that repeat in groups (experts every `moe_every` > 1
+    layers, sliding windows on some layers: `period`), one `ScannedGroup` of that many
+    Blocks scanned num_layers / period times. With `first_dense_layers` k, two scans: the
+    first k layers (dense), then the rest, as a list (named `names`: the dense scan's, the
+    rest's; a setup names them by its attribute, ``encoder_0``, ``encoder_1``).
 
     Its parameters are stacked on a leading ``layers`` dimension (a logical axis that the
     layout leaves whole). Its decoding cache is stacked on axis 1, after the rows: beam search
     reorders every cache leaf along axis 0. Every argument after `x` (masks, `deterministic`,
     memory, `decode_index`) is the same for all layers.
     """
+    k = getattr(c, "first_dense_layers", 0)
+    rest = _scan(c, num_layers - k, cross_attention, k, False, names[1])
+    return [_scan(c, k, cross_attention, 0, True, names[0]), rest] if k else rest
+
+
+def _scan(c, num_layers: int, cross_attention: bool, first: int, dense: bool, name):
+    """Layers `first` .. `first` + `num_layers` - 1 of a stack scanned (`scanned_blocks`)."""
+    size = dense_period(c) if dense else period(c)
     body = block_class(c, scanned=True)
-    moe = {"moe": c.moe_every == 1, "window": layer_window(c, 0)}
-    if period(c) > 1:
-        body, moe, num_layers = ScannedGroup, {}, num_layers // period(c)
+    kwargs = {"moe": not dense and is_moe(c, first), "window": layer_window(c, first)}
+    if size > 1:
+        body, kwargs, num_layers = ScannedGroup, {"first": first, "dense": dense}, \
+            num_layers // size
     scan = nn.scan(body, variable_axes={"params": 0, "cache": 1, STATS: 0},
                    split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
                    length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-    return scan(c, cross_attention, **moe, **kwargs)
+    return scan(c, cross_attention, **kwargs, name=name)
 
 
 def run_layers(stack, x, *args):
-    """x through a sequence of Blocks, or through `scanned_blocks`."""
-    if isinstance(stack, nn.Module):
-        return stack(x, *args)[0]
-    for layer in stack:
-        x = layer(x, *args)
+    """x through a sequence of Blocks, or through `scanned_blocks` (a scan, or a list of
+    them: a scan's step returns a pair)."""
+    for layer in stack if isinstance(stack, (list, tuple)) else [stack]:
+        out = layer(x, *args)
+        x = out[0] if isinstance(out, tuple) else out
     return x
 
 
 def layer_stack(c, x, mask, deterministic: bool, decode_index=None, positions=None,
                 bias=None):
     """The decoder-only LM's layers: `num_layers` Blocks ``layer_{i}``, or with `scan_layers`
-    one Block ``layers`` scanned over a stacked ``layers`` parameter dimension."""
+    one Block ``layers`` scanned over a stacked ``layers`` parameter dimension (after the
+    `first_dense_layers`, scanned as ``dense_layers``)."""
     if c.scan_layers:
-        stack = scanned_blocks(c, c.num_layers, name="layers")
+        stack = scanned_blocks(c, c.num_layers, names=("dense_layers", "layers"))
     else:
         stack = [block_class(c)(c, moe=is_moe(c, i), window=layer_window(c, i),
                                 name=f"layer_{i}") for i in range(c.num_layers)]

@@ -36,6 +36,9 @@ splash`'s `shard`: the block mask of this device's query blocks, computed in the
 where the device's length is a multiple of its 128 lanes; else the einsum block), cuDNN
 and Triton given the mask on global positions. The ring's blocks are einsum on every
 path (a kernel for each step would have to return and differentiate its log-sum-exp).
+Attention sinks (gpt-oss) on every form but cuDNN's and Triton's (which take none): a
+share of each query's online softmax (`ring.sink_share`), splash's own in the gathered
+form.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtrain.models import kernels, ring
-from mtrain.models.ring import Places, Ring, block, finish, relative_bias, visible
+from mtrain.models.ring import Places, Ring, block, finish, relative_bias, visible, with_sinks
 from mtrain.parallel import layout as layout_lib
 from mtrain.parallel import manual
 from mtrain.parallel.layout_syntax import LayoutError
@@ -104,12 +107,13 @@ def balanced_order(length: int, ways: int) -> np.ndarray:
 
 
 def local_attention(q, k, v, at: Places, options: Options, *, axis: str | None = None,
-                    bias=None):
+                    bias=None, sinks=None):
     """Attention of this device's queries (inside a shard_map, ``length`` split over mesh
     axis `axis`; None: not split) to the whole row's keys, by `options.mode` (module doc);
     the gathered form by flash `options.kernel` where one is named, else by einsum. `bias`:
     T5's relative bias (a `positions.RelativeTable`, its heads this device's) of each
-    block's positions (einsum blocks only: no kernel takes it)."""
+    block's positions (einsum blocks only: no kernel takes it). `sinks` [h]: each head's
+    sink logit (None: none)."""
     o, (query_ids, memory_ids, query_index, memory_index) = options, at
     causal, window, scale, kernel = o.causal, o.window, o.scale, o.kernel
 
@@ -118,11 +122,11 @@ def local_attention(q, k, v, at: Places, options: Options, *, axis: str | None =
         return block(q, k, v, mask, scale, relative_bias(bias, query_index, memory_index))
 
     if axis is None:
-        return finish(share(k, v, memory_ids, memory_index), q.dtype)
+        return finish(with_sinks(share(k, v, memory_ids, memory_index), sinks, q), q.dtype)
     if bias is not None:
         kernel = None
     if o.mode == "ring":
-        return ring.attention(q, k, v, at, bias, Ring(axis, causal, window, scale))
+        return ring.attention(q, k, v, at, bias, sinks, Ring(axis, causal, window, scale))
     if o.mode != "gather":
         raise ValueError(f"context parallelism must be one of {MODES}, got {o.mode!r}")
     gather = lambda *xs: [jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
@@ -134,45 +138,49 @@ def local_attention(q, k, v, at: Places, options: Options, *, axis: str | None =
         # the kernel's residuals, named RESIDUALS, are saved)
         @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
             kernels.RESIDUALS))
-        def gathered(q, k, v, query_ids, memory_ids):
+        def gathered(q, k, v, query_ids, memory_ids, sinks):
             k, v, memory_ids = gather(k, v, memory_ids)
             ids = kernels.seeing_query_ids(query_ids, memory_ids)  # (no empty rows)
-            return kernels.splash(q, k, v, ids, memory_ids, causal, window, scale, shard=shard)
+            return kernels.splash(q, k, v, ids, memory_ids, causal, window, scale, shard=shard,
+                                  sinks=sinks)
 
-        return gathered(q, k, v, query_ids, memory_ids)
+        return gathered(q, k, v, query_ids, memory_ids, sinks)
     k, v, memory_ids, memory_index = gather(k, v, memory_ids, memory_index)
     if kernel in kernels.GPU_KERNELS:
         mask = visible(query_ids, query_index, memory_ids, memory_index, causal, window)
         mask |= (query_ids == 0)[:, :, None]  # (padding queries: no empty rows)
         run = kernels.triton if kernel == "triton" else kernels.cudnn
         return run(q, k, v, query_ids, memory_ids, causal, window, scale, mask=mask)
-    return finish(share(k, v, memory_ids, memory_index), q.dtype)
+    return finish(with_sinks(share(k, v, memory_ids, memory_index), sinks, q), q.dtype)
 
 
-def attend(q, k, v, at: Places, options: Options, bias=None):
+def attend(q, k, v, at: Places, options: Options, bias=None, sinks=None):
     """Self-attention (q [b, l, h, d], k and v [b, l, g, d], segment ids and indices [b, l]
     `at`) with ``length`` split as the active layout says, under a shard_map over the mesh
     axes that split ``batch``, ``heads`` and ``length`` (`manual.shard_map_by_names`);
-    directly without a layout. `options`, `bias`: see `local_attention`."""
+    directly without a layout. `options`, `bias`, `sinks`: see `local_attention`."""
+    if sinks is not None and options.kernel in kernels.GPU_KERNELS:
+        raise ValueError(f"transformer.flash_kernel={options.kernel!r} takes no attention "
+                         f"sinks (transformer.attention_sinks): only 'splash' does")
     heads, length = manual.axis("heads"), manual.axis("length")
     if k.shape[2] == q.shape[2] or manual.axis("kv_heads") == heads:
         kv_heads = "heads"
     else:
         kv_heads = None  # (grouped heads split otherwise than the queries': whole here)
 
-    def local(q, k, v, at, *table):
+    def local(q, k, v, at, extra):
         if kv_heads is None and heads is not None:
             k, v = kv_heads_of_shard(q.shape[2], k, v, heads)
-        return local_attention(q, k, v, at, options, axis=length,
-                               bias=table[0] if table else None)
+        return local_attention(q, k, v, at, options, axis=length, **extra)
 
     qkv, kv = ("batch", "length", "heads", None), ("batch", "length", kv_heads, None)
     ids = ("batch", "length")
-    table = () if bias is None else (bias,)
-    names = (qkv, kv, kv, Places(ids, ids, ids, ids)) + (
-        () if bias is None else (bias.replace(table=("heads", None)),))  # (the queries' heads)
+    extra = {k: x for k, x in (("bias", bias), ("sinks", sinks)) if x is not None}
+    extra_names = {k: ("heads",) if k == "sinks" else  # (the queries' heads)
+                   x.replace(table=("heads", None)) for k, x in extra.items()}
+    names = (qkv, kv, kv, Places(ids, ids, ids, ids), extra_names)
     return manual.shard_map_by_names(local, in_names=names, out_names=qkv, always=True)(
-        q, k, v, at, *table)
+        q, k, v, at, extra)
 
 
 def kv_heads_of_shard(local_heads: int, k, v, heads_axis: str | None):

@@ -18,6 +18,10 @@ summed over the choices. Padding tokens are routed nowhere. Where the experts ar
   choices: dropless), which is what XLA:CPU runs and what the planner counts;
 - ``d_ff`` split: each device's share of the hidden units, the outputs summed over it.
 
+gpt-oss's expert biases (`biases`) are added to each row by its expert: the local experts'
+biases on each device, the output's on one device of a split ``d_ff`` (the sum over it
+adds the rest), before the gate weights the row.
+
 The balanced expectation of each device's rows goes to the grouped kernel for the planner:
 its choices (``experts:batch``) or its share of them (``experts`` split over a dimension
 that does not split the tokens).
@@ -29,19 +33,23 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.models import grouped
-from mtrain.models.feedforward import gated
+from mtrain.models.feedforward import Clamp, gated
 from mtrain.parallel import manual
 
 
 def experts(x, index, gates, wis, wo, *, activations, kernel="auto", ragged=None,
-            dropout_rate=0.0, key=None):
+            dropout_rate=0.0, key=None, biases=None, clamp: Clamp | None = None):
     """The experts' outputs [b, l, d] of tokens `x` [b, l, d] routed to experts `index`
     [b, l, k] (int32; ``num_experts`` for a padding token: nowhere) with `gates` [b, l, k];
-    weights `wis` (one per activation) [experts, d, f] and `wo` [experts, f, d]. `ragged`:
-    whether the all-to-all is ragged (None: where the backend has it). `key`: dropout's."""
+    weights `wis` (one per activation) [experts, d, f] and `wo` [experts, f, d]; `biases`
+    (None: none) ([one per wi: [experts, f]], [experts, d]). `ragged`: whether the
+    all-to-all is ragged (None: where the backend has it). `key`: dropout's. `clamp`: the
+    clamped activations' settings."""
     ragged = jax.default_backend() in ("gpu", "tpu") if ragged is None else ragged
     kwargs = dict(activations=activations, kernel=kernel, ragged=ragged,
-                  dropout_rate=dropout_rate if key is not None else 0.0)
+                  dropout_rate=dropout_rate if key is not None else 0.0, clamp=clamp,
+                  inputs=len(wis), biased=biases is not None)
+    bias_arrays = [] if biases is None else [*biases[0], biases[1]]
     key = jax.random.key(0) if key is None else key
     batch, length, e_axis, f_axis = (manual.axis(n)
                                      for n in ("batch", "length", "experts", "d_ff"))
@@ -55,14 +63,17 @@ def experts(x, index, gates, wis, wo, *, activations, kernel="auto", ragged=None
 
     tokens = ("batch", "length", None)
     weights = [("experts", None, "d_ff")] * len(wis) + [("experts", "d_ff", None)]
+    if biases is not None:
+        weights += [("experts", "d_ff")] * len(wis) + [("experts", None)]
     return manual.shard_map_by_names(local, in_names=(tokens, tokens, tokens, (), *weights),
                                      out_names=tokens, always=True)(x, index, gates, key,
-                                                                    *wis, wo)
+                                                                    *wis, wo, *bias_arrays)
 
 
-def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dropout_rate):
+def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dropout_rate,
+           clamp, inputs, biased):
     e_axis, f_axis, a2a_axis, token_axes = axes
-    *wis, wo = weights
+    wis, wo, biases = weights[:inputs], weights[inputs], weights[inputs + 1:]
     b, l, d = x.shape
     k = index.shape[-1]
     e_local = wo.shape[0]
@@ -75,12 +86,16 @@ def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dr
         key = jax.random.fold_in(key, jax.lax.axis_index(axis))
 
     def compute(rows, sizes, balanced):
-        h = gated(activations, [grouped.grouped_matmul(rows, wi, sizes, kernel, balanced)
-                                for wi in wis])
+        add = _biases_by_row(sizes, rows.shape[0], f_axis) if biased else None
+        hidden = [grouped.grouped_matmul(rows, wi, sizes, kernel, balanced) for wi in wis]
+        if biased:
+            hidden = [add(h, bias) for h, bias in zip(hidden, biases)]
+        h = gated(activations, hidden, clamp)
         if dropout_rate:
             keep = jax.random.bernoulli(key, 1.0 - dropout_rate, h.shape)
             h = jnp.where(keep, h / (1.0 - dropout_rate), 0).astype(h.dtype)
-        return grouped.grouped_matmul(h, wo, sizes, kernel, balanced)
+        out = grouped.grouped_matmul(h, wo, sizes, kernel, balanced)
+        return add(out, biases[-1], output=True) if biased else out
 
     if e_axis is None:
         out = compute(rows, sizes, rows.shape[0])
@@ -99,6 +114,25 @@ def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dr
         if axis is not None:
             y = jax.lax.psum(y, axis)
     return y
+
+
+def _biases_by_row(sizes, m: int, f_axis):
+    """``add(y, bias, output=False)``: `y` [m, n] (rows in consecutive groups of `sizes`, one
+    per local expert) plus each row's expert's `bias` [experts, n]; rows past the groups
+    keep 0. An `output` bias goes on one device of a split ``d_ff`` (`f_axis`) alone."""
+    ends = jnp.cumsum(sizes)
+    rows = jnp.arange(m)
+    expert = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), sizes.shape[0] - 1)
+    valid = (rows < ends[-1])[:, None]
+
+    def add(y, bias, output=False):
+        if output and f_axis is not None:
+            valid_here = valid & (jax.lax.axis_index(f_axis) == 0)
+        else:
+            valid_here = valid
+        return y + jnp.where(valid_here, bias[expert], 0).astype(y.dtype)
+
+    return add
 
 
 def _exchanged(rows, expert, sizes, e_local: int, axis: str, ragged: bool, compute):

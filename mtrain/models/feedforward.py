@@ -4,6 +4,8 @@ dropless experts' grouped matmuls) and `DenseReluDense`, Mesh-TF's dense layer."
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +17,29 @@ from mtrain.models.lora import LoraConfig, project
 from mtrain.models.parameters import normal, param
 from mtrain.parallel.layout import constrain
 
+
+@dataclasses.dataclass(frozen=True)
+class Clamp:
+    """gpt-oss's clamped SwiGLU (``transformer.activation_limit``, ``transformer.swish_alpha``),
+    what its two activations take: ``clamped_swish(g) = min(g, limit) sigmoid(alpha min(g,
+    limit))`` and ``clamped_linear_plus_one(u) = clip(u, -limit, limit) + 1``, whose product
+    is a gpt-oss expert's hidden layer. `limit` 0: no clamp."""
+
+    limit: float = 0.0
+    alpha: float = 1.702
+
+
+def _clamped_swish(x, clamp: Clamp = Clamp()):
+    x = jnp.minimum(x, clamp.limit) if clamp.limit else x
+    return x * jax.nn.sigmoid(clamp.alpha * x)
+
+
+def _clamped_linear_plus_one(x, clamp: Clamp = Clamp()):
+    return (jnp.clip(x, -clamp.limit, clamp.limit) if clamp.limit else x) + 1
+
+
+# The clamped activations (gpt-oss's), which take a `Clamp` (`activation`).
+CLAMPED = {"clamped_swish": _clamped_swish, "clamped_linear_plus_one": _clamped_linear_plus_one}
 # The feed-forward activations by name (T5X's and Mesh-TF's spelling); 'gelu' is the tanh
 # approximation, as T5 trains with.
 ACTIVATIONS = {
@@ -23,7 +48,20 @@ ACTIVATIONS = {
     "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
     "silu": jax.nn.silu,
     "linear": lambda x: x,
+    **CLAMPED,
 }
+
+
+def activation(name: str, clamp: Clamp | None = None):
+    """The activation `name` (`ACTIVATIONS`), a clamped one with `clamp`'s settings."""
+    if name in CLAMPED:
+        return functools.partial(CLAMPED[name], clamp=clamp or Clamp())
+    return ACTIVATIONS[name]
+
+
+def clamp_of(c) -> Clamp:
+    """The clamp of a `TransformerConfig` `c` (``activation_limit``, ``swish_alpha``)."""
+    return Clamp(limit=c.activation_limit, alpha=c.swish_alpha)
 
 
 def input_names(count: int) -> tuple[str, ...]:
@@ -32,12 +70,14 @@ def input_names(count: int) -> tuple[str, ...]:
     return ("wi",) if count == 1 else tuple(f"wi_{i}" for i in range(count))
 
 
-def gated(activations: Sequence[str], inputs: Sequence[jax.Array]) -> jax.Array:
+def gated(activations: Sequence[str], inputs: Sequence[jax.Array],
+          clamp: Clamp | None = None) -> jax.Array:
     """The product of each activation of its projection's output (`inputs`, one per
-    activation, in order): the activation itself for one; GeGLU, SwiGLU for two."""
+    activation, in order): the activation itself for one; GeGLU, SwiGLU (gpt-oss's clamped
+    one with `clamp`) for two."""
     h = None
     for name, x in zip(activations, inputs, strict=True):
-        a = ACTIVATIONS[name](x)
+        a = activation(name, clamp)(x)
         h = a if h is None else h * a
     return h
 
@@ -55,6 +95,7 @@ class DenseReluDense(nn.Module):
     dtype: Any = jnp.float32
     activations: tuple[str, ...] = ("relu",)
     lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
+    clamp: Clamp | None = None  # the clamped activations' settings (None: `Clamp()`)
 
     @nn.compact
     def __call__(self, x, deterministic: bool):
@@ -66,7 +107,7 @@ class DenseReluDense(nn.Module):
             return project(self, wname, "bld,df->blf", x, wi, names, self.lora, deterministic)
 
         h = gated(self.activations,
-                  [projected(w) for w in input_names(len(self.activations))])
+                  [projected(w) for w in input_names(len(self.activations))], self.clamp)
         h = constrain(h, ("batch", "length", "d_ff"))
         wo = param(self, "wo", normal(self.d_ff**-0.5), (self.d_ff, d_model), ("d_ff", "d_model"),
                    dt)

@@ -72,12 +72,14 @@ def _pad(q, k, v, query_ids, memory_ids, multiple: int):
     return widen(q, pad_q), widen(k, pad_m), widen(v, pad_m), query_ids, memory_ids
 
 
-def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, shard=None):
+def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, shard=None,
+           sinks=None):
     """Splash attention (its own local mask for a window; the queries scaled first: the
-    kernel's logits are unscaled). `shard` (index, ways, balanced): the queries are shard
-    `index` of a row split `ways` ways along ``length`` (the memory the whole row, gathered),
-    in `context.balanced_order` where `balanced`: causality and the window are decided on
-    the row's global positions (`_row_mask_class`), the kernel's block mask is that shard's."""
+    kernel's logits are unscaled; `sinks` [h], each head's sink logit, the kernel's own).
+    `shard` (index, ways, balanced): the queries are shard `index` of a row split `ways`
+    ways along ``length`` (the memory the whole row, gathered), in `context.balanced_order`
+    where `balanced`: causality and the window are decided on the row's global positions
+    (`_row_mask_class`), the kernel's block mask is that shard's."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
     length = q.shape[1]
@@ -111,11 +113,13 @@ def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, shard=No
         ids = splash_lib.SegmentIds(q=qs, kv=ks)
         if g == heads:
             return kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),
-                          segment_ids=ids).swapaxes(0, 1)
+                          segment_ids=ids, sinks=sinks).swapaxes(0, 1)
         # grouped: the multi-query kernel for each key/value head and its query heads
         grouped = q.reshape(q.shape[0], g, heads // g, q.shape[2]).transpose(1, 2, 0, 3)
-        out = jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids), in_axes=(0, 1, 1))(
-            grouped, k, v)  # [g, h / g, l, d]
+        per_group = None if sinks is None else sinks.reshape(g, heads // g)
+        out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=ids, sinks=s),
+                       in_axes=(0, 1, 1, None if sinks is None else 0))(
+            grouped, k, v, per_group)  # [g, h / g, l, d]
         return out.transpose(2, 0, 1, 3).reshape(q.shape)
 
     return jax.vmap(one_row)(q, k, v, query_ids, memory_ids)[:, :length]

@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mtrain.parallel.layout import constrain
 from mtrain.models import attention, context, kernels
@@ -53,8 +52,9 @@ class RMSNorm(nn.Module):
 class AttentionOptions:
     """The settings of `MultiHeadAttention` that published families add (see its doc):
     the logits' `scale`, q/k/v biases, per-head q/k RMSNorms (with their epsilon and scale
-    offset), a sliding `window` (0: none), and how self-attention with ``length`` split
-    gets its keys (`context_parallel`, `models.context`)."""
+    offset), a sliding `window` (0: none), how self-attention with ``length`` split gets its
+    keys (`context_parallel`, `models.context`), attention `sinks` and a bias on the output
+    projection (`output_bias`)."""
 
     scale: float = 1.0
     bias: bool = False
@@ -63,13 +63,18 @@ class AttentionOptions:
     norm_offset: float = 0.0
     window: int = 0
     context_parallel: str = "gather"
+    sinks: bool = False
+    output_bias: bool = False
 
     @classmethod
-    def of(cls, c, window: int = 0) -> "AttentionOptions":
-        """The options of a `TransformerConfig` `c`'s attention with sliding `window`."""
+    def of(cls, c, window: int = 0, self_attention: bool = True) -> "AttentionOptions":
+        """The options of a `TransformerConfig` `c`'s attention with sliding `window` (sinks
+        in `self_attention` only)."""
         return cls(scale=c.attention_scale, bias=c.attention_bias, qk_norm=c.qk_norm,
                    norm_epsilon=c.norm_epsilon, norm_offset=c.norm_scale_offset,
-                   window=window, context_parallel=c.context_parallel)
+                   window=window, context_parallel=c.context_parallel,
+                   sinks=c.attention_sinks and self_attention,
+                   output_bias=c.attention_output_bias)
 
 
 class MultiHeadAttention(nn.Module):
@@ -115,7 +120,11 @@ class MultiHeadAttention(nn.Module):
     RMSNorm of each query and key head before the rotation (Qwen3, Gemma 3: ``q_norm`` and
     ``k_norm``, scale [d_kv]) and a sliding `window` (Mistral, Gemma 3's local layers: each
     position sees itself and the window - 1 before it). A windowed layer's decoding cache
-    holds only the window, a ring of `window` positions.
+    holds only the window, a ring of `window` positions. gpt-oss adds attention sinks (a
+    logit per head, ``sinks`` [heads], float32, from 0, in each query's softmax:
+    `attention.softmax_with_sinks`; einsum and splash take them, and 'auto' and
+    'dot_product' run einsum where no kernel does) and a bias on the output projection
+    (``o_bias`` [d_model], after any adapter of ``o``).
     """
 
     num_heads: int
@@ -126,29 +135,34 @@ class MultiHeadAttention(nn.Module):
     flash_kernel: str = "auto"
     flash_max_segments: int = attention.CUDNN_MAX_SEGMENTS
     num_kv_heads: int = 0
-    rotary_frequencies: tuple[float, ...] | None = None
+    rotary_frequencies: positions_lib.Rotary | tuple[float, ...] | None = None
     options: AttentionOptions = None  # None: AttentionOptions()
     lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
 
     @classmethod
-    def of(cls, c, *, rotary_frequencies=None, window: int = 0, name: str | None = None):
+    def of(cls, c, *, rotary_frequencies=None, window: int = 0, name: str | None = None,
+           self_attention: bool = True):
         """The attention of a `TransformerConfig` `c` (its heads, kernels, options and
-        adapters), with `rotary_frequencies` and a sliding `window`."""
+        adapters), with `rotary_frequencies` and a sliding `window` (`self_attention`, or
+        attention to an encoder's outputs: no sinks)."""
         return cls(num_heads=c.num_heads, d_kv=c.d_kv, dropout_rate=c.dropout_rate,
                    dtype=c.dtype, implementation=c.attention, flash_kernel=c.flash_kernel,
                    flash_max_segments=c.flash_max_segments, num_kv_heads=c.num_kv_heads,
                    rotary_frequencies=rotary_frequencies,
-                   options=AttentionOptions.of(c, window), lora=c.lora, name=name)
+                   options=AttentionOptions.of(c, window, self_attention), lora=c.lora,
+                   name=name)
 
     def _path(self, deterministic: bool, single_query: bool = False,
               bias: bool = False) -> str:
         """'einsum', 'dot_product' or 'flash' for this call (`single_query`: a decoding
         step's; `bias`: with an additive bias)."""
-        use = self.implementation
+        use, sinks = self.implementation, (self.options or AttentionOptions()).sinks
         if use == "auto":
             use = "flash" if not bias and attention.uses_flash(
-                use, self.flash_kernel, jax.default_backend(), self.dtype, self.d_kv) else "einsum"
-        if single_query or (self.dropout_rate > 0.0 and not deterministic):
+                use, self.flash_kernel, jax.default_backend(), self.dtype, self.d_kv,
+                sinks) else "einsum"
+        if single_query or (self.dropout_rate > 0.0 and not deterministic) or (
+                sinks and use == "dot_product"):  # (jax.nn.dot_product_attention: no sinks)
             return "einsum"
         return use
 
@@ -178,6 +192,9 @@ class MultiHeadAttention(nn.Module):
             q = q + param(self, "q_bias", zeros, (h, k), ("heads", "d_kv"), dt)
             key = key + param(self, "k_bias", zeros, (g, k), (kv_heads, "d_kv"), dt)
             value = value + param(self, "v_bias", zeros, (g, k), (kv_heads, "d_kv"), dt)
+        # (float32, as the logits they join)
+        sinks = param(self, "sinks", nn.initializers.zeros, (h,), ("heads",)) if o.sinks \
+            else None
         q = constrain(q, ("batch", "length", "heads", "d_kv"))
         kv_names = ("batch", "memory_length", kv_heads, "d_kv")
         key, value = constrain(key, kv_names), constrain(value, kv_names)
@@ -185,10 +202,9 @@ class MultiHeadAttention(nn.Module):
             norm = dict(epsilon=o.norm_epsilon, dtype=dt, offset=o.norm_offset, names=("d_kv",))
             q = RMSNorm(**norm, name="q_norm")(q)
             key = RMSNorm(**norm, name="k_norm")(key)
-        if self.rotary_frequencies is not None:
-            inverse = np.asarray(self.rotary_frequencies, np.float32)
-            q = positions_lib.rotate(q, positions, inverse)
-            key = positions_lib.rotate(key, positions, inverse)
+        if self.rotary_frequencies is not None:  # (a `positions.Rotary`, or frequencies)
+            q = positions_lib.rotate(q, positions, self.rotary_frequencies)
+            key = positions_lib.rotate(key, positions, self.rotary_frequencies)
         if isinstance(decode_index, Prefill):  # the cache's first positions, then as a pass
             self._fill(key, value, decode_index.count, o.window)
             decode_index = None
@@ -213,10 +229,10 @@ class MultiHeadAttention(nn.Module):
                 kernel=(kernel if kernel != "cudnn_segments" else "cudnn")
                 if path == "flash" else None, balanced=mask.balanced)
             at = context.Places(mask.query, mask.memory, positions, positions)
-            out = context.attend(q, key, value, at, options, bias=table)
+            out = context.attend(q, key, value, at, options, bias=table, sinks=sinks)
         elif path == "flash":
             out = attention.flash(q, key, value, mask, self.flash_kernel,
-                                  self.flash_max_segments, o.scale)
+                                  self.flash_max_segments, o.scale, sinks)
         elif path == "dot_product":
             dense = mask.dense()
             out = jax.nn.dot_product_attention(
@@ -226,10 +242,12 @@ class MultiHeadAttention(nn.Module):
             drop = nn.Dropout(self.dropout_rate)
             out = attention.reference(q, key, value, mask,
                                       lambda w: drop(w, deterministic=deterministic), bias,
-                                      o.scale)
+                                      o.scale, sinks)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = project(self, "o", "blhk,hkd->bld", out, wo, ("heads", "d_kv", "d_model"), lora,
                     deterministic)
+        if o.output_bias:
+            y = y + param(self, "o_bias", nn.initializers.zeros, (d_model,), ("d_model",), dt)
         return constrain(y, ("batch", "length", "d_model"))
 
     def _cached(self, key, value, index, window: int = 0):

@@ -32,8 +32,12 @@ from mtrain.models.base import shape_field
 from mtrain.models.parameters import param
 
 # PEFT's "all-linear" minus the output layer: every attention and feed-forward projection
-# (experts' included).
+# (experts' included; latent attention's low-rank ones too).
 DEFAULT_TARGETS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")
+# Latent attention's projections (`latent_attention`), which the default targets too: kept
+# out of the tuple above, so that the ``lora.targets`` a run of the default recorded in its
+# checkpoints before latent attention existed is still the default.
+LATENT_TARGETS = ("q_a", "q_b", "kv_a", "kv_b")
 RANK = "lora_rank"
 SUFFIXES = ("_lora_a", "_lora_b")
 
@@ -70,7 +74,8 @@ class LoraConfig:
     def targets_path(self, path: str) -> bool:
         """Whether the parameter at `path` ("layer_0/self_attention/q") is adapted."""
         name = path.rsplit("/", 1)[-1]
-        return any(re.fullmatch(t, name) or re.fullmatch(t, path) for t in self.targets)
+        targets = self.targets + (LATENT_TARGETS if self.targets == DEFAULT_TARGETS else ())
+        return any(re.fullmatch(t, name) or re.fullmatch(t, path) for t in targets)
 
 
 def is_adapter(path: str) -> bool:

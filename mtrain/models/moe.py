@@ -4,13 +4,19 @@ token sent to its top-k of them (Mesh-TF's `moe.py` MoE1D, GShard, Switch Transf
 The tokens of each row are routed in groups of `group_size` (a group never spans rows, so
 that a layout never changes a group). Per group, in float32 whatever the activations:
 
-    logits = x @ router            [groups, group, experts]
+    logits = x @ router (+ router_bias: gpt-oss)     [groups, group, experts]
     probs = softmax(logits)        each token's top_k experts, with gates: the top_k
                                    probabilities renormalised to sum to 1 (GShard, Mixtral);
                                    with top_k = 1 the probability itself (Switch), so that
                                    the router learns from the loss (`normalize_top_k` says
                                    otherwise: Hugging Face's Mixtral always renormalises,
                                    Qwen3-MoE as its norm_topk_prob says)
+
+or DeepSeek-V3's sigmoid scores, chosen with a bias (`choice_bias`, which `balancing` moves
+after each step), in groups, their weights scaled (`routing`, which routes). Each expert's
+feed-forward layer is the model's (its activations, gpt-oss's clamped SwiGLU among them),
+with gpt-oss's biases where `expert_bias`; `num_shared_experts` > 0 adds DeepSeek's shared
+experts, one dense layer every token takes beside its routed ones (``shared``), unweighted.
 
 Each expert takes at most `capacity` tokens of a group, ceil(top_k x group x
 capacity_factor / experts): first choices before second choices, then in token order. A
@@ -34,7 +40,8 @@ mean router probability of expert i over the group's tokens), per group and aver
 the groups, as Mesh-TF and GShard compute it (a batch-wide f and P would not see two groups
 imbalanced in opposite directions), the router z-loss (the mean of logsumexp(logits)^2), the
 fraction of the tokens' expert choices dropped, the busiest expert's share of the choices,
-and `aux_loss`, what the layer adds to the training loss.
+and `aux_loss`, what the layer adds to the training loss; a layer with a `choice_bias`, each
+expert's share of the choices too (``expert_load`` [experts], what `balancing` evens out).
 """
 
 from __future__ import annotations
@@ -48,13 +55,18 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.models import dropless, layers
-from mtrain.models.feedforward import gated, input_names
+from mtrain.models.base import shape_field
+from mtrain.models.feedforward import Clamp, DenseReluDense, gated, input_names
 from mtrain.models.grouped import GROUPED_KERNELS
 from mtrain.models.lora import LoraConfig, Projection, projection
-from mtrain.models.base import shape_field
+from mtrain.models.routing import SCORINGS, Routing, choose, route, statistics
 from mtrain.parallel.layout import constrain
 
+__all__ = ["DISPATCHES", "LOAD", "STATS", "MoEConfig", "MoeFeedForward", "choose", "route",
+           "statistics", "summary"]
+
 STATS = "moe_stats"  # the collection the layers sow their statistics into
+LOAD = "expert_load"  # each expert's share of a layer's choices (`routing.statistics`)
 DISPATCHES = ("capacity", "dropless")
 
 
@@ -81,10 +93,34 @@ class MoEConfig:
     dispatch: str = "capacity"
     grouped_kernel: str = "auto"
     ragged_all_to_all: bool | None = None  # under experts:batch; None: where the backend has it
+    # The frontier's experts (`routing`'s module doc): 'softmax' or 'sigmoid' scores
+    # (DeepSeek-V3); a trained bias on the router's logits (gpt-oss, ``router_bias``
+    # [experts_unsplit]); DeepSeek's bias on the scores for the choice alone (``choice_bias``,
+    # its e_score_correction_bias: never trained by the optimizer, moved after each train step
+    # by bias_update_rate x sign(mean load - load): `balancing`; 0 leaves it); group-limited
+    # routing (n_group, topk_group); the routed weights' factor (routed_scaling_factor).
+    router_scoring: str = "softmax"
+    router_bias: bool = shape_field(False)
+    choice_bias: bool = shape_field(False)
+    bias_update_rate: float = 0.0
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
+    # DeepSeek's shared experts: one dense layer of expert_d_ff x this many (``shared``);
+    # gpt-oss's expert biases ``wi_0_bias``, ``wi_1_bias`` [experts, d_ff], ``wo_bias``
+    # [experts, d_model] (the output's added before the gate weights it).
+    num_shared_experts: int = shape_field(0)
+    expert_bias: bool = shape_field(False)
 
     @property
     def renormalizes(self) -> bool:
-        return self.top_k > 1 if self.normalize_top_k is None else bool(self.normalize_top_k)
+        return self.routing.renormalizes
+
+    @property
+    def routing(self) -> Routing:
+        return Routing(top_k=self.top_k, normalize=self.normalize_top_k,
+                       scoring=self.router_scoring, num_groups=self.num_groups,
+                       top_groups=self.top_groups, scaling=self.routed_scaling)
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -105,6 +141,25 @@ class MoEConfig:
                              f"{self.grouped_kernel!r}")
         if self.load_balance_loss < 0 or self.router_z_loss < 0:
             raise ValueError("moe.load_balance_loss and moe.router_z_loss must not be negative")
+        self._check_frontier()
+
+    def _check_frontier(self):
+        e, g = self.num_experts, self.num_groups
+        if self.router_scoring not in SCORINGS:
+            raise ValueError(f"moe.router_scoring must be one of {SCORINGS}, got "
+                             f"{self.router_scoring!r}")
+        if g < 1 or e % g or not 1 <= self.top_groups <= g:
+            raise ValueError(f"moe.num_groups={g} must divide moe.num_experts={e}, and "
+                             f"moe.top_groups={self.top_groups} be between 1 and it")
+        if self.top_groups * (e // g) < self.top_k:
+            raise ValueError(f"moe.top_groups={self.top_groups} groups of {e // g} experts "
+                             f"hold fewer than moe.top_k={self.top_k}")
+        if self.routed_scaling <= 0 or self.num_shared_experts < 0 or self.bias_update_rate < 0:
+            raise ValueError("moe.routed_scaling must be positive, moe.num_shared_experts and "
+                             "moe.bias_update_rate not negative")
+        if self.bias_update_rate and not self.choice_bias:
+            raise ValueError(f"moe.bias_update_rate={self.bias_update_rate} moves the choice "
+                             "bias, and moe.choice_bias is False: set it True")
 
     def group_length(self, length: int) -> int:
         """Tokens per group for rows of `length`: the largest divisor of `length` that is at
@@ -117,72 +172,15 @@ class MoEConfig:
         return max(1, min(group, math.ceil(self.top_k * group * factor / self.num_experts)))
 
 
-def choose(logits, real, top_k: int, normalize: bool | None = None):
-    """Each token's top_k experts from router `logits` [groups, group, experts] (float32)
-    of tokens `real` [groups, group] (1.0, or 0.0 for padding): ``(probs, gates, index,
-    choice)``, `gates` and `index` [groups, group, top_k] (the gates renormalised over the
-    top_k when `normalize`; None: where top_k > 1), `choice` their one-hot [groups, group,
-    top_k, experts] (int32, 0 for padding)."""
-    e = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
-    gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
-    if top_k > 1 if normalize is None else normalize:
-        gates = gates / gates.sum(-1, keepdims=True)
-    choice = jax.nn.one_hot(index, e, dtype=jnp.int32) * real[..., None, None].astype(jnp.int32)
-    return probs, gates, index, choice
-
-
-def statistics(logits, probs, choice, real, kept_choices) -> dict:
-    """The layer's statistics (module doc; not yet weighted) of a routing `choose` made,
-    with `kept_choices` of the tokens' choices given a place."""
-    real = real.astype(jnp.float32)
-    e, top_k = logits.shape[-1], choice.shape[2]
-    tokens = jnp.maximum(real.sum(), 1.0)
-    chosen = choice.sum(2).astype(jnp.float32)  # [g, s, e]: 1 where e is among the choices
-    per_expert = chosen.sum((0, 1))
-    # the load-balancing loss of each group (f and P of its own tokens: the imbalance that
-    # makes a group drop tokens), averaged over the groups that hold real tokens
-    in_group = real.sum(1)  # [g]
-    f = chosen.sum(1) / jnp.maximum(in_group, 1.0)[:, None]  # [g, e]
-    p = jnp.einsum("gse,gs->ge", probs, real) / jnp.maximum(in_group, 1.0)[:, None]
-    routed = (in_group > 0).astype(jnp.float32)
-    balance = e * jnp.sum(routed * jnp.sum(f * p, -1)) / jnp.maximum(routed.sum(), 1.0)
-    z = jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))) / tokens
-    choices = jnp.maximum(top_k * real.sum(), 1.0)
-    return {"load_balance_loss": balance, "router_z_loss": z,
-            "dropped_fraction": 1.0 - kept_choices / choices,
-            "busiest_expert_share": per_expert.max() / choices}
-
-
-def route(logits, real, top_k: int, capacity: int, normalize: bool | None = None):
-    """Top-k routing with a capacity per expert, on router `logits` [groups, group, experts]
-    (float32) of tokens `real` [groups, group] (1.0, or 0.0 for padding).
-
-    Returns ``(dispatch, combine, stats)``: `dispatch` [groups, group, experts, capacity] is
-    1 where a token takes an expert's slot, `combine` the same weighted by the token's gate
-    (renormalised over its top_k when `normalize`; None: where top_k > 1), and `stats` the
-    layer's statistics (`statistics`)."""
-    g, s, e = logits.shape
-    probs, gates, index, choice = choose(logits, real, top_k, normalize)
-    # Slots in priority order: every token's first choice, then every second choice, ...
-    ranked = choice.transpose(0, 2, 1, 3).reshape(g, top_k * s, e)
-    position = (jnp.cumsum(ranked, axis=1) - 1).reshape(g, top_k, s, e).transpose(0, 2, 1, 3)
-    slot = jnp.sum(position * choice, axis=-1)  # [g, s, k]: the slot each choice would take
-    kept = (choice.sum(-1) > 0) & (slot < capacity)  # [g, s, k]
-    expert = jax.nn.one_hot(index, e, dtype=jnp.float32) * kept[..., None]
-    place = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # out of range: all 0
-    dispatch = jnp.einsum("gske,gskc->gsec", expert, place)
-    combine = jnp.einsum("gske,gskc->gsec", expert * gates[..., None], place)
-    return dispatch, combine, statistics(logits, probs, choice, real, kept.sum())
-
-
 class MoeFeedForward(nn.Module):
     """The mixture-of-experts feed-forward layer (see the module doc): x [batch, length,
     d_model] -> [batch, length, d_model]. `activations` as `feedforward.DenseReluDense`'s
-    (gated activations apply in every expert); parameters ``router`` [d_model, experts_unsplit],
-    ``wi`` (or ``wi_0``, ``wi_1``, ...) [experts, d_model, d_ff] and ``wo`` [experts, d_ff,
-    d_model]. `nonpadding` [batch, length]: the real tokens (None: all). `dropless`: so
-    whatever `config.dispatch` (decoding: what a capacity would drop is no decoding step's)."""
+    (gated activations apply in every expert; `clamp`: gpt-oss's clamped ones'); parameters
+    ``router`` [d_model, experts_unsplit] (and `MoEConfig`'s ``router_bias``,
+    ``choice_bias``), ``wi`` (or ``wi_0``, ``wi_1``, ...) [experts, d_model, d_ff] and ``wo``
+    [experts, d_ff, d_model] (and their ``_bias``), ``shared/...`` (the shared experts).
+    `nonpadding` [batch, length]: the real tokens (None: all). `dropless`: so whatever
+    `config.dispatch` (decoding: what a capacity would drop is no decoding step's)."""
 
     config: MoEConfig
     d_ff: int
@@ -190,6 +188,7 @@ class MoeFeedForward(nn.Module):
     dtype: Any = jnp.float32
     activations: tuple[str, ...] = ("relu",)
     lora: LoraConfig | None = None  # each expert's adapters where it targets them (`lora`)
+    clamp: Clamp | None = None  # the clamped activations' settings (`feedforward.Clamp`)
 
     @nn.compact
     def __call__(self, x, deterministic: bool, nonpadding=None, dropless: bool = False):
@@ -204,13 +203,32 @@ class MoeFeedForward(nn.Module):
         router = layers.param(self, "router", layers.normal(d**-0.5), (d, e),
                               ("d_model", "experts_unsplit"))  # float32
         logits = jnp.einsum("gsd,de->gse", xg.astype(jnp.float32), router)
+        if m.router_bias:
+            logits = logits + self._bias("router_bias", (e,), ("experts_unsplit",))
         logits = constrain(logits, ("batch", "group", "experts_unsplit"))
+        choice_bias = (self._bias("choice_bias", (e,), ("experts_unsplit",))
+                       if m.choice_bias else None)
         if m.dispatch == "dropless" or dropless:
-            return self._dropless(x, logits, real, deterministic)
-        capacity = m.capacity(s, train=not deterministic)
-        dispatch, combine, stats = route(logits, real, m.top_k, capacity, m.renormalizes)
-        self._sow(stats)
+            y = self._dropless(x, logits, real, choice_bias, deterministic)
+        else:
+            y = self._capacity(xg, logits, real, choice_bias, deterministic).reshape(b, length, d)
+        if m.num_shared_experts:
+            y = y + DenseReluDense(d_ff=self.d_ff * m.num_shared_experts,
+                                   dropout_rate=self.dropout_rate, dtype=dt,
+                                   activations=self.activations, lora=self.lora,
+                                   clamp=self.clamp, name="shared")(x, deterministic)
+        return constrain(y, ("batch", "length", "d_model"))
 
+    def _bias(self, name, shape, names, dtype=jnp.float32):
+        return layers.param(self, name, nn.initializers.zeros, shape, names, dtype)
+
+    def _capacity(self, xg, logits, real, choice_bias, deterministic: bool):
+        """The experts with ``dispatch='capacity'``: one-hot dispatch into their slots."""
+        m, dt = self.config, self.dtype
+        capacity = m.capacity(xg.shape[1], train=not deterministic)
+        dispatch, combine, stats = route(logits, real, m.routing, capacity,
+                                         choice_bias=choice_bias)
+        self._sow(stats)
         # Each token into its slots, on the devices of its group; then to those of its
         # expert (the all-to-all, where experts and groups split over the same mesh
         # dimension), and back after the experts.
@@ -218,46 +236,56 @@ class MoeFeedForward(nn.Module):
         unsplit = ("experts_unsplit", "batch", "expert_capacity", "d_model")
         inputs = jnp.einsum("gsec,gsd->egcd", dispatch.astype(dt), xg)
         inputs = constrain(constrain(inputs, unsplit), (*slots, "d_model"))
-        wis, wo = self._experts(d)
-        h = gated(self.activations, [wi(inputs, deterministic) for wi in wis])
+        wis, wo, biases = self._experts(xg.shape[-1])
+        hidden = [wi(inputs, deterministic) for wi in wis]
+        if biases:
+            hidden = [h + bias[:, None, None] for h, bias in zip(hidden, biases[0])]
+        h = gated(self.activations, hidden, self.clamp)
         h = constrain(h, (*slots, "d_ff"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-        out = constrain(wo(h, deterministic), (*slots, "d_model"))
-        out = constrain(out, unsplit)
+        out = wo(h, deterministic)
+        if biases:  # (each choice's, before its gate weights it: gpt-oss)
+            out = out + biases[1][:, None, None]
+        out = constrain(constrain(out, (*slots, "d_model")), unsplit)
         y = jnp.einsum("gsec,egcd->gsd", combine.astype(dt), out)
-        y = constrain(y, ("batch", "group", "d_model")).reshape(b, length, d)
-        return constrain(y, ("batch", "length", "d_model"))
+        return constrain(y, ("batch", "group", "d_model"))
 
     def _sow(self, stats):
         m = self.config
-        for name, value in {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
-                            + m.router_z_loss * stats["router_z_loss"]}.items():
+        stats = {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
+                 + m.router_z_loss * stats["router_z_loss"]}
+        if not m.choice_bias:  # (the load is what moves a choice bias)
+            stats.pop(LOAD)
+        for name, value in stats.items():
             self.sow(STATS, name, value, init_fn=lambda: 0.0, reduce_fn=lambda _, new: new)
 
-    def _dropless(self, x, logits, real, deterministic: bool):
+    def _dropless(self, x, logits, real, choice_bias, deterministic: bool):
         """The experts with ``dispatch='dropless'`` (`dropless`): the same routing and
         statistics (none dropped), the same parameters."""
         m, dt = self.config, self.dtype
         b, length, d = x.shape
         e = m.num_experts
-        probs, gates, index, choice = choose(logits, real, m.top_k, m.renormalizes)
+        probs, gates, index, choice = choose(logits, real, m.routing, choice_bias)
         self._sow(statistics(logits, probs, choice, real, choice.sum()))
         index = jnp.where(real[..., None] > 0, index, e).reshape(b, length, m.top_k)
         gates = gates.reshape(b, length, m.top_k)
-        wis, wo = self._experts(d)
+        wis, wo, biases = self._experts(d)
         train_dropout = self.dropout_rate > 0 and not deterministic
         y = dropless.experts(x.astype(dt), index, gates, [wi.merged_weight() for wi in wis],
                              wo.merged_weight(), activations=self.activations,
                              kernel=m.grouped_kernel, ragged=m.ragged_all_to_all,
                              dropout_rate=self.dropout_rate,
-                             key=self.make_rng("dropout") if train_dropout else None)
+                             key=self.make_rng("dropout") if train_dropout else None,
+                             biases=biases, clamp=self.clamp)
         return constrain(y, ("batch", "length", "d_model"))
 
-    def _experts(self, d: int) -> tuple[list[Projection], Projection]:
+    def _experts(self, d: int) -> tuple[list[Projection], Projection, tuple | None]:
         """The experts' weights ``wi`` (or ``wi_0``, ``wi_1``, ...: `input_names`) [experts,
         d_model, d_ff] and ``wo`` [experts, d_ff, d_model] of tokens of `d` = d_model, each
         made with its adapter where `lora` targets it, as projections of the dispatched
-        tokens [experts, groups, capacity, d_model] (the dropless experts take them merged)."""
+        tokens [experts, groups, capacity, d_model] (the dropless experts take them merged);
+        and their biases (``<name>_bias``: ([wi biases], wo bias); None without
+        `expert_bias`)."""
         e, f = self.config.num_experts, self.d_ff
 
         def weight(name, fan_in, shape, names, spec):
@@ -265,21 +293,31 @@ class MoeFeedForward(nn.Module):
             return projection(self, name, spec, w, names, self.lora)
 
         into = ("experts", "d_model", "d_ff")
-        wis = [weight(name, d, (e, d, f), into, "egcd,edf->egcf")
-               for name in input_names(len(self.activations))]
-        return wis, weight("wo", f, (e, f, d), ("experts", "d_ff", "d_model"), "egcf,efd->egcd")
+        names = input_names(len(self.activations))
+        wis = [weight(name, d, (e, d, f), into, "egcd,edf->egcf") for name in names]
+        wo = weight("wo", f, (e, f, d), ("experts", "d_ff", "d_model"), "egcf,efd->egcd")
+        if not self.config.expert_bias:
+            return wis, wo, None
+        dt = self.dtype
+        biases = [self._bias(f"{name}_bias", (e, f), ("experts", "d_ff"), dt) for name in names]
+        return wis, wo, (biases, self._bias("wo_bias", (e, d), ("experts", "d_model"), dt))
 
 
 def summary(stats) -> dict:
     """A step's mixture-of-experts metrics from the ``moe_stats`` collection of its layers
     (a scanned stack's as arrays over its layers): the mean over the layers of each
     statistic, but the busiest expert's share, the most of any layer; and `aux_loss`, what
-    the layers add to the training loss (the mean of theirs, as MaxText). {} for a model
-    without experts."""
+    the layers add to the training loss (the mean of theirs, as MaxText). Each layer's
+    ``expert_load`` stays its own, an array under ``expert_load/<the layer's module path>``
+    (`balancing`). {} for a model without experts."""
     values: dict[str, list] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
-        values.setdefault(path[-1].key, []).append(jnp.ravel(leaf))
     out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        name = path[-1].key
+        if name == LOAD:
+            out[f"{LOAD}/" + "/".join(str(k.key) for k in path[:-1])] = leaf
+        else:
+            values.setdefault(name, []).append(jnp.ravel(leaf))
     for name, parts in values.items():
         joined = jnp.concatenate(parts)
         out[name] = joined.max() if name == "busiest_expert_share" else joined.mean()

@@ -10,6 +10,8 @@ passes the blocks around again with their gradients' running sums, so that no de
 holds more than two blocks of the row's keys and values, forward or backward. Which key a
 query sees is decided on the positions that travel with the tokens (`Places`, `visible`);
 T5's relative bias is made for each block from them (its table's gradient summed here).
+Attention sinks (gpt-oss) join each query's sums once, as a share of their own
+(`sink_share`: its logit the maximum, its weight 1, its value 0).
 """
 
 from __future__ import annotations
@@ -99,6 +101,19 @@ def combine(a, b):
             values_a * per_query(wa) + values_b * per_query(wb))
 
 
+def sink_share(sinks, q):
+    """The online softmax's share of each head's sink logit (`sinks` [h]) for queries `q`
+    [b, lq, h, d]: a column of value 0 that only adds to the normaliser."""
+    b, lq, h, d = q.shape
+    peak = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (b, h, lq))
+    return peak, jnp.ones((b, h, lq), jnp.float32), jnp.zeros((b, lq, h, d), jnp.float32)
+
+
+def with_sinks(share, sinks, q):
+    """`share` with the sinks' (None: none) combined in."""
+    return share if sinks is None else combine(sink_share(sinks, q), share)
+
+
 def finish(share, dtype):
     _, total, values = share
     return (values / jnp.moveaxis(jnp.maximum(total, 1e-30), 1, 2)[..., None]).astype(dtype)
@@ -116,15 +131,16 @@ def _next(axis: str, blocks):
                  for x in blocks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def attention(q, k, v, at: Places, bias, ring: Ring):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def attention(q, k, v, at: Places, bias, sinks, ring: Ring):
     """Ring attention, whose backward pass passes the keys and values (and their gradients'
     running sums) around the ring again rather than keeping every step's block: no device
-    holds more than two blocks of the row's keys and values, forward or backward."""
-    return _forward(q, k, v, at, bias, ring)[0]
+    holds more than two blocks of the row's keys and values, forward or backward. `sinks`
+    [h] (None: none): each head's sink logit."""
+    return _forward(q, k, v, at, bias, sinks, ring)[0]
 
 
-def _forward(q, k, v, at: Places, bias, ring: Ring):
+def _forward(q, k, v, at: Places, bias, sinks, ring: Ring):
     query_ids, memory_ids, query_index, memory_index = at
     axis, causal, window, scale = ring.axis, ring.causal, ring.window, ring.scale
 
@@ -145,17 +161,19 @@ def _forward(q, k, v, at: Places, bias, ring: Ring):
         return combine(total, share(blocks)), blocks
 
     blocks = (k, v, memory_ids, memory_index)
-    total, _ = jax.lax.fori_loop(1, jax.lax.axis_size(axis), step, (share(blocks), blocks))
+    first = with_sinks(share(blocks), sinks, q)
+    total, _ = jax.lax.fori_loop(1, jax.lax.axis_size(axis), step, (first, blocks))
     peak, norm, _ = total
     out = finish(total, q.dtype)
     logsumexp = peak + jnp.log(jnp.maximum(norm, 1e-30))  # [b, h, lq]
-    return out, (q, k, v, at, bias, out, logsumexp)
+    return out, (q, k, v, at, bias, sinks, out, logsumexp)
 
 
 def _backward(ring: Ring, saved, d_out):
     """Flash attention's backward pass, a ring block at a time: with the softmax's
-    log-sum-exp of the forward pass, each block's probabilities are recomputed exactly."""
-    q, k, v, at, bias, out, logsumexp = saved
+    log-sum-exp of the forward pass, each block's probabilities are recomputed exactly (a
+    sink's share in it: the keys' gradients are as without, the sink's its own column's)."""
+    q, k, v, at, bias, sinks, out, logsumexp = saved
     query_ids, memory_ids, query_index, memory_index = at
     axis, causal, window, scale = ring.axis, ring.causal, ring.window, ring.scale
     (b, lq, h, d), g = q.shape, k.shape[2]
@@ -202,8 +220,12 @@ def _backward(ring: Ring, saved, d_out):
         1, jax.lax.axis_size(axis), lambda _, c: add(c[0], c[1], _next(axis, c[2])), first)
     dk, dv = _next(axis, blocks[4:])  # (one step on: back on their own device)
     d_bias = None if bias is None else bias.replace(table=d_table.astype(bias.table.dtype))
+    d_sinks = None
+    if sinks is not None:  # its column's value is 0: d sink = -p(sink) sum(d_out * out)
+        p_sink = jnp.exp(sinks.astype(f32).reshape(1, g, h // g, 1) - lse)
+        d_sinks = -(p_sink * delta).sum(axis=(0, 3)).reshape(h).astype(sinks.dtype)
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), \
-        None, d_bias
+        None, d_bias, d_sinks
 
 
 attention.defvjp(_forward, _backward)

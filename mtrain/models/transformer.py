@@ -11,7 +11,8 @@ The blocks of later models are settings of the same two (`TransformerConfig`): g
 feed-forward layers (`mlp_activations`), rotary positions or T5's relative position bias in
 place of the position tables (`position_encoding`, `positions.py`), grouped-query or
 multi-query attention (`num_kv_heads`), and mixture-of-experts feed-forward layers every
-`moe_every` layers (`moe.py`).
+`moe_every` layers (`moe.py`); a decoder-only LM also DeepSeek-V3's multi-token
+prediction modules (`mtp_depth`, `mtp.py`), which only its training pass runs.
 
 A model's `features` say which packed features its `__call__` takes: for each, the tokens,
 segment ids and positions, in that order.
@@ -23,8 +24,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mtrain.errors import ConfigError
 from mtrain.parallel.layout import constrain
-from mtrain.models import attention, context, counts, layers
+from mtrain.models import attention, context, counts, layers, mtp
 from mtrain.models import positions as positions_lib
 from mtrain.models.blocks import (block_class, is_moe, layer_stack, layer_window, run_layers,
                                   scanned_blocks)
@@ -91,26 +93,40 @@ class DecoderLM(_PackingAware, nn.Module):
     """Decoder-only LM. `__call__` maps packed targets to next-token logits [b, l, vocab]
     (with `return_hidden`: the final hidden states and the output kernel, see `_logits`).
     `decode_step(ids)` continues a sequence one token at a time with a key/value cache (the
-    "cache" collection, as `EncoderDecoder.decode_step`)."""
+    "cache" collection, as `EncoderDecoder.decode_step`).
+
+    With `mtp_outputs` (and `config.mtp_depth` > 0) `__call__` returns ``(that, what each
+    multi-token prediction module gives the same way)``: the logits (or hidden states and
+    kernel) of module k predicting the targets k + 1 positions later (`mtp.py`). Only the
+    training objective asks (`training.language_modeling`): any other pass leaves the
+    modules out (their parameters are made at `init`)."""
 
     config: TransformerConfig
+    mtp_outputs: bool = False
     features = ("targets",)  # the packed features __call__ takes, in order
 
     def analytic_parameters(self) -> int:
         """layers (attention 4 d h d_kv + feed-forward 2 d d_ff, with all heads and one
-        activation; see `counts.layer_parameters`) + 2 V d (V d with a shared softmax)."""
-        return counts.layer_parameters(self.config, self.config.num_layers, 0) + counts.tables(self.config)
+        activation; see `counts.layer_parameters`) + 2 V d (V d with a shared softmax),
+        and the multi-token prediction modules' (`counts.mtp_parameters`)."""
+        c = self.config
+        return counts.layer_parameters(c, c.num_layers, 0) + counts.tables(c) \
+            + counts.mtp_parameters(c)
 
     def analytic_flops(self, batch_size: int, length: int) -> float:
-        """With experts, of the active parameters (a token's top_k experts and the router)."""
+        """With experts, of the active parameters (a token's top_k experts and the router);
+        each multi-token prediction module a layer more, and a pass through the head."""
         c = self.config
-        return counts.analytic_flops(c, counts.layer_parameters(c, c.num_layers, 0, active=True),
-                                     c.num_layers, batch_size, length, c.num_layers)
+        stacks = counts.layer_parameters(c, c.num_layers, 0, active=True) \
+            + counts.mtp_parameters(c, active=True, heads=True)
+        return counts.analytic_flops(c, stacks, c.num_layers + c.mtp_depth, batch_size, length,
+                                     c.num_layers + c.mtp_depth)
 
     def active_parameters(self) -> int:
         """The parameters one token computes with: all but the experts it is not sent to."""
-        return counts.layer_parameters(self.config, self.config.num_layers, 0, active=True) \
-            + counts.tables(self.config)
+        c = self.config
+        return counts.layer_parameters(c, c.num_layers, 0, active=True) + counts.tables(c) \
+            + counts.mtp_parameters(c, active=True)
 
     @nn.compact
     def __call__(self, targets, segment_ids, positions, deterministic: bool = True,
@@ -150,10 +166,18 @@ class DecoderLM(_PackingAware, nn.Module):
         if c.position_encoding == "relative_bias":
             bias = _relative_bias(c, _relative_bias_table(c, False, "relative_bias"),
                                   inputs.shape[1], None if prefill is not None else decode_index)
-        x = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
-        x = _norm(c, "final_norm")(x)
+        trunk = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
+        x = _norm(c, "final_norm")(trunk)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
-        return _logits(c, embed, _softmax_table(self, c), x, return_hidden)
+        softmax = _softmax_table(self, c)
+        out = _logits(c, embed, softmax, x, return_hidden)
+        if not c.mtp_depth or decode or not (self.mtp_outputs or self.is_initializing()):
+            return out
+        later = mtp.predict(c, trunk, lambda k: _embed(c, embed, mtp.ahead(inputs, k)), mask,
+                            deterministic, positions, bias)
+        later = tuple(_logits(c, embed, softmax, nn.Dropout(c.dropout_rate)(
+            y, deterministic=deterministic), return_hidden) for y in later)
+        return (out, later) if self.mtp_outputs else out
 
     def decode_step(self, ids):
         """Logits [n, vocab] for the token after `ids` [n, 1] (the previous token;
@@ -220,6 +244,12 @@ class EncoderDecoder(_PackingAware, nn.Module):
 
     config: TransformerConfig
     features = ("inputs", "targets")
+
+    def __post_init__(self):
+        if self.config.mtp_depth:
+            raise ConfigError(f"transformer.mtp_depth={self.config.mtp_depth}: multi-token "
+                              "prediction is a decoder-only LM's (DecoderLM), not EncoderDecoder's")
+        super().__post_init__()
 
     def _stacks(self) -> tuple[int, int]:
         return self.config.num_encoder_layers or self.config.num_layers, self.config.num_layers

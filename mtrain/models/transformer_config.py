@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from mtrain.models import attention, context, feedforward
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
-from mtrain.models.blocks import REMAT_POLICIES, period
+from mtrain.models.blocks import REMAT_POLICIES, dense_period, period
+from mtrain.models.latent_attention import LatentConfig
 from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
 from mtrain.models.positions import RopeScaling
@@ -95,10 +96,36 @@ class TransformerConfig:
     # Low-rank adapters on the projections it targets (`lora.LoraConfig`, gin's lora.*;
     # None or rank 0: none).
     lora: LoraConfig | None = shape_field(None)
+    # The frontier's layers (issue 60; each off by default):
+    # multi-head latent attention in place of self-attention's q, k, v (DeepSeek-V2, V3;
+    # `latent_attention.LatentConfig`, gin ``mla.*``);
+    latent_attention: bool = shape_field(False)
+    mla: LatentConfig | None = shape_field(None)  # None while latent_attention is False
+    # a learned logit per head in each self-attention softmax's denominator, and a bias on
+    # the attention's output projection (gpt-oss);
+    attention_sinks: bool = shape_field(False)
+    attention_output_bias: bool = shape_field(False)
+    # the first layers dense, experts every moe_every layers after them (DeepSeek's
+    # first_k_dense_replace);
+    first_dense_layers: int = shape_field(0)
+    # multi-token prediction modules (DeepSeek-V3), their loss's weight;
+    mtp_depth: int = shape_field(0)
+    mtp_loss_weight: float = 0.3
+    # gpt-oss's clamped SwiGLU (``mlp_activations = ("clamped_swish",
+    # "clamped_linear_plus_one")``): the clamp and the swish's alpha.
+    activation_limit: float = 0.0
+    swish_alpha: float = 1.702
 
     @property
     def dtype(self):
         return jnp.dtype(self.activation_dtype)
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The head width self-attention's kernels see (what `attention.flash_refusal`
+        judges): d_kv, or latent attention's query/key head (nope + rope; its value heads
+        zero-padded to it: `LatentConfig.head_width`)."""
+        return self.mla.head_width if self.latent_attention else self.d_kv
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
@@ -120,12 +147,24 @@ class TransformerConfig:
             moe = self.moe or MoEConfig()
             moe = dataclasses.replace(moe, expert_d_ff=moe.expert_d_ff or self.d_ff)
         object.__setattr__(self, "moe", moe)
+        object.__setattr__(self, "mla", (self.mla or LatentConfig()) if self.latent_attention
+                           else None)
         stacks = {self.num_layers, self.num_encoder_layers or self.num_layers}
-        if self.scan_layers and any(n % period(self) for n in stacks):
+        k = self.first_dense_layers
+        if k and not self.moe_every:
+            raise ValueError(f"transformer.first_dense_layers={k} keeps the first layers "
+                             "dense before experts, and transformer.moe_every is 0: no experts")
+        if not 0 <= k < min(stacks):
+            raise ValueError(f"transformer.first_dense_layers={k} must be 0 or more and leave "
+                             f"a layer of each stack ({min(stacks)} layers) after them")
+        if self.scan_layers and (any((n - k) % period(self) for n in stacks)
+                                 or k % dense_period(self)):
             raise ValueError(f"transformer.scan_layers scans groups of {period(self)} layers "
                              f"(moe_every={self.moe_every}, {len(self.attention_windows)} "
                              f"attention_windows): that must divide the number of layers of "
-                             f"each stack ({', '.join(map(str, sorted(stacks)))})")
+                             f"each stack ({', '.join(map(str, sorted(stacks)))})"
+                             + (f" less first_dense_layers={k}, and {dense_period(self)} "
+                                f"divide {k}" if k else ""))
         if not self.num_kv_heads:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -135,6 +174,11 @@ class TransformerConfig:
         if unknown or not self.mlp_activations:
             raise ValueError(f"transformer.mlp_activations: {unknown or 'none given'}; the "
                              f"names are {', '.join(feedforward.ACTIVATIONS)}")
+        if self.activation_limit < 0 or (self.activation_limit and not any(
+                a in feedforward.CLAMPED for a in self.mlp_activations)):
+            raise ValueError(f"transformer.activation_limit={self.activation_limit} must be 0 "
+                             f"(no clamp) or positive, and clamps only "
+                             f"{' and '.join(feedforward.CLAMPED)} (mlp_activations)")
         if self.position_encoding not in POSITION_ENCODINGS:
             raise ValueError(f"transformer.position_encoding must be one of "
                              f"{', '.join(POSITION_ENCODINGS)}, got {self.position_encoding!r}")
@@ -167,10 +211,48 @@ class TransformerConfig:
         if self.activation_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"activation_dtype must be 'float32' or 'bfloat16', got "
                              f"{self.activation_dtype!r}")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise ValueError(f"transformer.mtp_depth must be 0 (no multi-token prediction) or "
+                             f"a number of modules, got {self.mtp_depth!r}")
+        if self.mtp_depth and self.num_encoder_layers:
+            raise ValueError(f"transformer.mtp_depth={self.mtp_depth}: multi-token prediction "
+                             "is a decoder-only LM's, and num_encoder_layers is set")
+        if not self.mtp_loss_weight >= 0:
+            raise ValueError(f"transformer.mtp_loss_weight must be 0 or more, got "
+                             f"{self.mtp_loss_weight}")
+        if self.attention_sinks and self.attention == "dot_product":
+            raise ValueError("transformer.attention='dot_product' (jax.nn.dot_product_"
+                             "attention) takes no attention sinks (transformer.attention_sinks):"
+                             " use attention 'auto', 'einsum', or 'flash' with 'splash'")
+        if self.attention_sinks and self.latent_attention:
+            raise ValueError("transformer.attention_sinks are multi-head attention's, not "
+                             "latent_attention's: set one of them False")
+        if self.latent_attention:
+            _check_latent_attention(self)
         if self.attention == "flash" and (why := attention.flash_refusal(
-                self.flash_kernel, jax.default_backend(), self.dtype, self.d_kv)):
+                self.flash_kernel, jax.default_backend(), self.dtype, self.attention_head_dim,
+                self.attention_sinks)):
             raise ValueError(f"transformer.attention='flash': {why} (attention 'auto' uses "
                              "flash attention where it can run, einsum elsewhere)")
 
 
 POSITION_ENCODINGS = ("learned", "rotary", "relative_bias")
+
+
+def _check_latent_attention(c: TransformerConfig) -> None:
+    """What latent attention (``transformer.latent_attention``) does not combine with: one
+    line each, naming the setting."""
+    refused = [("position_encoding", c.position_encoding != "rotary",
+                "its positions are the rotary key's: set it to 'rotary'"),
+               ("attention_windows", any(c.attention_windows),
+                "no sliding window with latent attention (no published model has one)"),
+               ("attention_output_bias", c.attention_output_bias,
+                "no output bias with latent attention (no published model has one)"),
+               ("attention_bias", c.attention_bias, "no q/k/v biases with latent attention"),
+               ("qk_norm", c.qk_norm, "latent attention norms its latents, not its heads"),
+               ("num_kv_heads", c.num_kv_heads != c.num_heads,
+                "latent attention's heads share one latent: leave it at num_heads")]
+    for name, bad, why in refused:
+        if bad:
+            raise ValueError(f"transformer.{name}={getattr(c, name)!r} with "
+                             f"transformer.latent_attention: {why}")

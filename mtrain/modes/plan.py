@@ -28,6 +28,10 @@ def describe_model(c) -> str:
         extras.append(f"{c.num_kv_heads} key/value heads")
     if tuple(getattr(c, "mlp_activations", ("relu",))) != ("relu",):
         extras.append("feed-forward " + "*".join(c.mlp_activations))
+    if getattr(c, "latent_attention", False):
+        m = c.mla
+        extras.append(f"latent attention (q_lora {m.q_lora_rank}, kv_lora {m.kv_lora_rank}, "
+                      f"heads {m.qk_nope_head_dim}+{m.qk_rope_head_dim}/{m.v_head_dim})")
     if getattr(c, "moe_every", 0):
         m = c.moe
         extras.append(f"{m.num_experts} experts (d_ff {m.expert_d_ff}, top-{m.top_k}) every "
@@ -39,6 +43,19 @@ def describe_model(c) -> str:
         path = "einsum" if c.attention == "auto" else c.attention
         extras.append(f"relative position bias (attention {path}: no flash kernel takes a bias)")
     return out + "".join(f", {e}" for e in extras)
+
+
+def _with_cache_line(text: str, e: dict) -> str:
+    """The plan's `text` with the decoding cache's bytes a token (`inference.estimate`)
+    after its inference figures, beside those of multi-head attention with the same heads."""
+    lines = text.split("\n")
+    at = next((i for i, line in enumerate(lines) if line.startswith("inference (")), None)
+    if at is None or "cache_bytes_per_token" not in e:
+        return text
+    lines.insert(at + 2, f"  decoding cache {planner.size_text(e['cache_bytes_per_token'])} a "
+                         f"token, all layers (multi-head attention of the same heads: "
+                         f"{planner.size_text(e['mha_cache_bytes_per_token'])})")
+    return "\n".join(lines)
 
 
 def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
@@ -78,7 +95,7 @@ def plan(exp: Experiment, target: str = "tpu-v3", output_format: str = "text",
         result = planner.plan(exp.trainer, target_spec, compiled=compiled,
                               prompt_length=prompt_length)
         report = {"model": describe, **result.to_dict()}
-        text = planner.format_plan(result, describe)
+        text = _with_cache_line(planner.format_plan(result, describe), result.inference)
     out = out or sys.stdout
     out.write((json.dumps(report, indent=1) if output_format == "json" else text) + "\n")
     out.flush()

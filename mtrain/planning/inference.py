@@ -7,6 +7,12 @@ bound by memory, a prefill of a long prompt by compute.
 
 Per device, as the layout splits the work: the FLOPs over all devices, the weights as the
 plan stores them, the cache by the ways the rows (`batch`) and the key/value heads split.
+
+Latent attention (``transformer.latent_attention``) caches a latent and a rotary key a
+position, not keys and values per head, and a decoding step attends in its absorbed form
+(`models.latent_attention`): its scores and weighted sums are over the latent (2 heads
+(2 kv_lora + rope) FLOPs a cached position), its cache (kv_lora + rope) values a position
+and layer; a prefill attends in the expanded form (2 heads (nope + rope + v)).
 """
 
 from __future__ import annotations
@@ -27,20 +33,29 @@ def estimate(c, layout, target, batch: int, length: int, prompt_length: int,
     a = jnp.dtype(c.dtype).itemsize
     matmul = counts.layer_parameters(c, c.num_layers, 0, active=True) + c.vocab_size * c.d_model
     kv_heads = c.num_kv_heads or c.num_heads
-    split = layout.ways("batch") * layout.ways("heads" if kv_heads == c.num_heads
-                                               else "kv_heads")
+    h, qk, v = c.num_heads, c.d_kv, c.d_kv  # (a head's query/key and value widths)
+    step_per_position = 4 * h * c.d_kv  # the attention FLOPs of a cached position
+    cached = 2 * kv_heads * c.d_kv * a  # a position's bytes in one layer's cache, unsplit
+    on_device = cached / layout.ways("batch") / layout.ways(
+        "heads" if kv_heads == c.num_heads else "kv_heads")
+    if getattr(c, "latent_attention", False):
+        m = c.mla
+        qk, v = m.qk_head_dim, m.v_head_dim
+        step_per_position = 2 * h * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+        cached = (m.kv_lora_rank + m.qk_rope_head_dim) * a
+        on_device = (m.kv_lora_rank / layout.ways("kv_lora") + m.qk_rope_head_dim) * a \
+            / layout.ways("batch")
 
     def attended(context: float) -> float:  # positions a query sees, summed over layers
         return sum(min(layer_window(c, i) or context, context) for i in range(c.num_layers))
 
     def step(context: float) -> float:  # one new token per row at `context` positions
-        flops = batch * (2 * matmul + 4 * c.num_heads * c.d_kv * attended(context))
-        cache = batch * 2 * kv_heads * c.d_kv * a * attended(context) / split
+        flops = batch * (2 * matmul + step_per_position * attended(context))
+        cache = batch * on_device * attended(context)
         return max(flops / devices / target.peak_flops,
                    (parameter_bytes + cache) / target.hbm_bandwidth)
 
-    prefill_flops = batch * prompt * (2 * matmul + 4 * c.num_heads * c.d_kv
-                                      * attended(prompt) / 2)
+    prefill_flops = batch * prompt * (2 * matmul + 2 * h * (qk + v) * attended(prompt) / 2)
     prefill = max(prefill_flops / devices / target.peak_flops,
                   parameter_bytes / target.hbm_bandwidth)
     decode = step(prompt + new / 2)  # (the mean context of the new tokens)
@@ -51,4 +66,8 @@ def estimate(c, layout, target, batch: int, length: int, prompt_length: int,
             "time_to_first_token": prefill + step(prompt),
             "token_loop_time_to_first_token": loop + step(prompt),
             "tokens_per_second": batch / decode,
-            "total_seconds": prefill + new * decode}
+            "total_seconds": prefill + new * decode,
+            # a cached position's bytes, all layers together (one row, unsplit), and those
+            # of multi-head attention with the same heads (keys and values of every head)
+            "cache_bytes_per_token": cached * c.num_layers,
+            "mha_cache_bytes_per_token": h * (qk + v) * a * c.num_layers}

@@ -66,14 +66,19 @@ class StepModel:
     efficiency: float
 
 
-def attention_kernel(c: TransformerConfig) -> str:
+HOPPER = ("h100", "h200")  # the GPU targets whose cuDNN takes heads up to 256
+
+
+def attention_kernel(c: TransformerConfig, hopper: bool = False) -> str:
     """'flash' or 'dense': what the model's attention is on a GPU (see
-    `layers.MultiHeadAttention`): 'auto' is flash there unless training applies attention
-    dropout or the kernel does not take the activations (cuDNN: float32)."""
+    `layers.MultiHeadAttention`), a `hopper` one or not (cuDNN's head limit: 256, else 128):
+    'auto' is flash there unless training applies attention dropout or the kernel does not
+    take the activations (cuDNN: float32) or the model's attention sinks."""
     dropping = c.attention == "auto" and c.dropout_rate > 0.0
     if c.position_encoding == "relative_bias":  # a bias no flash kernel takes
         return "dense"
-    if attention.uses_flash(c.attention, c.flash_kernel, "gpu", c.dtype, c.d_kv) and not dropping:
+    if attention.uses_flash(c.attention, c.flash_kernel, "gpu", c.dtype, c.attention_head_dim,
+                            c.attention_sinks, hopper) and not dropping:
         return "flash"
     return "dense"
 
@@ -85,7 +90,7 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     batch per device; `gradient_bytes`: the parameters' bytes per device (float32);
     `model_flops`: the step's analytic FLOPs on all devices."""
     a = 2 if c.activation_dtype == "bfloat16" else 4
-    kernel = attention_kernel(c)
+    kernel = attention_kernel(c, hopper=target.name in HOPPER)
     # ``length`` split (`models.context`): the ring is a custom VJP that saves what a flash
     # kernel saves and works a sub-block of at most 512 keys at a time
     split = layout.ways("length")
@@ -98,10 +103,11 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
 
     d, f = per("d_model", c.d_model), per("d_ff", c.d_ff)
     heads = per("heads", c.num_heads)
-    hk = heads * c.d_kv
+    width = c.attention_head_dim  # (latent attention's expanded heads: values padded)
+    hk = heads * width
     # key/value heads: grouped ones (fewer, on ``kv_heads``) make smaller keys and values
     gk = (per("heads", c.num_heads) if c.num_kv_heads == c.num_heads
-          else per("kv_heads", c.num_kv_heads)) * c.d_kv
+          else per("kv_heads", c.num_kv_heads)) * width
     gates = len(c.mlp_activations)  # feed-forward input projections
     rotated = (hk + gk) * a if c.position_encoding == "rotary" else 0.0
     tokens = batch_size * length / num_microbatches / layout.ways("batch") / layout.ways("length")
@@ -158,7 +164,9 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
             logits += 2 * 2 * gk * (a + 4) + 4 * heads * min(512, length // split) * 4
         return saved, everything + logits  # + the logits' gradient while it runs
 
-    decoder = [layer(kind != "lm", is_moe(c, i)) for i in range(c.num_layers)]
+    # (an LM's multi-token prediction modules: a layer each, as the stack's next would be)
+    decoder = [layer(kind != "lm", is_moe(c, i))
+               for i in range(c.num_layers + (c.mtp_depth if kind == "lm" else 0))]
     encoder = [] if kind == "lm" else [layer(False, is_moe(c, i)) for i in
                                        range(c.num_encoder_layers or c.num_layers)]
     stack = encoder + decoder

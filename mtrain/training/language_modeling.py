@@ -1,7 +1,17 @@
 """Language modelling: the cross-entropy of every target token that carries loss (Mesh-TF /
 T5X), with z-loss and label smoothing (`losses.LossConfig`, gin ``loss.*``). A chat's or a
 prompt's tokens that are not to be learned carry none (`losses.loss_weights`). The objective
-a `Trainer` is given unless told otherwise (`objective`)."""
+a `Trainer` is given unless told otherwise (`objective`).
+
+A decoder-only LM with multi-token prediction modules (`transformer.mtp_depth` D,
+`models.mtp`) is asked for their outputs in the training pass (its ``mtp_outputs``, through
+`Setting.apply`'s `model`): here, not in the model, because their targets' weights are the
+batch's (a chat's tokens that carry no loss carry none ahead either) and their logits are
+formed as the trunk's (whole or in chunks). Module k's loss L_k is the mean cross-entropy of
+the targets k + 1 positions later in the same packed segment (no z-loss, no smoothing: the
+paper's); ``mtp_loss_weight`` x the mean of the L_k is added to the loss, as experts'
+auxiliary losses are (a mean per token), and the unweighted mean is logged as
+``train/mtp_loss``. Evaluation and scoring use the trunk's logits only."""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ import math
 
 import jax.numpy as jnp
 
+from mtrain.models.mtp import ahead
 from mtrain.training.losses import (LossConfig, chunked_cross_entropy, cross_entropy,
                                     loss_weights)
 from mtrain.training.objective import Objective, Setting
@@ -47,6 +58,25 @@ def token_sums(out, stats: dict, batch, config: LossConfig, chunks: int, classes
     return loss, xent, tokens, tokens, {k: v * tokens for k, v in stats.items()}
 
 
+def mtp_loss(outs, batch, chunks: int, classes: int = 0):
+    """The mean over the multi-token prediction modules of each one's mean cross-entropy
+    (`models.mtp`): `outs` their logits, or with `chunks` > 1 their (hidden states, output
+    kernel); module k's targets are `batch`'s k + 1 positions later, where those are in the
+    same packed segment and carry loss."""
+    weights, segments = loss_weights(batch), batch["targets_segment_ids"]
+    means = []
+    for k, out in enumerate(outs, 1):
+        targets = ahead(batch["targets"], k)
+        carried = ahead(weights, k) & (ahead(segments, k) == segments)
+        if chunks == 1:
+            total = cross_entropy(out, targets, carried, classes=classes)[0].sum()
+        else:
+            total = chunked_cross_entropy(*out, targets, carried, chunks=chunks,
+                                          classes=classes)[0]
+        means.append(total / jnp.maximum(carried.sum(), 1).astype(jnp.float32))
+    return sum(means) / len(means)
+
+
 class LanguageModeling(Objective):
     """The mean token loss (`token_sums`); evaluation's loss, perplexity and accuracy per
     token. `loss_chunks`: the slices of the length the training loss forms the logits in
@@ -66,12 +96,22 @@ class LanguageModeling(Objective):
             [("batch", rows // setting.num_microbatches), ("length", length),
              ("vocab", setting.model.config.vocab_size)])
         bound.loss_chunks = self.config.num_chunks(length, logits_per_device)
+        model = setting.model  # (with multi-token prediction: the one that returns its outputs)
+        bound.mtp_model = model.clone(mtp_outputs=True) \
+            if getattr(model.config, "mtp_depth", 0) and hasattr(model, "mtp_outputs") else None
         return bound
 
     def loss_sums(self, params, batch, rngs):
-        s, chunks = self.setting, self.loss_chunks
-        out, stats = s.apply(params, batch, False, rngs, chunks > 1, stats=True)
-        return token_sums(out, stats, batch, self.config, chunks, s.classes)
+        s, chunks, model = self.setting, self.loss_chunks, self.mtp_model
+        out, stats = s.apply(params, batch, False, rngs, chunks > 1, stats=True, model=model)
+        if model is None:
+            return token_sums(out, stats, batch, self.config, chunks, s.classes)
+        out, later = out
+        stats["mtp_loss"] = mtp_loss(later, batch, chunks, s.classes)
+        loss, xent, count, tokens, stats = token_sums(out, stats, batch, self.config, chunks,
+                                                      s.classes)
+        loss = loss + model.config.mtp_loss_weight * stats["mtp_loss"]
+        return loss, xent, count, tokens, stats
 
     def eval_sums(self, params, batch) -> dict:
         s = self.setting

@@ -32,7 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain.errors import ConfigError
-from mtrain.models import context, moe, parameters
+from mtrain.models import balancing, context, moe, parameters
 from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
 from mtrain.parallel.layout import Layout, tree_shardings
 from mtrain.training import freezing
@@ -61,7 +61,9 @@ class Trainer:
         `optimizer` is told which parameters are a scanned stack's
         (`optimizer.for_parameters`), so that its per-tensor statistics are each layer's.
         `trainable` (a predicate of a parameter's path, `freezing`): the parameters that
-        train, the others frozen (no gradient, no optimizer state); None: all."""
+        train, the others frozen (no gradient, no optimizer state); None: all. The experts'
+        choice biases are never the optimizer's: each step moves them by the experts' loads
+        (`balancing`), which they change in training wherever the rate is set."""
         self.model, self.layout, self.mesh = model, layout, mesh
         # Whether the model's kernels want each batch's packing (`models.base`).
         self.uses_packing = bool(getattr(model, "uses_packing", False))
@@ -75,13 +77,18 @@ class Trainer:
         boxed = jax.eval_shape(self._init_variables, self.init_key)
         self.param_names = nn.get_partition_spec(boxed)["params"]
         abstract_params = nn.unbox(boxed)["params"]
-        self.trainable = trainable or (lambda path: True)
+        self.bias_update_rate = balancing.update_rate(model)
+        self.trainable, self.optimized = balancing.optimized(
+            trainable or (lambda path: True), self.bias_update_rate)
         self.frozen = trainable is not None
-        if self.frozen and not any(map(trainable, parameters.paths(abstract_params))):
+        paths = parameters.paths(abstract_params)
+        if self.frozen and not any(map(self.optimized, paths)):
             raise ConfigError("no parameter of the model trains (run.trainable, or the LoRA "
                               "targets, match none)")
+        # Whether the optimizer sees a part of the parameters (frozen ones, choice biases).
+        self.partial = not all(map(self.optimized, paths))
         # What the optimizer sees: the trainable parameters (all of them, unless frozen).
-        self.trained_names = parameters.select(self.param_names, self.trainable)
+        self.trained_names = parameters.select(self.param_names, self.optimized)
         self.given_optimizer = optimizer  # (for `with_layout`)
         self.optimizer = optimizer_lib.for_parameters(optimizer, self.trained_names)
         self._lay_out_state(abstract_params)
@@ -100,7 +107,7 @@ class Trainer:
     def _lay_out_state(self, abstract_params) -> None:
         """The state's shapes and shardings: parameters and optimizer state are stored by
         the parameter layout rules too."""
-        trained = parameters.select(abstract_params, self.trainable)
+        trained = parameters.select(abstract_params, self.optimized)
         param_shardings = tree_shardings(self.layout, self.mesh, self.param_names,
                                          abstract_params, True)
         abstract_opt = jax.eval_shape(self.optimizer.init, trained)
@@ -177,8 +184,8 @@ class Trainer:
                           opt_state=self.optimizer.init(self.split(params)[0]))
 
     def split(self, params) -> tuple[Any, Any]:
-        """(the trainable parameters, the frozen ones) of `params` (`freezing`)."""
-        return freezing.split(params, self.trainable) if self.frozen else (params, {})
+        """(the parameters the optimizer takes, the others) of `params` (`freezing`)."""
+        return freezing.split(params, self.optimized) if self.partial else (params, {})
 
     @property
     def classes(self) -> int:
@@ -205,6 +212,7 @@ class Trainer:
             params = optax.apply_updates(trained, updates)
             if frozen:
                 params = parameters.merge(state.params, params)
+            params = balancing.balance(params, stats, self.bias_update_rate)
         metrics = step_metrics(grads, loss, xent, tokens, stats)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
