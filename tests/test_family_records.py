@@ -74,6 +74,7 @@ def test_no_module_of_huggingface_names_a_family_but_the_records():
     ("mistral_sw", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
     ("mixtral", "MixtralForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM"), ("gpt_oss", "GptOssForCausalLM"),
     ("t5_1_1", "T5ForConditionalGeneration")])
 def test_a_model_trained_here_exports_as_the_first_family_with_its_settings(folder, family):
     """With no record of an import, a model's settings pick the family (`of_model`): each

@@ -30,7 +30,7 @@ from mtrain.huggingface import families
 safetensors = pytest.importorskip("safetensors.numpy")
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
 FAMILIES = ("llama_gqa", "t5_1_1", "mixtral", "llama3", "qwen2", "qwen3", "mistral_sw",
-            "gemma3", "qwen3_moe")
+            "gemma3", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def params_of(model_dir, *gin_params) -> dict:
@@ -90,12 +90,14 @@ def imports(tmp_path_factory):
     return root
 
 
-# Each family's own dimensions split too: key/value heads (Llama, Mixtral), experts (Mixtral).
+# Each family's own dimensions split too: key/value heads (Llama, Mixtral), experts (Mixtral);
+# DeepSeek's latent attention has no key/value heads (its heads split, and its experts).
 EXTRA_RULES = {"llama_gqa": ";kv_heads:model", "t5_1_1": "",
                "mixtral": ";kv_heads:model;experts:model", "llama3": ";kv_heads:model",
                "qwen2": ";kv_heads:model", "qwen3": ";kv_heads:model",
                "mistral_sw": ";kv_heads:model", "gemma3": ";kv_heads:model",
-               "qwen3_moe": ";kv_heads:model;experts:model"}
+               "qwen3_moe": ";kv_heads:model;experts:model", "deepseek_v3": ";experts:model",
+               "gpt_oss": ";kv_heads:model;experts:model"}
 
 
 def layout(name, family) -> list[str]:
@@ -355,7 +357,7 @@ def _refused(capsys, argv, *fragments):
 def test_every_refusal_is_one_line_and_writes_nothing(tmp_path, capsys, imports):
     weights = safetensors.load_file(os.path.join(ORACLES, "llama_gqa", "model.safetensors"))
     cases = [
-        ("llama_gqa", lambda c: c | {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
+        ("llama_gqa", lambda c: c | {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}},
          None, "rope_scaling.rope_type"),
         ("llama3", lambda c: c | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
          None, "rope_parameters.rope_type"),

@@ -29,9 +29,10 @@ ORACLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
 ATOL = 1e-4
 # The decoder-only folders: Llama 2 and 3.2, Mistral with a window, Qwen2.5, Qwen3, Gemma 3,
-# and the experts of Mixtral and Qwen3-MoE.
+# the experts of Mixtral and Qwen3-MoE, DeepSeek-V3 (latent attention, YaRN, shared and
+# bias-balanced experts) and gpt-oss (sinks, biases, YaRN, the clamped SwiGLU).
 DECODERS = ("llama_gqa", "mixtral", "llama3", "qwen2", "qwen3", "mistral_sw", "gemma3",
-            "qwen3_moe")
+            "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def oracle(family) -> dict:
@@ -105,7 +106,8 @@ def test_imported_experts_are_dropless_on_every_kernel(imported, family, setting
 def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
     """By the incremental decoding path (`decode_step`: the prompt fed a token at a time
     into the cache of 2 key/value heads and rotated keys, then its own argmax; a windowed
-    layer's cache a ring of its window, which the 20 ids of Mistral's and Gemma's pass)."""
+    layer's cache a ring of its window, which the 20 ids of Mistral's, Gemma's and gpt-oss's
+    pass; DeepSeek's latent attention caches its latent, not keys)."""
     exp, params, _ = load(imported[family])
     model, params, expected = exp.trainer.model, {"params": params}, oracle(family)
     prompt, total = list(expected["prompt_ids"]), len(expected["greedy_ids"])
@@ -113,7 +115,8 @@ def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
                        method=DecoderLM.decode_step)["cache"]
     for i in range(model.config.num_layers):  # a sliding layer's cache: its window alone
         window = layer_window(model.config, i)
-        keys = cache[f"layer_{i}"]["self_attention"]["cached_key"]
+        attention = cache[f"layer_{i}"]["self_attention"]
+        keys = attention["cached_latent" if model.config.latent_attention else "cached_key"]
         assert keys.shape[1] == (window or total), (i, keys.shape)
     ids = prompt[:1]
     for i in range(total - 1):

@@ -21,10 +21,15 @@ from mtrain.errors import ConfigError
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-# PEFT's module names -> mtrain's projections (Llama, Mistral, Qwen, Gemma; Mixtral's
-# experts w1/w3/w2; T5 names its own as mtrain does).
+# PEFT's module names -> mtrain's projections (Llama, Mistral, Qwen, Gemma, gpt-oss's
+# attention; Mixtral's experts w1/w3/w2; DeepSeek's latent attention and its experts' and
+# shared experts' gate/up/down; T5 names its own as mtrain does). gpt-oss's experts are
+# parameters, not modules (PEFT's target_parameters): mtrain trains adapters on them and
+# exports them merged.
 MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "wi_0",
            "up_proj": "wi_1", "down_proj": "wo", "w1": "wi_0", "w3": "wi_1", "w2": "wo",
+           "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+           "kv_b_proj": "kv_b",
            **{n: n for n in ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo")}}
 # gin's lora.* settings and the adapter_config.json fields they come from
 FIELDS = {"lora.rank": "r", "lora.alpha": "lora_alpha", "lora.targets": "target_modules",
@@ -33,7 +38,9 @@ _UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_patt
                 "alpha_pattern": "per-module alphas (alpha_pattern)",
                 "layers_to_transform": "adapters on some layers only (layers_to_transform)",
                 "modules_to_save": "fully trained modules (modules_to_save)",
-                "lora_bias": "LoRA biases (lora_bias)", "fan_in_fan_out": "fan_in_fan_out"}
+                "lora_bias": "LoRA biases (lora_bias)", "fan_in_fan_out": "fan_in_fan_out",
+                "target_parameters": "adapters on parameters (target_parameters: gpt-oss's "
+                                     "experts)"}
 
 
 def _name(path: str) -> str:

@@ -31,10 +31,36 @@ of `DecoderLM` or `EncoderDecoder`, not a model of its own:
   (``feed_forward_proj`` 'relu', tied embedding and softmax, whose logits T5 scales by
   d_model^-0.5 as mtrain's shared softmax does) or T5.1.1 / Flan-T5 ('gated-gelu', untied).
 
+- ``DeepseekV3ForCausalLM`` (DeepSeek-V3, V3.1, R1; Kimi K2, the same architecture):
+  multi-head latent attention (``transformer.latent_attention``, ``mla.*``: queries through
+  ``q_lora_rank`` (null: directly), keys and values from a ``kv_lora_rank`` latent and a
+  rotary key of ``qk_rope_head_dim`` shared by the heads, rotated in interleaved pairs
+  where ``rope_interleave`` says), YaRN with DeepSeek's mscale on the softmax scale
+  (``transformer.attention_scale`` = qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2),
+  ``first_k_dense_replace`` dense layers (``transformer.first_dense_layers``), then experts
+  in every layer: sigmoid scores, a correction bias for the choice, group-limited top-k,
+  ``routed_scaling_factor``, ``n_shared_experts`` shared experts (`experts`' module doc);
+  ``num_nextn_predict_layers`` multi-token prediction modules (``transformer.mtp_depth``),
+  kept by the import and written by the export, their loss off (``mtp_loss_weight`` 0)
+  unless the user weighs it in: transformers neither runs nor trains them. Only
+  ``topk_method`` 'noaux_tc' and ``scoring_func`` 'sigmoid' (all transformers computes).
+- ``GptOssForCausalLM`` (gpt-oss): attention sinks (``transformer.attention_sinks``),
+  biases on q, k, v and o as ``attention_bias`` says (``transformer.attention_bias``,
+  ``attention_output_bias``), sliding and full layers by ``layer_types``, YaRN, experts in
+  every layer with a router bias and biases of their own, the clamped SwiGLU
+  (``transformer.mlp_activations = ('clamped_swish', 'clamped_linear_plus_one')``,
+  ``activation_limit`` = ``swiglu_limit``, ``swish_alpha`` = ``swiglu_alpha``), a pad in
+  config.json; the BOS ``<|startoftext|>`` its tokenizer never adds is what texts are read
+  after, as lm-evaluation-harness reads them.
+
+Published DeepSeek-V3 (fp8) and gpt-oss (MXFP4) checkpoints are quantized: the import refuses
+a ``quantization_config`` in one line; transformers dequantizes them (its quantization
+config's ``dequantize=True``) into a folder mtrain imports.
+
 RoPE is read from both forms found on the Hub: transformers 5's ``rope_parameters`` (per
 layer type for Gemma 3) and the older ``rope_theta`` + ``rope_scaling`` (+ Gemma's
-``rope_local_base_freq``); rope types 'default', 'linear' and 'llama3' are honoured,
-others ('yarn', 'dynamic', 'longrope') refused.
+``rope_local_base_freq``); rope types 'default', 'linear', 'llama3' and 'yarn' are honoured
+(`rotary`), others ('dynamic', 'longrope') refused.
 
 Each family is a record (`records`, what one holds: `record`) that the functions here loop
 over. `settings` turns a ``config.json`` into gin bindings, refusing in one line every field
@@ -182,9 +208,9 @@ def of_model(c) -> Family:
 
 
 def hf_config(fam: Family, model_config, vocab_rows: int, eos_id: int,
-              bos_id: int | None) -> dict:
+              bos_id: int | None, pad_id: int | None = None) -> dict:
     """The config.json of an mtrain model (`TransformerConfig`) as the family `fam`, or
-    ConversionError if it cannot be (the setting named)."""
+    ConversionError if it cannot be (the setting named); `pad_id` its tokenizer's pad."""
     c = model_config
     positions = {"decoder": "rotary", "encoder_decoder": "relative_bias"}[fam.kind]
     if c.position_encoding != positions:
@@ -192,7 +218,7 @@ def hf_config(fam: Family, model_config, vocab_rows: int, eos_id: int,
                               f"transformer.position_encoding={positions!r}, and this model "
                               f"{c.position_encoding!r}")
     if fam.kind == "decoder":
-        return decoders.hf_config(fam, c, vocab_rows, eos_id, bos_id)
+        return decoders.hf_config(fam, c, vocab_rows, eos_id, bos_id, pad_id)
     return _t5_config(fam, c, vocab_rows, eos_id)
 
 

@@ -11,16 +11,20 @@ A record says
 - **its config.json fields** read as they are (`Field`: the setting, the field, its default;
   `DECODER_FIELDS` every decoder-only family's, `fields` a family's own);
 - **its block**, each a `TransformerConfig` setting it has or has not: the feed-forward
-  activation and the config.json field naming it, q/k/v biases, q/k norms, Gemma's norms
-  after each sublayer, (1 + w) scales and embeddings times sqrt(d_model), the field of its
-  attention scale (else head_dim^-0.5), how its sliding windows are laid out, its experts
-  (`Experts`: their fields and tensors);
+  activation and the config.json field naming it (or mtrain's activations where the family
+  fixes them: gpt-oss's clamped SwiGLU), q/k/v biases (or q/k/v/o biases as config.json's
+  ``attention_bias`` says: gpt-oss), q/k norms, Gemma's norms after each sublayer, (1 + w)
+  scales and embeddings times sqrt(d_model), the field of its attention scale (else
+  head_dim^-0.5; latent attention's is DeepSeek's, `rotary.attention_scale`), latent
+  attention, attention sinks, how its sliding windows are laid out, its experts (`Experts`:
+  their fields, routers and tensors);
 - **its tensors**: the names of its layers' attention, feed-forward and norm tensors (the
   rows of `weights.parameters`);
 - **its tokenizer's habits**: whether it has a BOS (sequences start after it; else after
   EOS), its sentencepiece file and tokenizer class;
 - **what export writes of it** beyond the settings (``constants``: Gemma's empty
-  soft-capping fields).
+  soft-capping fields; ``fixed``: fields whose value the import also checks, DeepSeek's
+  ``topk_method``), and whether its config.json names the pad (``config_pad``).
 """
 
 from __future__ import annotations
@@ -39,16 +43,20 @@ REQUIRED = object()  # a `Field` config.json must have
 @dataclasses.dataclass(frozen=True)
 class Field:
     """A setting read 1:1 from a config.json field and written back to it: `setting` (its
-    gin name: ``transformer.d_model``, ``moe.top_k``), `field`, the `default` where the
-    field is missing or null (`REQUIRED`: none, the import is refused), `kind` its type."""
+    gin name: ``transformer.d_model``, ``moe.top_k``, ``mla.kv_lora_rank``), `field`, the
+    `default` where the field is missing or null (`REQUIRED`: none, the import is refused),
+    `kind` its type; `null`, the setting's value a null field means, and is written as."""
 
     setting: str
     field: str
     default: object = REQUIRED
     kind: type = int
+    null: object = REQUIRED  # the setting's value written as null (DeepSeek's q_lora_rank 0)
 
     def read(self, config: dict):
         value = config.get(self.field)
+        if value is None and self.field in config and self.null is not REQUIRED:
+            return self.null
         if value is None:
             if self.default is REQUIRED:
                 raise KeyError(self.field)
@@ -60,6 +68,11 @@ class Field:
         group, name = self.setting.split(".")
         return self.kind(getattr(model_config if group == "transformer" else
                                  getattr(model_config, group), name))
+
+    def written(self, model_config):
+        """The field's value in the config.json of `model_config` (null where `null` says)."""
+        value = self.value(model_config)
+        return None if self.null is not REQUIRED and value == self.null else value
 
 
 # The fields every decoder-only family reads as they are (a record adds its own: `fields`)
@@ -78,8 +91,13 @@ class Experts:
     """A family's mixture-of-experts layers: the config.json fields of their count (the
     first found), their width (None: ``intermediate_size``), their period (None: every
     layer) and the gates' renormalisation (None: always renormalised), the fields it
-    refuses, and the tensors: ``<layer><prefix>gate.weight`` (the router) and
-    ``<layer><prefix>experts.<j>.<name>.weight`` for the gate, up and down projections."""
+    refuses, its router (softmax or DeepSeek's sigmoid scores with a correction bias for
+    the choice; gpt-oss's bias on the logits), and the tensors: ``<layer><prefix><router>``
+    (``.weight``, ``.bias``, ``.e_score_correction_bias``) and
+    ``<layer><prefix>experts.<j>.<name>.weight`` for the gate, up and down projections, or
+    gpt-oss's (`fused`) ``experts.gate_up_proj`` [experts, d_model, 2 x d_ff] (gate and up
+    interleaved), ``experts.down_proj`` [experts, d_ff, d_model] and their biases;
+    DeepSeek's shared experts under ``<layer><prefix><shared>``."""
 
     count_fields: tuple[str, ...] = ("num_local_experts",)
     d_ff_field: str | None = None
@@ -88,6 +106,12 @@ class Experts:
     refused: tuple[str, ...] = ()  # list fields that must be empty (Qwen3-MoE's mlp_only_layers)
     prefix: str = "mlp."
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router: str = "gate"
+    scoring: str = "softmax"  # ``moe.router_scoring``: 'softmax' or DeepSeek's 'sigmoid'
+    choice_bias: bool = False  # DeepSeek's e_score_correction_bias (``moe.choice_bias``)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    shared: str | None = None  # the shared experts' module ("shared_experts.": DeepSeek)
+    fused: bool = False  # gpt-oss's stacked experts, with biases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +125,12 @@ class Family:
     # The block
     activation_field: str = "hidden_act"
     activation: str = "silu"  # Hugging Face's name; the layer is gated (SwiGLU, GeGLU)
+    mlp_activations: tuple[str, ...] | None = None  # mtrain's, where the family fixes them
     qkv_bias: bool = False  # biases on q, k and v (Qwen2); the output projection has none
+    # config.json's attention_bias puts biases on q, k, v and o (gpt-oss)
+    attention_bias_field: bool = False
+    latent_attention: bool = False  # DeepSeek's multi-head latent attention (``mla.*``)
+    sinks: bool = False  # a learned sink logit per head (gpt-oss)
     qk_norm: bool = False  # an RMSNorm of each query and key head
     post_norms: bool = False  # norms after each sublayer too (Gemma 3)
     norm_scale_offset: float = 0.0  # RMSNorm scales by offset + w
@@ -110,6 +139,9 @@ class Family:
     scale_field: str | None = None  # the field of the attention scale (else head_dim^-0.5)
     windows: str = "none"  # one of WINDOWS
     use_sliding_window: bool = False  # Qwen's switch: windows only where it says so
+    # without layer_types, every sliding_pattern-th layer full and the others sliding, as
+    # transformers fills them in (Gemma 3's 6, gpt-oss's 2); 0: every layer sliding
+    sliding_pattern: int = 0
     local_rope: bool = False  # sliding layers with a RoPE of their own (Gemma 3)
     experts: Experts | None = None
     fields: tuple[Field, ...] = ()  # its own 1:1 fields, beside `DECODER_FIELDS`
@@ -125,8 +157,11 @@ class Family:
     sentencepiece: str = "tokenizer.model"
     tokenizer_class: str = "LlamaTokenizer"
     legacy_tokenizer: bool = True  # tokenizer_config.json's ``legacy`` (Llama's)
-    # What export writes beyond the settings
+    # What export writes beyond the settings; fixed: fields the import refuses another
+    # value of (missing: as given); config_pad: config.json names the pad (gpt-oss)
     constants: tuple[tuple[str, object], ...] = ()
+    fixed: tuple[tuple[str, object], ...] = ()
+    config_pad: bool = False
 
     def __post_init__(self):
         assert self.kind in ("decoder", "encoder_decoder"), self.kind
@@ -139,6 +174,11 @@ class Family:
     def mtrain_activation(self) -> str:
         """mtrain's name of the gated layer's activation (`ACTIVATIONS`)."""
         return ACTIVATIONS[self.activation]
+
+    @property
+    def activations(self) -> tuple[str, ...]:
+        """``transformer.mlp_activations`` of the family's feed-forward layers."""
+        return self.mlp_activations or (self.mtrain_activation, "linear")
 
 
 # Hugging Face's activation names of the decoder-only families -> mtrain's

@@ -10,7 +10,7 @@ imported) is matched in at export: the first whose settings it has (`decoders.re
 from __future__ import annotations
 
 from mtrain.huggingface.common import ConversionError
-from mtrain.huggingface.record import Experts, Family
+from mtrain.huggingface.record import Experts, Family, Field
 
 LLAMA = Family("LlamaForCausalLM", "llama",
                "Llama 2, 3, 3.1-3.3, TinyLlama, SmolLM: RMSNorm, SwiGLU, RoPE, grouped-query "
@@ -42,7 +42,7 @@ GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text",
                 activation_field="hidden_activation", activation="gelu_pytorch_tanh",
                 qk_norm=True, post_norms=True, norm_scale_offset=1.0, scaled_embedding=True,
                 tied_by_default=True, scale_field="query_pre_attn_scalar",
-                windows="layer_types", local_rope=True,
+                windows="layer_types", local_rope=True, sliding_pattern=6,
                 norms=(("attention_norm", "input_layernorm"),
                        ("post_attention_norm", "post_attention_layernorm"),
                        ("mlp_norm", "pre_feedforward_layernorm"),
@@ -50,13 +50,45 @@ GEMMA3 = Family("Gemma3ForCausalLM", "gemma3_text",
                 tokenizer_class="GemmaTokenizer", legacy_tokenizer=False,
                 constants=(("pad_token_id", 0), ("attn_logit_softcapping", None),
                            ("final_logit_softcapping", None)))
+# transformers' defaults where config.json leaves a field out
+DEEPSEEK_V3 = Family(
+    "DeepseekV3ForCausalLM", "deepseek_v3",
+    "DeepSeek-V3, R1, Kimi K2: multi-head latent attention, YaRN, dense first layers, then "
+    "sigmoid-routed experts with a correction bias and shared experts; multi-token prediction",
+    latent_attention=True,
+    experts=Experts(count_fields=("n_routed_experts",), d_ff_field="moe_intermediate_size",
+                    normalize_field="norm_topk_prob", shared="shared_experts.",
+                    scoring="sigmoid", choice_bias=True),
+    fields=(Field("mla.q_lora_rank", "q_lora_rank", 1536, null=0),
+            Field("mla.kv_lora_rank", "kv_lora_rank", 512),
+            Field("mla.qk_nope_head_dim", "qk_nope_head_dim", 128),
+            Field("mla.qk_rope_head_dim", "qk_rope_head_dim", 64),
+            Field("mla.v_head_dim", "v_head_dim", 128),
+            Field("mla.rope_interleaved", "rope_interleave", True, bool),
+            Field("transformer.first_dense_layers", "first_k_dense_replace", 3),
+            Field("moe.num_shared_experts", "n_shared_experts", 1),
+            Field("moe.num_groups", "n_group", 8), Field("moe.top_groups", "topk_group", 4),
+            Field("moe.routed_scaling", "routed_scaling_factor", 2.5, float),
+            Field("transformer.mtp_depth", "num_nextn_predict_layers", 0)),
+    tokenizer_class="PreTrainedTokenizerFast",
+    fixed=(("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1)))
+GPT_OSS = Family(
+    "GptOssForCausalLM", "gpt_oss",
+    "gpt-oss: attention sinks, biases on q, k, v and o, sliding and full layers, YaRN, "
+    "biased experts with a clamped SwiGLU",
+    mlp_activations=("clamped_swish", "clamped_linear_plus_one"), attention_bias_field=True,
+    sinks=True, windows="layer_types", sliding_pattern=2,
+    experts=Experts(router="router", router_bias=True, fused=True),
+    fields=(Field("transformer.activation_limit", "swiglu_limit", 7.0, float),
+            Field("transformer.swish_alpha", "swiglu_alpha", 1.702, float)),
+    tokenizer_class="PreTrainedTokenizerFast", config_pad=True)
 T5 = Family("T5ForConditionalGeneration", "t5",
             "T5 v1.0, T5.1.1, Flan-T5: encoder-decoder, relative position bias",
             kind="encoder_decoder", activation_field="feed_forward_proj", activation="relu",
             bos=False, sentencepiece="spiece.model", tokenizer_class="T5Tokenizer",
             legacy_tokenizer=False)
 
-RECORDS = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, T5)
+RECORDS = (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, DEEPSEEK_V3, GPT_OSS, T5)
 ARCHITECTURES = tuple(r.architecture for r in RECORDS)
 _BY_ARCHITECTURE = {r.architecture: r for r in RECORDS}
 _BY_MODEL_TYPE = {r.model_type: r for r in RECORDS}

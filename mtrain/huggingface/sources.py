@@ -173,3 +173,97 @@ class Stacked(Source):
 
     def to_hf(self, value):
         return [t for part, v in zip(self.parts, value) for t in part.to_hf(v)]
+
+
+@dataclasses.dataclass
+class Strided(Source):
+    """mtrain [..., n] = every `step`-th entry of the tensor's last axis [..., n x step], from
+    `start` (gpt-oss's gate_up_proj [experts, d_model, 2 x d_ff]: the gates at 0::2, the up
+    projections at 1::2). Export joins the parts of one tensor (`Part`, `whole`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    step: int
+
+    def tensors(self):
+        return [(self.name, (*self.shape[:-1], self.shape[-1] * self.step))]
+
+    def read(self, folder, ranges):
+        (a0, a1), *middle, (f0, f1) = ranges
+        rows = folder.read(self.name, a0, a1)
+        last = slice(self.start + f0 * self.step, self.start + f1 * self.step, self.step)
+        return rows[(slice(None), *[slice(a, b) for a, b in middle], last)]
+
+    def to_hf(self, value):
+        return [(self.name, Part(self.start, self.step, value))]
+
+
+@dataclasses.dataclass
+class Part:
+    """What a `Strided` source exports: its entries of a tensor that other parts complete."""
+
+    start: int
+    step: int
+    value: np.ndarray
+
+
+@dataclasses.dataclass
+class Copied(Source):
+    """`source`, whose one tensor a checkpoint also holds under the names `copies`
+    (DeepSeek's multi-token prediction modules keep copies of the embedding and the output
+    head): the import reads the original and checks no copy; the export writes them all."""
+
+    source: Source
+    copies: tuple[str, ...]
+
+    @property
+    def shape(self):
+        return self.source.shape
+
+    def tensors(self):
+        (_, shape), = self.source.tensors()
+        return [*self.source.tensors(), *[(name, shape) for name in self.copies]]
+
+    def read(self, folder, ranges):
+        return self.source.read(folder, ranges)
+
+    def to_hf(self, value):
+        (name, tensor), = self.source.to_hf(value)
+        return [(name, tensor), *[(copy, tensor) for copy in self.copies]]
+
+
+def copies(sources) -> set[str]:
+    """The names of the copies among the tensors of `sources` (which an import need not find)."""
+    return {name for s in sources if isinstance(s, Copied) for name in s.copies} | {
+        name for s in sources if isinstance(s, Stacked) for name in copies(s.parts)}
+
+
+def entries(sources) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) of the tensors `sources` export, each once, in the order `whole`
+    yields them: where its last part comes."""
+    order = {}
+    for source in sources:
+        for name, shape in source.tensors():
+            order.pop(name, None)
+            order[name] = shape
+    return list(order.items())
+
+
+def whole(tensors):
+    """The (name, array) of exported `tensors` with the `Part`s of a tensor joined into it
+    when its last part comes (each held until then)."""
+    pending: dict[str, list[Part]] = {}
+    for name, value in tensors:
+        if not isinstance(value, Part):
+            yield name, value
+            continue
+        parts = pending.setdefault(name, [])
+        parts.append(value)
+        if len(parts) == value.step:
+            del pending[name]
+            *lead, n = value.value.shape
+            out = np.empty((*lead, n * value.step), value.value.dtype)
+            for part in parts:
+                out[..., part.start::part.step] = part.value
+            yield name, out

@@ -8,9 +8,13 @@ special tokens, and the family's conventions are the model's: EOS appended to ev
 and target (both families), the Llama family's BOS read before each sequence
 (``transformer.start_id``), T5's decoder started from the pad id 0.
 
-Tokenizers as they ship: id 0 may be an ordinary piece (Llama 3's and Qwen's byte-level
-BPE), the specials the last ids, no BOS (Qwen) and no unknown piece; none of that matters
-to mtrain (`mtrain.data.vocabulary`). The pad, where the model has one (config.json's
+Tokenizers as they ship: id 0 may be an ordinary piece (Llama 3's, Qwen's, DeepSeek's and
+gpt-oss's byte-level BPE), the specials the last ids, no BOS (Qwen) and no unknown piece;
+none of that matters to mtrain (`mtrain.data.vocabulary`). Whether a tokenizer adds its BOS
+itself (Llama 3's and DeepSeek's do; gpt-oss's names ``<|startoftext|>`` and never adds it)
+does not either: the model reads config.json's BOS first (``transformer.start_id``), which
+is what lm-evaluation-harness scores a text after, and the export writes tokenizer.json as
+it came. The pad, where the model has one (config.json's
 ``pad_token_id``, else tokenizer_config.json's ``pad_token``), is kept for export.
 
 A folder's chat template (`chat_template`: ``chat_template.jinja``, where transformers 5

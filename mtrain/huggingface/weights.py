@@ -25,27 +25,45 @@ feed-forward, norm and expert tensors), so that a family made of known layers ad
   layer (``mlp_norm``); Gemma 3's is the one after attention (``post_attention_norm``),
   its ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` the feed-forward
   layer's.
-- **Experts**: Mixtral's per-expert w1 (gate), w3 (up), w2 (down) and Qwen3-MoE's
-  gate_proj, up_proj, down_proj are stacked along mtrain's ``experts`` dimension (wi_0,
-  wi_1, wo), the router [experts, d_model] transposed.
+- **Experts**: Mixtral's per-expert w1 (gate), w3 (up), w2 (down) and Qwen3-MoE's and
+  DeepSeek's gate_proj, up_proj, down_proj are stacked along mtrain's ``experts`` dimension
+  (wi_0, wi_1, wo), the router [experts, d_model] transposed; DeepSeek's
+  ``e_score_correction_bias`` is ``choice_bias``, its shared experts ``mlp/shared/...`` (a
+  dense layer). gpt-oss stores its experts stacked as mtrain does ([experts, in, out]), gate
+  and up interleaved in ``gate_up_proj`` (wi_0 = [..., 0::2], wi_1 = [..., 1::2]: a
+  `sources.Strided` part each, joined again by the export), with biases, and a router bias.
+- **Latent attention** (DeepSeek): q_a [q_lora, d] and kv_a_proj_with_mqa [kv_lora +
+  qk_rope, d] transposed, q_b [heads x (nope + rope), q_lora] and kv_b [heads x (nope + v),
+  kv_lora] split into heads as q is (each head's rows together), o as o; the norms of the
+  latents as they are. Its interleaved rotary dimensions stay as stored (the model rotates
+  them in pairs: ``mla.rope_interleaved``).
+- **Sinks and the output bias** (gpt-oss): [heads] and [d_model] as they are.
+- **Multi-token prediction** (DeepSeek): module j is Hugging Face's layer
+  num_hidden_layers + j (enorm, hnorm, eh_proj [d, 2d] transposed, its decoder layer,
+  shared_head.norm), with copies of the embedding and the output head, which mtrain shares
+  with the trunk: the import reads none of them, the export writes them.
 - **T5's relative bias** [buckets, heads] (in each stack's first layer) is mtrain's
   per-stack table [heads, buckets], transposed.
 - **Scanned layers** (``transformer.scan_layers``): the layers' tensors stacked on the
   leading ``layers`` dimension (by groups where the layers repeat in groups: experts every
-  few layers, Gemma's sliding and full layers, ``layers/layer_<i>/...``).
+  few layers, Gemma's sliding and full layers, ``layers/layer_<i>/...``); DeepSeek's dense
+  first layers a stack of their own (``dense_layers/...``).
 - **Vocabulary rows**: mtrain pads the vocabulary dimension to a multiple of 128; rows past
   ``vocab_size`` are zeros on import and left out on export.
 """
 
 from __future__ import annotations
 
+from mtrain.huggingface import rotary
 from mtrain.huggingface.record import Family
-from mtrain.huggingface.sources import (HeadsIn, HeadsOut, Plain, Reshaped, Source, Stacked,
-                                        Transposed, ranges)
+from mtrain.huggingface.sources import (Copied, HeadsIn, HeadsOut, Plain, Reshaped, Source,
+                                        Stacked, Strided, Transposed, copies, entries, ranges,
+                                        whole)
 from mtrain.models.blocks import is_moe, period
 from mtrain.models.feedforward import input_names
 
-__all__ = ["ranges", "parameters", "adapters", "peft_name", "PEFT_PREFIX"]
+__all__ = ["ranges", "parameters", "adapters", "peft_name", "PEFT_PREFIX", "copies", "entries",
+           "whole"]
 
 
 def parameters(fam: Family, c, vocab_rows: int) -> dict[str, Source]:
@@ -60,12 +78,6 @@ def parameters(fam: Family, c, vocab_rows: int) -> dict[str, Source]:
         return {f"{prefix}/q": HeadsIn(q, (d, h, k), scale),
                 f"{prefix}/k": HeadsIn(kk, (d, kv, k)), f"{prefix}/v": HeadsIn(vv, (d, kv, k)),
                 f"{prefix}/o": HeadsOut(o, (h, k, d))}
-
-    def mlp(prefix, names):
-        *wi, wo = names
-        ours = {f"{prefix}/{w}": Transposed(n, (d, f))
-                for w, n in zip(input_names(len(wi)), wi)}
-        return ours | {f"{prefix}/wo": Transposed(wo, (f, d))}
 
     def scale(name, size=d):
         return Plain(name, (size,))
@@ -95,61 +107,150 @@ def parameters(fam: Family, c, vocab_rows: int) -> dict[str, Source]:
                     out |= attention(f"{me}/{name}", [f"{at}{p}.weight" for p in "qkvo"])
                     out[f"{me}/{norm}/scale"] = scale(f"{hf}{n}.layer_norm.weight")
                 out[f"{me}/mlp_norm/scale"] = scale(f"{hf}{ff}.layer_norm.weight")
-                out |= mlp(f"{me}/mlp", [f"{hf}{ff}.DenseReluDense.{w}.weight"
-                                         for w in [*wi, "wo"]])
+                out |= _dense(f"{me}/mlp", [f"{hf}{ff}.DenseReluDense.{w}.weight"
+                                            for w in [*wi, "wo"]], d, f)
         return _scanned(c, out, ("encoder", "decoder"))
     out["token_embedding/embedding"] = Plain("model.embed_tokens.weight", (v, d), rows)
     out |= softmax("lm_head.weight")
     out["final_norm/scale"] = scale("model.norm.weight")
     # The queries carry what the checkpoint's scale is not of this model's (1 on import).
-    hf_scale = c.attention_scale if fam.scale_field else k ** -0.5
-    q_factor = c.attention_scale / hf_scale
+    q_factor = c.attention_scale / rotary.attention_scale(fam, c)
     for i in range(c.num_layers):
-        hf, me = f"model.layers.{i}.", f"layer_{i}"
-        attn = f"{hf}{fam.attention}"
-        out |= attention(f"{me}/self_attention",
-                         [f"{attn}{p}.weight" for p in fam.attention_projections], q_factor)
-        if c.attention_bias:
-            for p, theirs, heads in zip("qkv", fam.attention_projections, (h, kv, kv)):
-                out[f"{me}/self_attention/{p}_bias"] = Reshaped(f"{attn}{theirs}.bias",
-                                                                (heads, k))
-        if c.qk_norm:
-            for p in "qk":
-                out[f"{me}/self_attention/{p}_norm/scale"] = scale(f"{attn}{p}_norm.weight", k)
-        for ours, theirs in fam.norms:
-            out[f"{me}/{ours}/scale"] = scale(f"{hf}{theirs}.weight")
-        if is_moe(c, i):
-            out |= _experts(fam, c, f"{me}/mlp", hf)
+        out |= _layer(fam, c, f"layer_{i}", f"model.layers.{i}.", i, q_factor)
+    for j in range(c.mtp_depth):
+        out |= _mtp(fam, c, j, q_factor)
+    if c.mtp_depth:  # the MTP modules' copies of the tables, written beside them
+        heads = [f"model.layers.{c.num_layers + j}." for j in range(c.mtp_depth)]
+        tables = tuple(f"{h}embed_tokens.weight" for h in heads)
+        outputs = tuple(f"{h}shared_head.head.weight" for h in heads)
+        table = "token_embedding/embedding"
+        if c.shared_embedding_and_softmax:
+            out[table] = Copied(out[table], tables + outputs)
         else:
-            out |= mlp(f"{me}/mlp", [f"{hf}{fam.mlp}{p}.weight" for p in fam.mlp_projections])
+            out[table] = Copied(out[table], tables)
+            out["softmax"] = Copied(out["softmax"], outputs)
     return _scanned(c, out, ("",))
 
 
+def _layer(fam: Family, c, me: str, hf: str, i: int, q_factor: float) -> dict[str, Source]:
+    """The parameters of decoder layer `i` (``<me>/...``) and its tensors (``<hf>...``)."""
+    d, h, kv, k, f = c.d_model, c.num_heads, c.num_kv_heads, c.d_kv, c.d_ff
+    attn, at = f"{hf}{fam.attention}", f"{me}/self_attention"
+    q, kk, vv, o = fam.attention_projections
+    if c.latent_attention:
+        out = _latent(c, at, attn, q_factor)
+    else:
+        out = {f"{at}/q": HeadsIn(f"{attn}{q}.weight", (d, h, k), q_factor),
+               f"{at}/k": HeadsIn(f"{attn}{kk}.weight", (d, kv, k)),
+               f"{at}/v": HeadsIn(f"{attn}{vv}.weight", (d, kv, k)),
+               f"{at}/o": HeadsOut(f"{attn}{o}.weight", (h, k, d))}
+    if c.attention_bias:
+        for p, theirs, heads in zip("qkv", (q, kk, vv), (h, kv, kv)):
+            out[f"{at}/{p}_bias"] = Reshaped(f"{attn}{theirs}.bias", (heads, k))
+    if c.attention_output_bias:
+        out[f"{at}/o_bias"] = Plain(f"{attn}{o}.bias", (d,))
+    if c.attention_sinks:
+        out[f"{at}/sinks"] = Plain(f"{attn}sinks", (h,))
+    if c.qk_norm:
+        for p in "qk":
+            out[f"{at}/{p}_norm/scale"] = Plain(f"{attn}{p}_norm.weight", (k,))
+    for ours, theirs in fam.norms:
+        out[f"{me}/{ours}/scale"] = Plain(f"{hf}{theirs}.weight", (d,))
+    if is_moe(c, i):
+        return out | _experts(fam, c, f"{me}/mlp", hf)
+    wi = [f"{hf}{fam.mlp}{p}.weight" for p in fam.mlp_projections]
+    return out | _dense(f"{me}/mlp", wi, d, f)
+
+
+def _dense(prefix: str, names, d: int, f: int) -> dict[str, Source]:
+    """A gated feed-forward layer's projections (gate, up, down)."""
+    *wi, wo = names
+    ours = {f"{prefix}/{w}": Transposed(n, (d, f)) for w, n in zip(input_names(len(wi)), wi)}
+    return ours | {f"{prefix}/wo": Transposed(wo, (f, d))}
+
+
+def _latent(c, at: str, attn: str, q_factor: float) -> dict[str, Source]:
+    """DeepSeek's multi-head latent attention: the queries through q_a (its norm) and q_b, or
+    q alone; kv_a's outputs the latent then the shared rotary key; kv_b [heads x (nope +
+    v), kv_lora] each head's key rows then its value rows; o."""
+    d, h, m = c.d_model, c.num_heads, c.mla
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank:
+        out = {f"{at}/q_a": Transposed(f"{attn}q_a_proj.weight", (d, m.q_lora_rank)),
+               f"{at}/q_a_norm/scale": Plain(f"{attn}q_a_layernorm.weight", (m.q_lora_rank,)),
+               f"{at}/q_b": HeadsIn(f"{attn}q_b_proj.weight", (m.q_lora_rank, h, qk), q_factor)}
+    else:
+        out = {f"{at}/q": HeadsIn(f"{attn}q_proj.weight", (d, h, qk), q_factor)}
+    return out | {
+        f"{at}/kv_a": Transposed(f"{attn}kv_a_proj_with_mqa.weight",
+                                 (d, m.kv_lora_rank + m.qk_rope_head_dim)),
+        f"{at}/kv_a_norm/scale": Plain(f"{attn}kv_a_layernorm.weight", (m.kv_lora_rank,)),
+        f"{at}/kv_b": HeadsIn(f"{attn}kv_b_proj.weight",
+                              (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim)),
+        f"{at}/o": HeadsOut(f"{attn}o_proj.weight", (h, m.v_head_dim, d))}
+
+
+def _mtp(fam: Family, c, j: int, q_factor: float) -> dict[str, Source]:
+    """DeepSeek-V3's multi-token prediction module `j`: Hugging Face's layer
+    num_hidden_layers + j, its norms of the embedding and the hidden state, the projection
+    of their concatenation (eh_proj [d, 2d]), a decoder layer and its output norm."""
+    i, d = c.num_layers + j, c.d_model
+    hf, me = f"model.layers.{i}.", f"mtp_{j}"
+    return {f"{me}/embedding_norm/scale": Plain(f"{hf}enorm.weight", (d,)),
+            f"{me}/hidden_norm/scale": Plain(f"{hf}hnorm.weight", (d,)),
+            f"{me}/projection": Transposed(f"{hf}eh_proj.weight", (2 * d, d)),
+            **_layer(fam, c, f"{me}/layer", hf, i, q_factor),
+            f"{me}/output_norm/scale": Plain(f"{hf}shared_head.norm.weight", (d,))}
+
+
 def _experts(fam: Family, c, prefix: str, hf: str) -> dict[str, Source]:
-    """The router and the stacked experts of a layer of experts (`record.Experts`)."""
-    d, e, f = c.d_model, c.moe.num_experts, c.moe.expert_d_ff
-    moe, names = f"{hf}{fam.experts.prefix}", fam.experts.projections
-    out = {f"{prefix}/router": Transposed(f"{moe}gate.weight", (d, e))}
-    for ours, w, shape in zip(("wi_0", "wi_1", "wo"), names, ((d, f), (d, f), (f, d))):
+    """The router and the stacked experts of a layer of experts (`record.Experts`), with
+    gpt-oss's biases and DeepSeek's correction bias and shared experts."""
+    e, d, n, f = fam.experts, c.d_model, c.moe.num_experts, c.moe.expert_d_ff
+    moe, router = f"{hf}{e.prefix}", f"{hf}{e.prefix}{e.router}"
+    out = {f"{prefix}/router": Transposed(f"{router}.weight", (d, n))}
+    if e.router_bias:
+        out[f"{prefix}/router_bias"] = Plain(f"{router}.bias", (n,))
+    if e.choice_bias:
+        out[f"{prefix}/choice_bias"] = Plain(f"{router}.e_score_correction_bias", (n,))
+    if e.fused:  # gate and up interleaved in one [experts, in, out] tensor, and its bias
+        both, bias = f"{moe}experts.gate_up_proj", f"{moe}experts.gate_up_proj_bias"
+        for j, w in enumerate(("wi_0", "wi_1")):
+            out[f"{prefix}/{w}"] = Strided(both, (n, d, f), j, 2)
+            out[f"{prefix}/{w}_bias"] = Strided(bias, (n, f), j, 2)
+        return out | {f"{prefix}/wo": Plain(f"{moe}experts.down_proj", (n, f, d)),
+                      f"{prefix}/wo_bias": Plain(f"{moe}experts.down_proj_bias", (n, d))}
+    for ours, w, shape in zip(("wi_0", "wi_1", "wo"), e.projections, ((d, f), (d, f), (f, d))):
         out[f"{prefix}/{ours}"] = Stacked(
-            [Transposed(f"{moe}experts.{j}.{w}.weight", shape) for j in range(e)])
+            [Transposed(f"{moe}experts.{j}.{w}.weight", shape) for j in range(n)])
+    shared = c.moe.num_shared_experts if e.shared else 0
+    if shared:
+        out |= _dense(f"{prefix}/shared", [f"{moe}{e.shared}{w}.weight" for w in e.projections],
+                      d, f * shared)
     return out
 
 
 def _scanned(c, params: dict[str, Source], stacks) -> dict[str, Source]:
     """With ``transformer.scan_layers``, each stack's layers as one stacked parameter per
     name (``layers/...``; ``encoder/...`` and ``decoder/...``), stacked by groups of
-    `blocks.period` layers where the layers repeat in groups (``layers/layer_<j>/...``)."""
+    `blocks.period` layers where the layers repeat in groups (``layers/layer_<j>/...``);
+    a decoder's first ``first_dense_layers`` layers as a stack of their own
+    (``dense_layers/...``)."""
     if not c.scan_layers:
         return params
-    group = period(c)
+    group, dense = period(c), c.first_dense_layers
     out, stacked = {}, {}
     for path, source in params.items():
         head, _, rest = path.partition("/")
         stack, _, number = head.rpartition("_")
         if number.isdigit() and stack in [s or "layer" for s in stacks]:
+            i = int(number)
+            if stack == "layer" and i < dense:
+                stacked.setdefault(f"dense_layers/{rest}", []).append(source)
+                continue
             name = "layers" if stack == "layer" else stack
-            inner = f"layer_{int(number) % group}/" if group > 1 else ""
+            j = i - dense if stack == "layer" else i
+            inner = f"layer_{j % group}/" if group > 1 else ""
             stacked.setdefault(f"{name}/{inner}{rest}", []).append(source)
         else:
             out[path] = source

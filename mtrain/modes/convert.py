@@ -153,7 +153,10 @@ def _check_tensors(folder: tensors.Folder, sources: dict, family: str,
     needed = {}
     for source in sources.values():
         needed.update(dict(source.tensors()))
+    copies = weights.copies(sources.values())  # (need not be there: never read)
     for name, shape in needed.items():
+        if name in copies and name not in folder:
+            continue
         if adapter_dir is not None and name.startswith(weights.PEFT_PREFIX):
             if name not in folder:
                 raise ConfigError(f"the adapter in {adapter_dir} has no tensor {name}, which "
@@ -203,7 +206,8 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
     came_from = origin.read(exp.model_dir, exp.config.init_from)
     family = (records.named(came_from.architecture) if came_from
               else families.of_model(exp.model_config))
-    config = families.hf_config(family, exp.model_config, rows, vocab.eos_id, vocab.bos_id)
+    config = families.hf_config(family, exp.model_config, rows, vocab.eos_id, vocab.bos_id,
+                                vocab.pad_id)
     sources = weights.parameters(family, exp.model_config, rows)
     lora = exp.model_config.lora
     if adapter and lora is None:
@@ -221,16 +225,17 @@ def export_model(exp: Experiment, output_dir: str, step: int | None, dtype: str,
             template = f.read()
     check_new_dir(output_dir, "--output_dir")
     with writing(output_dir, ".exporting", "--output_dir") as work:
-        entries = [t for source in sources.values() for t in source.tensors()]
+        entries = weights.entries(sources.values())
 
-        def produce():
+        def produce():  # (a tensor made of several parameters written with its last)
             for name, source in sources.items():
                 value = _gathered(params, name, lora)  # (adapters merged in)
                 yield from source.to_hf(value)
 
         written = []
         if jax.process_index() == 0:
-            written = tensors.write_folder(work, entries, DTYPES[dtype], produce,
+            written = tensors.write_folder(work, entries, DTYPES[dtype],
+                                           lambda: weights.whole(produce()),
                                            max_shard_bytes)
             config["dtype"] = dtype
             generation = families.generation_config(family, config)
@@ -271,6 +276,13 @@ def _export_adapter(exp: Experiment, output_dir: str, dtype: str, sources: dict,
                     "--adapter) and name that folder there", exp.model_dir)
     lora = exp.model_config.lora
     adapted = weights.adapters(sources, lora)
+    unwritten = sorted(p.removesuffix("_lora_a") for p in params
+                       if p.endswith("_lora_a") and p not in adapted)
+    if unwritten:
+        raise ConfigError(f"--adapter: the adapter of {unwritten[0]} has no PEFT module to "
+                          f"be (gpt-oss's experts are parameters, which PEFT adapts by "
+                          f"target_parameters, not LoRA modules); export the model merged "
+                          f"(without --adapter), or train without it in lora.targets")
     entries = [t for source in adapted.values() for t in source.tensors()]
     modules = sorted({name.split(".")[-3] for name, _ in entries})  # q_proj, w1, ...
 
