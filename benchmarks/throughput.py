@@ -328,7 +328,8 @@ def kernel_ran(trainer, batch) -> str:
     if batch.packing is not None and batch.packing <= attention.AUTO_TABLE_LIMIT:
         return f"cudnn_segments, table {batch.packing} (auto)"
     if not attention.uses_flash(config.attention, config.flash_kernel, jax.default_backend(),
-                                config.dtype, config.d_kv):
+                                config.dtype, config.attention_head_dim,
+                                config.attention_sinks):
         return config.attention if config.attention != "auto" else "einsum (auto)"
     kernel = config.flash_kernel
     return kernel if kernel != "auto" else f"{attention.default_kernel()} (auto)"

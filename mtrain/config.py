@@ -201,10 +201,10 @@ def model_config(vocab_size: int, real_vocab_size: int = 0) -> TransformerConfig
     adapter = lora()
     model = transformer(vocab_size=vocab_size, rope_scaling=rope_scaling(),
                         real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0,
-                        lora=adapter if adapter.rank else None)
-    if model.latent_attention:
-        model = dataclasses.replace(model, mla=mla())
-    elif gin.get_bindings("mla"):
+                        lora=adapter if adapter.rank else None,
+                        # (the sizes of gin's mla.* from the start: the checks see them)
+                        mla=mla() if bound("transformer.latent_attention", False) else None)
+    if not model.latent_attention and gin.get_bindings("mla"):
         raise ValueError(f"mla.{sorted(gin.get_bindings('mla'))[0]} is set, but "
                          "transformer.latent_attention is False: no layer has latent attention")
     if not model.moe_every:

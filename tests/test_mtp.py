@@ -44,12 +44,12 @@ def packed_batch(seed=0, weights=False):
     return batch
 
 
-def make_trainer(config, mesh_shape="", rules="", chunks=0):
+def make_trainer(config, mesh_shape="", rules="", chunks=0, microbatches=1):
     layout = Layout(mesh_shape, rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=5))
     return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
-                   batch_size=B, sequence_length=L, seed=3,
+                   batch_size=B, sequence_length=L, seed=3, num_microbatches=microbatches,
                    objective=LanguageModeling(LossConfig(z_loss=0.0, chunks=chunks)))
 
 
@@ -63,7 +63,8 @@ def reference_mtp_loss(c, params, batch):
     later), projects [enorm(emb); hnorm(h)], runs its Block (the library's: the layers'
     own tests check it), and predicts t_{i+1+k} (the target k later) through its output
     norm and the shared softmax; cross-entropy over the positions whose target is in the
-    same segment and carries loss, meant per module, then over the modules."""
+    same segment and carries loss, summed per module and divided by the tokens that carry
+    loss (as the trunk's: `language_modeling.mtp_loss_sum`), then meant over the modules."""
     targets, seg, pos = (jnp.asarray(batch[k]) for k in
                          ("targets", "targets_segment_ids", "targets_positions"))
     carries = (seg > 0) & (jnp.asarray(batch.get("targets_weights", seg)) > 0)
@@ -85,13 +86,12 @@ def reference_mtp_loss(c, params, batch):
         h = Block(c).apply({"params": p["layer"]}, x, mask, True, positions=pos)
         logits = rms(h, p["output_norm"]["scale"], eps) @ params["softmax"]
         xent = jax.nn.logsumexp(logits, -1)
-        total, count = 0.0, 0
+        total = 0.0
         for r in range(B):
             for i in range(L - k):
                 if same[r, i] and carries[r, i + k]:
                     total += xent[r, i] - logits[r, i, targets[r, i + k]]
-                    count += 1
-        losses.append(total / count)
+        losses.append(total / int(carries.sum()))
     return sum(losses) / len(losses)
 
 
@@ -138,6 +138,17 @@ def scanned(params):
     params = dict(params)
     layers = [params.pop(f"layer_{i}") for i in range(TINY["num_layers"])]
     return {**params, "layers": jax.tree_util.tree_map(lambda *x: np.stack(x), *layers)}
+
+
+def test_microbatches_change_no_loss():
+    """The MTP loss is a sum over tokens divided by the batch's tokens, as the trunk's: the
+    same step losses in 1 and 4 microbatches (a mean per microbatch would move them)."""
+    c = TransformerConfig(**{**TINY, "mtp_loss_weight": 0.5})
+    one, four = make_trainer(c), make_trainer(c, microbatches=4)
+    state = one.init_state()
+    params = jax.device_get(state.params)
+    np.testing.assert_allclose(losses_of(four, four.start_from(params)), losses_of(one, state),
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("scan, mesh_shape, rules", [

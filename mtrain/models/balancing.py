@@ -5,10 +5,10 @@ chosen more than the mean is chosen less at the next step, and one chosen less, 
 DeepSeek-V3 paper's gamma; transformers keeps the bias as the checkpoint's
 ``e_score_correction_bias``).
 
-The load is each expert's share of the layer's choices of real tokens over the whole step
+The load is each expert's count of the layer's choices of real tokens over the whole step
 (``expert_load``: the layers sow it, `moe.summary` keeps it per layer under
-``expert_load/<module path>``, and the objectives sum it over microbatches weighted by
-their tokens, as every statistic). The bias is a parameter (a checkpoint keeps it) that no
+``expert_load/<module path>``, and the objectives add it up over microbatches as it is:
+`weighted`, where the statistics that are means are weighted by their tokens). The bias is a parameter (a checkpoint keeps it) that no
 optimizer is given (`optimized`): it has no gradient (it changes which experts are chosen,
 not what they compute), and weight decay or an optimizer's state would move it otherwise.
 """
@@ -50,26 +50,41 @@ def loads(stats: dict) -> dict:
     return {k[len(prefix):]: v for k, v in stats.items() if k.startswith(prefix)}
 
 
+def is_load(name: str) -> bool:
+    """Whether a statistic is a layer's load: its experts' choices counted, summed over
+    microbatches as they are (not weighted by tokens as the statistics that are means)."""
+    return name.startswith(f"{LOAD}/")
+
+
+def weighted(stats: dict, weight) -> dict:
+    """`stats` as sums over what `weight` counts (tokens, pairs) to be added up over
+    microbatches: the means times it, the loads (counts already) as they are."""
+    return {k: v if is_load(k) else v * weight for k, v in stats.items()}
+
+
 def scalars(stats: dict) -> dict:
     """`stats` less the loads (metrics are scalars; the busiest expert's share of the
     choices is ``busiest_expert_share``)."""
     return {k: v for k, v in stats.items() if not k.startswith(f"{LOAD}/")}
 
 
-def balance(params, stats: dict, rate: float):
+def balance(params, stats: dict, rate: float, finite=True):
     """`params` with each choice bias moved by `rate` x sign(mean load - load) of its layer
     (a scanned stack's [layers, experts] per layer), the loads of a step's `stats`; as
-    they are where `rate` is 0."""
+    they are where `rate` is 0, where the step is not `finite` (a step the optimizer skips
+    moves nothing), and for a layer the step did not run (no load: a multi-token prediction
+    module's under an objective that runs the trunk alone)."""
     if not rate:
         return params
     layer_loads = loads(stats)
 
     def move(path, leaf):
         names = "/".join(str(k.key) for k in path)
-        if not is_bias(names):
+        load = layer_loads.get(names.rsplit("/", 1)[0])
+        if not is_bias(names) or load is None:
             return leaf
-        load = layer_loads[names.rsplit("/", 1)[0]].astype(jnp.float32)
-        step = rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+        load = load.astype(jnp.float32)
+        step = jnp.where(finite, rate * jnp.sign(load.mean(-1, keepdims=True) - load), 0.0)
         return (leaf + step).astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(move, params)

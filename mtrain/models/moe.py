@@ -41,7 +41,7 @@ the groups, as Mesh-TF and GShard compute it (a batch-wide f and P would not see
 imbalanced in opposite directions), the router z-loss (the mean of logsumexp(logits)^2), the
 fraction of the tokens' expert choices dropped, the busiest expert's share of the choices,
 and `aux_loss`, what the layer adds to the training loss; a layer with a `choice_bias`, each
-expert's share of the choices too (``expert_load`` [experts], what `balancing` evens out).
+expert's count of the choices too (``expert_load`` [experts], what `balancing` evens out).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ __all__ = ["DISPATCHES", "LOAD", "STATS", "MoEConfig", "MoeFeedForward", "choose
            "statistics", "summary"]
 
 STATS = "moe_stats"  # the collection the layers sow their statistics into
-LOAD = "expert_load"  # each expert's share of a layer's choices (`routing.statistics`)
+LOAD = "expert_load"  # each expert's count of a layer's choices (`routing.statistics`)
 DISPATCHES = ("capacity", "dropless")
 
 

@@ -88,7 +88,7 @@ def choose(logits, real, routing: Routing, choice_bias=None):
 def statistics(logits, probs, choice, real, kept_choices) -> dict:
     """A layer's statistics (`moe`'s module doc; not yet weighted) of a routing `choose`
     made, with `kept_choices` of the tokens' choices given a place; ``expert_load`` [experts]
-    is each expert's share of the real tokens' choices (what `balancing` evens out)."""
+    counts each expert's choices by real tokens (what `balancing` evens out)."""
     real = real.astype(jnp.float32)
     e, top_k = logits.shape[-1], choice.shape[2]
     tokens = jnp.maximum(real.sum(), 1.0)
@@ -106,7 +106,7 @@ def statistics(logits, probs, choice, real, kept_choices) -> dict:
     return {"load_balance_loss": balance, "router_z_loss": z,
             "dropped_fraction": 1.0 - kept_choices / choices,
             "busiest_expert_share": per_expert.max() / choices,
-            "expert_load": per_expert / choices}
+            "expert_load": per_expert}
 
 
 def route(logits, real, top_k: int | Routing, capacity: int, normalize: bool | None = None,

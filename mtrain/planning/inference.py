@@ -46,6 +46,8 @@ def estimate(c, layout, target, batch: int, length: int, prompt_length: int,
         on_device = (m.kv_lora_rank / layout.ways("kv_lora") + m.qk_rope_head_dim) * a \
             / layout.ways("batch")
 
+    full_layers = sum(not layer_window(c, i) for i in range(c.num_layers))
+
     def attended(context: float) -> float:  # positions a query sees, summed over layers
         return sum(min(layer_window(c, i) or context, context) for i in range(c.num_layers))
 
@@ -67,7 +69,9 @@ def estimate(c, layout, target, batch: int, length: int, prompt_length: int,
             "token_loop_time_to_first_token": loop + step(prompt),
             "tokens_per_second": batch / decode,
             "total_seconds": prefill + new * decode,
-            # a cached position's bytes, all layers together (one row, unsplit), and those
-            # of multi-head attention with the same heads (keys and values of every head)
-            "cache_bytes_per_token": cached * c.num_layers,
-            "mha_cache_bytes_per_token": h * (qk + v) * a * c.num_layers}
+            # what the cache grows by a token, all layers together (one row, unsplit: the
+            # full layers', a sliding window's ring holds its window whatever the length),
+            # and the same of multi-head attention with the same heads (every head's key
+            # and value)
+            "cache_bytes_per_token": cached * full_layers,
+            "mha_cache_bytes_per_token": h * (qk + v) * a * full_layers}

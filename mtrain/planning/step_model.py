@@ -179,8 +179,9 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
             ffn = max(ffn, (gates + 1) * d * fe * m.num_experts / layout.ways("experts"))
         working += (attentions * 2 * d * (hk + gk) + ffn) * (a + 4)
     vocab = per("vocab", c.vocab_size)
-    # A slice of the logits and their gradient (the float32 softmax fuses into the reduction).
-    logits = tokens / loss_chunks * vocab * 2 * a
+    # A slice of the logits and their gradient (the float32 softmax fuses into the reduction);
+    # an LM's multi-token prediction modules form theirs beside the trunk's.
+    logits = tokens / loss_chunks * vocab * 2 * a * (1 + (c.mtp_depth if kind == "lm" else 0))
     accumulator = gradient_bytes if num_microbatches > 1 else 0.0
     update = 3 * largest_parameter_bytes
     total = (fixed_bytes + max(saved, gradient_bytes) + accumulator + working + logits + update)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from mtrain.data.preference import CHOSEN, REJECTED
 from mtrain.errors import ConfigError
 from mtrain.models import parameters
+from mtrain.models.balancing import weighted
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys
 from mtrain.models.lora import is_adapter
 from mtrain.training.losses import loss_weights
@@ -185,7 +186,7 @@ class Preference(Objective):
         if "aux_loss" in stats:
             loss = loss + pairs * stats.pop("aux_loss")
         tokens = loss_weights(batch).sum().astype(jnp.float32)
-        stats = {**{k: v * pairs for k, v in stats.items()}, **metrics}
+        stats = {**weighted(stats, pairs), **metrics}
         return loss, -metrics["logps_chosen"], pairs, tokens, stats
 
     def eval_sums(self, params, batch, copy=None) -> dict:

@@ -7,11 +7,13 @@ A decoder-only LM with multi-token prediction modules (`transformer.mtp_depth` D
 `models.mtp`) is asked for their outputs in the training pass (its ``mtp_outputs``, through
 `Setting.apply`'s `model`): here, not in the model, because their targets' weights are the
 batch's (a chat's tokens that carry no loss carry none ahead either) and their logits are
-formed as the trunk's (whole or in chunks). Module k's loss L_k is the mean cross-entropy of
-the targets k + 1 positions later in the same packed segment (no z-loss, no smoothing: the
-paper's); ``mtp_loss_weight`` x the mean of the L_k is added to the loss, as experts'
-auxiliary losses are (a mean per token), and the unweighted mean is logged as
-``train/mtp_loss``. Evaluation and scoring use the trunk's logits only."""
+formed as the trunk's (whole or in chunks). Module k's loss L_k is the cross-entropy of the
+targets k + 1 positions later in the same packed segment (no z-loss, no smoothing: the
+paper's), summed and divided by the tokens that carry loss as the trunk's is (the paper
+means it over its own targets, a few fewer: one per packed example and module; this way a
+step's loss does not depend on its microbatches); ``mtp_loss_weight`` x the mean of the L_k
+is added to the loss, and the unweighted mean is logged as ``train/mtp_loss``. Evaluation
+and scoring use the trunk's logits only."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import math
 
 import jax.numpy as jnp
 
+from mtrain.models.balancing import weighted
 from mtrain.models.mtp import ahead
 from mtrain.training.losses import (LossConfig, chunked_cross_entropy, cross_entropy,
                                     loss_weights)
@@ -55,26 +58,27 @@ def token_sums(out, stats: dict, batch, config: LossConfig, chunks: int, classes
             label_smoothing=config.label_smoothing, classes=classes)
     if "aux_loss" in stats:
         loss = loss + tokens * stats.pop("aux_loss")
-    return loss, xent, tokens, tokens, {k: v * tokens for k, v in stats.items()}
+    return loss, xent, tokens, tokens, weighted(stats, tokens)
 
 
-def mtp_loss(outs, batch, chunks: int, classes: int = 0):
-    """The mean over the multi-token prediction modules of each one's mean cross-entropy
-    (`models.mtp`): `outs` their logits, or with `chunks` > 1 their (hidden states, output
-    kernel); module k's targets are `batch`'s k + 1 positions later, where those are in the
-    same packed segment and carry loss."""
+def mtp_loss_sum(outs, batch, chunks: int, classes: int = 0):
+    """The multi-token prediction modules' cross-entropy summed over the batch's tokens and
+    meant over the modules (`models.mtp`): `outs` their logits, or with `chunks` > 1 their
+    (hidden states, output kernel); module k's targets are `batch`'s k + 1 positions later,
+    where those are in the same packed segment and carry loss. A sum, divided as the trunk's
+    is by the tokens that carry loss (a position with no target k + 1 ahead adds 0): so the
+    step's loss is the same however the batch is cut into microbatches."""
     weights, segments = loss_weights(batch), batch["targets_segment_ids"]
-    means = []
+    totals = []
     for k, out in enumerate(outs, 1):
         targets = ahead(batch["targets"], k)
         carried = ahead(weights, k) & (ahead(segments, k) == segments)
         if chunks == 1:
-            total = cross_entropy(out, targets, carried, classes=classes)[0].sum()
+            totals.append(cross_entropy(out, targets, carried, classes=classes)[0].sum())
         else:
-            total = chunked_cross_entropy(*out, targets, carried, chunks=chunks,
-                                          classes=classes)[0]
-        means.append(total / jnp.maximum(carried.sum(), 1).astype(jnp.float32))
-    return sum(means) / len(means)
+            totals.append(chunked_cross_entropy(*out, targets, carried, chunks=chunks,
+                                                classes=classes)[0])
+    return sum(totals) / len(totals)
 
 
 class LanguageModeling(Objective):
@@ -107,9 +111,9 @@ class LanguageModeling(Objective):
         if model is None:
             return token_sums(out, stats, batch, self.config, chunks, s.classes)
         out, later = out
-        stats["mtp_loss"] = mtp_loss(later, batch, chunks, s.classes)
         loss, xent, count, tokens, stats = token_sums(out, stats, batch, self.config, chunks,
                                                       s.classes)
+        stats["mtp_loss"] = mtp_loss_sum(later, batch, chunks, s.classes)  # (a sum, as stats)
         loss = loss + model.config.mtp_loss_weight * stats["mtp_loss"]
         return loss, xent, count, tokens, stats
 

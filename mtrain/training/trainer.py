@@ -212,8 +212,9 @@ class Trainer:
             params = optax.apply_updates(trained, updates)
             if frozen:
                 params = parameters.merge(state.params, params)
-            params = balancing.balance(params, stats, self.bias_update_rate)
-        metrics = step_metrics(grads, loss, xent, tokens, stats)
+            metrics = step_metrics(grads, loss, xent, tokens, stats)
+            params = balancing.balance(params, stats, self.bias_update_rate,
+                                       metrics["finite"] > 0)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def _eval_step_fn(self, params, batch: Batch, *arguments):
