@@ -332,3 +332,24 @@ def test_the_planner_counts_latent_attention():
         dataclasses.replace(CONFIG, latent_attention=False), 0, 2, 1, 16, 2)
     assert flops == 2 * 16 * (6 * 16 * 4 * (12 + 8) + 9 * 5 * 4) - 2 * 16 * (
         12 * 16 * 4 * CONFIG.d_kv + 9 * 8 * CONFIG.d_kv)
+
+
+def test_which_gpu_kernels_take_deepseeks_heads():
+    """DeepSeek-V3's fused head width (nope 128 + rope 64; the values padded to it) is 192:
+    cuDNN takes it from Hopper on, not before (its limit 128), so a plan for an H100 counts
+    flash attention and an A100's 'auto' runs einsum; tokamax's kernel takes any width (on
+    a GPU, with tokamax: measured on an H200, benchmarks/frontier_attention.py)."""
+    from mtrain.models import attention
+    from mtrain.planning import step_model
+
+    width = LatentConfig().head_width
+    assert width == 192
+    assert attention.flash_refusal("cudnn", "gpu", jnp.bfloat16, width, hopper=True) is None
+    assert "up to 128" in attention.flash_refusal("cudnn", "gpu", jnp.bfloat16, width,
+                                                  hopper=False)
+    c = TransformerConfig(vocab_size=128, d_model=64, num_heads=2, num_layers=1,
+                          position_encoding="rotary", latent_attention=True,
+                          activation_dtype="bfloat16")
+    assert c.attention_head_dim == 192
+    assert step_model.attention_kernel(c, hopper=True) == "flash"
+    assert step_model.attention_kernel(c, hopper=False) == "dense"
