@@ -117,6 +117,7 @@ def _loss(model, params, batch):
     return (ce[..., 0] * weights).sum() / weights.sum(), logits
 
 
+@pytest.mark.slow  # (splash with sinks under context parallelism: the fast tier)
 def test_splash_gives_einsums_loss_gradients_logits_and_prefill(params):
     batch = {k: jnp.asarray(v) for k, v in packed_batches(1)[0].items()}
     real = batch["targets_segment_ids"][..., None] > 0
@@ -249,7 +250,7 @@ LAYOUTS = {
     # (8 ways: each shard one query head, its kv head cut out of the whole ones)
     "splash, heads split 8 ways": ("model:8", "heads:model", SPLASH),
 }
-FAST_LAYOUTS = ("heads and kv heads split", "length split, gathered")
+FAST_LAYOUTS = ("heads and kv heads split",)  # (the fast tier; the rest in the full suite)
 
 
 @pytest.mark.parametrize("name", [

@@ -96,8 +96,9 @@ def test_the_layer_equals_a_per_token_reference(m, decoding):
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize("mesh,rules,parameter_rules", [
-    LAYOUTS[0], pytest.param(*LAYOUTS[1], marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh,rules,parameter_rules", [  # (the fast tier: d_ff split; FSDP
+    pytest.param(*LAYOUTS[0], marks=pytest.mark.slow),      # with experts split in the fast
+    pytest.param(*LAYOUTS[1], marks=pytest.mark.slow),      # tier: test_deepseek_experts')
     pytest.param(*LAYOUTS[2], marks=pytest.mark.slow), LAYOUTS[3]])
 def test_every_layout_computes_one_devices_values_and_gradients(dispatch, mesh, rules,
                                                                 parameter_rules):

@@ -216,7 +216,8 @@ def _loss_and_grads(model, params, batch):
     return jax.value_and_grad(loss)(params)
 
 
-@pytest.mark.parametrize("path", ["dot_product", pytest.param("splash", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", [pytest.param("dot_product", marks=pytest.mark.slow),
+                                  pytest.param("splash", marks=pytest.mark.slow)])
 def test_the_fused_paths_compute_einsums(path):
     """'dot_product' and splash (Pallas' interpreter; the values zero-padded to the q/k head
     width): a training loss and its gradients, evaluation's logits and a prefill's cache and

@@ -152,7 +152,7 @@ def test_microbatches_change_no_loss():
 
 
 @pytest.mark.parametrize("scan, mesh_shape, rules", [
-    (True, "", ""), (False, "batch:4;model:2", SPLIT),
+    pytest.param(True, "", "", marks=pytest.mark.slow), (False, "batch:4;model:2", SPLIT),
     pytest.param(True, "batch:4;model:2", SPLIT, marks=pytest.mark.slow)])
 def test_scanning_and_layouts_change_no_loss(scan, mesh_shape, rules):
     """From the same parameters, the same losses and MTP losses over 3 steps as unscanned
@@ -171,6 +171,7 @@ def test_scanning_and_layouts_change_no_loss(scan, mesh_shape, rules):
     assert all(m > 0 for _, m in got)
 
 
+@pytest.mark.slow  # (about 6 s; the fast tier trains and checks the loss)
 def test_weight_zero_eval_scoring_and_decoding_ignore_the_modules():
     """mtp_loss_weight 0 trains as the model without MTP (same steps, same losses); its
     evaluation sums and token scores (of the trunk's logits) are those of its parameters
