@@ -15,6 +15,7 @@ from mtrain.models import layers, positions
 from mtrain.models.feedforward import DenseReluDense, clamp_of
 from mtrain.models.latent_attention import LatentAttention
 from mtrain.models.moe import STATS, MoeFeedForward
+from mtrain.models.quantization import Quantization
 from mtrain.parallel.layout import constrain
 
 # What a rematerialised layer keeps for the backward pass; the rest is recomputed.
@@ -72,12 +73,12 @@ class Block(nn.Module):
             y = MoeFeedForward(config=c.moe, d_ff=c.moe.expert_d_ff,
                                dropout_rate=c.dropout_rate, dtype=c.dtype,
                                activations=c.mlp_activations, lora=c.lora, clamp=clamp_of(c),
-                               name="mlp")(
+                               quantization=Quantization.of(c), name="mlp")(
                 y, deterministic, real, dropless=decode_index is not None)
         else:
             y = DenseReluDense(d_ff=c.d_ff, dropout_rate=c.dropout_rate, dtype=c.dtype,
                                activations=c.mlp_activations, lora=c.lora, clamp=clamp_of(c),
-                               name="mlp")(y, deterministic)
+                               quantization=Quantization.of(c), name="mlp")(y, deterministic)
         x = x + drop(sublayer("mlp", y), deterministic=deterministic)
         return constrain(x, ("batch", "length", "d_model"))
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from mtrain.models.lora import LoraConfig, project
+from mtrain.models.quantization import Quantization
 from mtrain.models.parameters import normal, param
 from mtrain.parallel.layout import constrain
 
@@ -96,6 +97,7 @@ class DenseReluDense(nn.Module):
     activations: tuple[str, ...] = ("relu",)
     lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
     clamp: Clamp | None = None  # the clamped activations' settings (None: `Clamp()`)
+    quantization: Quantization | None = None  # low-precision projections (`quantization`)
 
     @nn.compact
     def __call__(self, x, deterministic: bool):
@@ -104,7 +106,8 @@ class DenseReluDense(nn.Module):
 
         def projected(wname):  # (each weight, then its adapter: the order of their keys)
             wi = param(self, wname, normal(d_model**-0.5), (d_model, self.d_ff), names, dt)
-            return project(self, wname, "bld,df->blf", x, wi, names, self.lora, deterministic)
+            return project(self, wname, "bld,df->blf", x, wi, names, self.lora, deterministic,
+                           self.quantization)
 
         h = gated(self.activations,
                   [projected(w) for w in input_names(len(self.activations))], self.clamp)
@@ -113,5 +116,5 @@ class DenseReluDense(nn.Module):
                    dt)
         h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         y = project(self, "wo", "blf,fd->bld", h, wo, ("d_ff", "d_model"), self.lora,
-                    deterministic)
+                    deterministic, self.quantization)
         return constrain(y, ("batch", "length", "d_model"))

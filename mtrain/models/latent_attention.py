@@ -33,6 +33,7 @@ from mtrain.models.base import shape_field
 from mtrain.models.kernels import NEG_INF
 from mtrain.models.layers import Prefill, RMSNorm
 from mtrain.models.lora import LoraConfig, merged, project, projection
+from mtrain.models.quantization import Quantization
 from mtrain.models.parameters import normal, param
 from mtrain.parallel.layout import constrain
 
@@ -111,6 +112,7 @@ class LatentAttention(nn.Module):
     norm_epsilon: float = 1e-6
     context_parallel: str = "gather"
     lora: LoraConfig | None = None
+    quantization: Quantization | None = None  # low-precision projections (`quantization`)
 
     @classmethod
     def of(cls, c, *, rotary_frequencies=None, window: int = 0, name: str | None = None):
@@ -124,7 +126,7 @@ class LatentAttention(nn.Module):
                    flash_max_segments=c.flash_max_segments,
                    rotary_frequencies=rotary_frequencies, scale=c.attention_scale,
                    norm_epsilon=c.norm_epsilon, context_parallel=c.context_parallel,
-                   lora=c.lora, name=name)
+                   lora=c.lora, quantization=Quantization.of(c), name=name)
 
     def _path(self, deterministic: bool, single_query: bool = False) -> str:
         """'einsum', 'dot_product' or 'flash' for an expanded call (as
@@ -149,15 +151,18 @@ class LatentAttention(nn.Module):
             names = ("d_model", "heads", "d_kv")
             w = param(self, "q", normal((d_model * m.qk_head_dim) ** -0.5), (d_model, *shape),
                       names, dt)
-            return project(self, "q", "bld,dhk->blhk", x, w, names, lora, deterministic)
+            return project(self, "q", "bld,dhk->blhk", x, w, names, lora, deterministic,
+                    self.quantization)
         names = ("d_model", "q_lora")
         w = param(self, "q_a", normal(d_model**-0.5), (d_model, m.q_lora_rank), names, dt)
-        low = project(self, "q_a", "bld,dc->blc", x, w, names, lora, deterministic)
+        low = project(self, "q_a", "bld,dc->blc", x, w, names, lora, deterministic,
+                    self.quantization)
         low = self._norm(("q_lora",), "q_a_norm")(constrain(low, ("batch", "length", "q_lora")))
         names = ("q_lora", "heads", "d_kv")
         w = param(self, "q_b", normal((m.q_lora_rank * m.qk_head_dim) ** -0.5),
                   (m.q_lora_rank, *shape), names, dt)
-        return project(self, "q_b", "blc,chk->blhk", low, w, names, lora, deterministic)
+        return project(self, "q_b", "blc,chk->blhk", low, w, names, lora, deterministic,
+                    self.quantization)
 
     @nn.compact
     def __call__(self, x, memory, mask: attention.AttentionMask, deterministic: bool,
@@ -172,14 +177,14 @@ class LatentAttention(nn.Module):
         w = param(self, "kv_a", normal(d_model**-0.5), (d_model, m.kv_lora_rank + rope),
                   names, dt)
         compressed = project(self, "kv_a", "bmd,dc->bmc", memory, w, names, lora,
-                             deterministic)
+                             deterministic, self.quantization)
         latent = self._norm(("kv_lora",), "kv_a_norm")(compressed[..., :m.kv_lora_rank])
         latent = constrain(latent, ("batch", "memory_length", "kv_lora"))
         rope_key = compressed[..., m.kv_lora_rank:][:, :, None]  # [b, m, 1, rope]
         names = ("kv_lora", "heads", "d_kv")
         w = param(self, "kv_b", normal(m.kv_lora_rank**-0.5),
                   (m.kv_lora_rank, h, nope + m.v_head_dim), names, dt)
-        kv_b = projection(self, "kv_b", "bmc,chk->bmhk", w, names, lora)
+        kv_b = projection(self, "kv_b", "bmc,chk->bmhk", w, names, lora, self.quantization)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         if self.rotary_frequencies is not None:
             q_rope = positions_lib.rotate(q_rope, positions, self.rotary_frequencies)
@@ -202,7 +207,8 @@ class LatentAttention(nn.Module):
         names = ("heads", "d_kv", "d_model")
         w = param(self, "o", normal((h * m.v_head_dim) ** -0.5), (h, m.v_head_dim, d_model),
                   names, dt)
-        y = project(self, "o", "blhk,hkd->bld", out, w, names, lora, deterministic)
+        y = project(self, "o", "blhk,hkd->bld", out, w, names, lora, deterministic,
+                    self.quantization)
         return constrain(y, ("batch", "length", "d_model"))
 
     def _attend(self, q, k, v, mask: attention.AttentionMask, deterministic: bool, positions):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from mtrain.parallel.layout import constrain
 from mtrain.models import attention, context, kernels
 from mtrain.models.lora import LoraConfig, project
+from mtrain.models.quantization import Quantization
 from mtrain.models.parameters import normal, param  # noqa: F401 (layers.param, layers.normal)
 from mtrain.models import positions as positions_lib
 
@@ -138,6 +139,7 @@ class MultiHeadAttention(nn.Module):
     rotary_frequencies: positions_lib.Rotary | tuple[float, ...] | None = None
     options: AttentionOptions = None  # None: AttentionOptions()
     lora: LoraConfig | None = None  # adapters on the projections it targets (`lora`)
+    quantization: Quantization | None = None  # low-precision projections (`quantization`)
 
     @classmethod
     def of(cls, c, *, rotary_frequencies=None, window: int = 0, name: str | None = None,
@@ -150,7 +152,7 @@ class MultiHeadAttention(nn.Module):
                    flash_max_segments=c.flash_max_segments, num_kv_heads=c.num_kv_heads,
                    rotary_frequencies=rotary_frequencies,
                    options=AttentionOptions.of(c, window, self_attention), lora=c.lora,
-                   name=name)
+                   quantization=Quantization.of(c), name=name)
 
     def _path(self, deterministic: bool, single_query: bool = False,
               bias: bool = False) -> str:
@@ -181,12 +183,14 @@ class MultiHeadAttention(nn.Module):
         wv = param(self, "v", normal(d_model**-0.5), (d_model, g, k), kv_weights, dt)
         wo = param(self, "o", normal((h * k) ** -0.5), (h, k, d_model),
                    ("heads", "d_kv", "d_model"), dt)
-        lora = self.lora
-        q = project(self, "q", "bld,dhk->blhk", x, wq, ("d_model", "heads", "d_kv"), lora,
-                    deterministic)
-        key = project(self, "k", "bmd,dhk->bmhk", memory, wk, kv_weights, lora, deterministic)
-        value = project(self, "v", "bmd,dhk->bmhk", memory, wv, kv_weights, lora,
-                        deterministic)
+
+        def proj(name, spec, x, w, names):
+            return project(self, name, spec, x, w, names, self.lora, deterministic,
+                           self.quantization)
+
+        q = proj("q", "bld,dhk->blhk", x, wq, ("d_model", "heads", "d_kv"))
+        key = proj("k", "bmd,dhk->bmhk", memory, wk, kv_weights)
+        value = proj("v", "bmd,dhk->bmhk", memory, wv, kv_weights)
         if o.bias:
             zeros = nn.initializers.zeros
             q = q + param(self, "q_bias", zeros, (h, k), ("heads", "d_kv"), dt)
@@ -244,8 +248,7 @@ class MultiHeadAttention(nn.Module):
                                       lambda w: drop(w, deterministic=deterministic), bias,
                                       o.scale, sinks)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
-        y = project(self, "o", "blhk,hkd->bld", out, wo, ("heads", "d_kv", "d_model"), lora,
-                    deterministic)
+        y = proj("o", "blhk,hkd->bld", out, wo, ("heads", "d_kv", "d_model"))
         if o.output_bias:
             y = y + param(self, "o_bias", nn.initializers.zeros, (d_model,), ("d_model",), dt)
         return constrain(y, ("batch", "length", "d_model"))

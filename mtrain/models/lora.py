@@ -30,6 +30,7 @@ import numpy as np
 
 from mtrain.models.base import shape_field
 from mtrain.models.parameters import param
+from mtrain.models.quantization import Quantization
 
 # PEFT's "all-linear" minus the output layer: every attention and feed-forward projection
 # (experts' included; latent attention's low-rank ones too).
@@ -108,10 +109,15 @@ class Projection:
     w: jax.Array
     adapter: Adapter | None
     lora: LoraConfig | None
+    quantization: Quantization | None = None  # its low-precision matmul (None: none)
 
     def __call__(self, x, deterministic: bool = True):
-        """``einsum(spec, x, w)`` plus the adapter's factored share (module doc)."""
-        y = jnp.einsum(self.spec, x, self.w)
+        """``einsum(spec, x, w)`` (quantized by `quantization`) plus the adapter's factored
+        share (module doc)."""
+        if self.quantization is None:
+            y = jnp.einsum(self.spec, x, self.w)
+        else:
+            y = self.quantization.einsum(self.spec, x, self.w)
         if self.adapter is None:
             return y
         a, b, a_letters, b_letters, r = self.adapter
@@ -143,17 +149,21 @@ class Projection:
 
 
 def projection(module: nn.Module, name: str, spec: str, w, names: tuple[str, ...],
-               lora: LoraConfig | None) -> Projection:
+               lora: LoraConfig | None, quantization: Quantization | None = None
+               ) -> Projection:
     """The projection of `spec` by `w`, the parameter `name` of `module` (of logical
-    `names`), with its adapter's parameters made beside it where `lora` targets it."""
-    return Projection(name, spec, w, _adapter(module, name, spec, w, names, lora), lora)
+    `names`), with its adapter's parameters made beside it where `lora` targets it, its
+    matmul in the low precision of `quantization` (None: the operands')."""
+    return Projection(name, spec, w, _adapter(module, name, spec, w, names, lora), lora,
+                      quantization)
 
 
 def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...],
-            lora: LoraConfig | None, deterministic: bool = True):
+            lora: LoraConfig | None, deterministic: bool = True,
+            quantization: Quantization | None = None):
     """``einsum(spec, x, w)`` (``w`` the parameter `name` of `module`, of logical `names`),
-    with its adapter where `lora` targets it (module doc)."""
-    return projection(module, name, spec, w, names, lora)(x, deterministic)
+    with its adapter where `lora` targets it (module doc), quantized by `quantization`."""
+    return projection(module, name, spec, w, names, lora, quantization)(x, deterministic)
 
 
 def _adapter(module, name, spec, w, names, lora):

@@ -59,6 +59,7 @@ from mtrain.models.base import shape_field
 from mtrain.models.feedforward import Clamp, DenseReluDense, gated, input_names
 from mtrain.models.grouped import GROUPED_KERNELS
 from mtrain.models.lora import LoraConfig, Projection, projection
+from mtrain.models.quantization import Quantization
 from mtrain.models.routing import SCORINGS, Routing, choose, route, statistics
 from mtrain.parallel.layout import constrain
 
@@ -189,6 +190,7 @@ class MoeFeedForward(nn.Module):
     activations: tuple[str, ...] = ("relu",)
     lora: LoraConfig | None = None  # each expert's adapters where it targets them (`lora`)
     clamp: Clamp | None = None  # the clamped activations' settings (`feedforward.Clamp`)
+    quantization: Quantization | None = None  # low-precision projections (`quantization`)
 
     @nn.compact
     def __call__(self, x, deterministic: bool, nonpadding=None, dropless: bool = False):
@@ -216,7 +218,8 @@ class MoeFeedForward(nn.Module):
             y = y + DenseReluDense(d_ff=self.d_ff * m.num_shared_experts,
                                    dropout_rate=self.dropout_rate, dtype=dt,
                                    activations=self.activations, lora=self.lora,
-                                   clamp=self.clamp, name="shared")(x, deterministic)
+                                   clamp=self.clamp, quantization=self.quantization,
+                                   name="shared")(x, deterministic)
         return constrain(y, ("batch", "length", "d_model"))
 
     def _bias(self, name, shape, names, dtype=jnp.float32):
@@ -290,7 +293,7 @@ class MoeFeedForward(nn.Module):
 
         def weight(name, fan_in, shape, names, spec):
             w = layers.param(self, name, layers.normal(fan_in**-0.5), shape, names, self.dtype)
-            return projection(self, name, spec, w, names, self.lora)
+            return projection(self, name, spec, w, names, self.lora, self.quantization)
 
         into = ("experts", "d_model", "d_ff")
         names = input_names(len(self.activations))

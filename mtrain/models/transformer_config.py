@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtrain.models import attention, context, feedforward
+from mtrain.models import attention, context, feedforward, quantization
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
 from mtrain.models.blocks import REMAT_POLICIES, dense_period, period
@@ -115,6 +115,11 @@ class TransformerConfig:
     # "clamped_linear_plus_one")``): the clamp and the swish's alpha.
     activation_limit: float = 0.0
     swish_alpha: float = 1.702
+    # Low-precision matmuls in the projections (`quantization`): 'none', 'fp8' (Hopper and
+    # newer GPUs) or 'int8' (TPU v5e); one scale per operand ('tensorwise') or per row
+    # ('rowwise'). Parameters and checkpoints keep their dtype: it may change between runs.
+    quantization: str = "none"
+    quantization_scaling: str = "tensorwise"
 
     @property
     def dtype(self):
@@ -229,6 +234,7 @@ class TransformerConfig:
                              "latent_attention's: set one of them False")
         if self.latent_attention:
             _check_latent_attention(self)
+        quantization.check(self.quantization, self.quantization_scaling)
         if self.attention == "flash" and (why := attention.flash_refusal(
                 self.flash_kernel, jax.default_backend(), self.dtype, self.attention_head_dim,
                 self.attention_sinks)):

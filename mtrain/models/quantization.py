@@ -1,0 +1,108 @@
+"""Low-precision matmuls (``transformer.quantization``): the projections' einsums in fp8
+(Hopper and newer GPUs) or int8 (TPU v5e), through qwix's quantized training ops.
+
+A quantized projection ``einsum(spec, x, w)`` quantizes both operands to the format (each
+scaled so that its largest magnitude lands on the format's largest value), multiplies the
+quantized values (on hardware with such units, at their rate: an H100's fp8 tensor cores
+run 2x its bf16 rate) and scales the product back. Its backward pass quantizes the incoming
+gradient the same way (fp8: to e5m2, the wider-range format, as Transformer Engine's and
+torchtitan's recipes do; int8: to int8, as AQT's) and multiplies it by the quantized
+operands saved from the forward pass. Parameters, optimizer state and checkpoints stay as
+they are (float32, or the run's dtype): the low-precision copies live only inside a step.
+
+`transformer.quantization_scaling` says what one scale covers:
+
+- ``'tensorwise'``: one scale per operand (torchtitan's ``tensorwise``, the current scaling
+  of Transformer Engine: computed from this step's values, not a history);
+- ``'rowwise'``: a scale per row of each operand along the dimensions it keeps (each token's
+  activations, each output unit's weights; torchtitan's ``rowwise``): more accurate where
+  a few tokens carry outliers, at the cost of the scales' reductions.
+
+Only the projections are quantized (attention's q, k, v, o and latent attention's, the
+feed-forward layers' and the capacity-dispatched experts'): never the embeddings, the
+logits, the attention's own products (q.k, p.v), the router or the norms, as torchtitan and
+MaxText leave them. The dropless experts' grouped matmuls, the multi-token prediction's
+projection and latent attention's absorbed decoding (which folds ``kv_b`` into the queries)
+stay in the run's dtype; so does a projection's low-rank adapter (`lora`): its matmuls are
+small.
+
+Why qwix: it is Google's quantization library for JAX (MaxText's, after AQT), a dependency
+of tokamax already, and its quantized-training (QT) dot_general has the backward pass
+above for fp8 and int8 alike, with either scaling; flax's fp8 ops have fp8 alone, and
+Transformer Engine ships CUDA alone. mtrain calls the op, with each operand's role
+explicit (`_qwix_training_op`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("none", "fp8", "int8")
+SCALINGS = ("tensorwise", "rowwise")
+# (forward operands, incoming gradient) of each format
+FORMATS = {"fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2), "int8": (jnp.int8, jnp.int8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A run's low-precision matmuls: `mode` ('fp8' or 'int8') and `scaling`
+    ('tensorwise' or 'rowwise'); `of` gives None for ``'none'``."""
+
+    mode: str
+    scaling: str = "tensorwise"
+
+    def __post_init__(self):
+        if self.mode not in FORMATS:
+            raise ValueError(f"transformer.quantization must be one of {', '.join(MODES)}, "
+                             f"got {self.mode!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"transformer.quantization_scaling must be one of "
+                             f"{', '.join(SCALINGS)}, got {self.scaling!r}")
+
+    @classmethod
+    def of(cls, c) -> Quantization | None:
+        """The quantization of a `TransformerConfig` `c` (None: none)."""
+        if c.quantization == "none":
+            return None
+        return cls(mode=c.quantization, scaling=c.quantization_scaling)
+
+    def einsum(self, spec: str, x, w):
+        """``einsum(spec, x, w)`` with both operands and the backward pass's incoming
+        gradient quantized (module doc), in the operands' dtype."""
+        qt = _qwix_training_op()
+        forward, backward = FORMATS[self.mode]
+        one = self.scaling == "tensorwise"
+        config = qt.DotGeneralQtConfig(
+            lhs_qtype=forward, rhs_qtype=forward, dlhs_grad_qtype=backward,
+            drhs_grad_qtype=backward, lhs_disable_channelwise_axes=one,
+            rhs_disable_channelwise_axes=one, dlhs_grad_disable_channelwise_axes=one,
+            drhs_grad_disable_channelwise_axes=one)
+
+        def dot_general(lhs, rhs, dimension_numbers, *args, **kwargs):
+            return qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
+
+        with jax.disable_jit():  # (einsum's own jit would cache the closure: as qwix's)
+            y = jnp.einsum(spec, x, w, _dot_general=dot_general)
+        return y.astype(jnp.result_type(x, w))
+
+
+def _qwix_training_op():
+    """qwix's quantized-training dot_general (`dot_general_qt` and its config). Its public
+    entry points (``qwix.QtProvider``) find which operand is the weight by looking the
+    arrays up among the module's parameters, by shape where tracing hides them, which
+    fails for q, k and v of one shape; the op itself takes both operands' roles from its
+    config. (pyproject pins qwix's minor version for this import.)"""
+    from qwix._src.core import dot_general_qt
+
+    return dot_general_qt
+
+
+def check(mode: str, scaling: str) -> None:
+    """One line naming the setting where `mode` or `scaling` is not one of them."""
+    if mode != "none":
+        Quantization(mode=mode, scaling=scaling)
+    elif scaling not in SCALINGS:
+        Quantization(mode="fp8", scaling=scaling)
