@@ -8,19 +8,24 @@ matmul FLOPs at equal results.
    outputs as dropless), then the train default (capacity factor 1.25, which drops); the
    dropless rows run each grouped kernel (`moe.grouped_kernel`) this backend can run in
    reasonable time: 'tiles' everywhere, 'ragged_dot' on a GPU or TPU (XLA:CPU expands it
-   into a dense matmul per expert: 64x the FLOPs; add it with --ragged_dot_on_cpu), and
-   'megablox' on a TPU.
+   into a dense matmul per expert: 64x the FLOPs; add it with --ragged_dot_on_cpu),
+   'tokamax' on a GPU or TPU (on a Hopper GPU in bfloat16 its Mosaic kernel; on the CPU it
+   is XLA's ragged_dot again, not timed twice), and 'megablox' on a TPU.
 2. `moe_tiny` (configs/models/moe_tiny.gin: Llama-style, 4 layers, 8 experts of d_ff 256,
    top-2 every other layer) trained with AdamW on batch --batch x 128 of one device, the
    same two dispatches (capacity with a slot for every token; then its default, 1.25,
    which drops), and the dense model of the same active size (`llama_tiny` at 4 layers)
    beside them.
 
-Each row prints the outputs' (or loss's) largest difference from the baseline, and the
-ratios. Compiled FLOPs: the HLO's matmuls, loops counted per iteration (a grouped kernel's
-tiles at balanced routing: `mtrain.planning.hlo_cost`).
+--dtype: the activations' and the experts' matmuls' (parameters stay float32); default
+bfloat16 on a GPU (what tokamax's Mosaic kernel takes), float32 elsewhere. The header names
+the kernel 'auto' picks here (`grouped.SELECTION`). Each row prints the outputs' (or
+loss's) largest difference from the baseline, and the ratios. Compiled FLOPs: the HLO's
+matmuls, loops counted per iteration (a grouped kernel's tiles at balanced routing:
+`mtrain.planning.hlo_cost`; a custom kernel's, tokamax's on a GPU, are not counted).
 
     python benchmarks/moe.py [--tokens 4096] [--group 256] [--d_model 512] [--steps 5]
+                             [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtrain.models import grouped
 from mtrain.models.moe import STATS, MoEConfig, MoeFeedForward
 from mtrain.models.transformer import DecoderLM, TransformerConfig
 from mtrain.parallel.layout import Layout
@@ -51,7 +57,10 @@ def parse_args():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--ragged_dot_on_cpu", action="store_true")
-    return p.parse_args()
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    return args
 
 
 def timed(fn, *args, steps: int):
@@ -70,7 +79,7 @@ def timed(fn, *args, steps: int):
 def kernels(cpu_ragged: bool) -> list[str]:
     backend = jax.default_backend()
     return ["tiles"] + (["ragged_dot"] if backend != "cpu" or cpu_ragged else []) + (
-        ["megablox"] if backend == "tpu" else [])
+        ["tokamax"] if backend != "cpu" else []) + (["megablox"] if backend == "tpu" else [])
 
 
 def layer_rows(args):
@@ -78,7 +87,7 @@ def layer_rows(args):
     config = MoEConfig(num_experts=e, top_k=k, group_size=args.group,
                        capacity_factor_train=e / k, capacity_factor_eval=e / k)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(args.tokens // args.group,
-                                                           args.group, d)), jnp.float32)
+                                                           args.group, d)), args.dtype)
     params = nn.unbox(MoeFeedForward(config, d, activations=("silu", "linear")).init(
         jax.random.key(1), x, True)["params"])
     rows = [("one-hot, no drops", config),
@@ -88,7 +97,7 @@ def layer_rows(args):
              for kernel in kernels(args.ragged_dot_on_cpu)]
     out = []
     for name, c in rows:
-        layer = MoeFeedForward(c, d, activations=("silu", "linear"))
+        layer = MoeFeedForward(c, d, activations=("silu", "linear"), dtype=args.dtype)
 
         def step(params, x):
             def f(params, x):
@@ -101,14 +110,15 @@ def layer_rows(args):
     return out
 
 
-def tiny_config(dispatch: str | None, kernel: str = "tiles",
-                capacity: float = 4.0) -> TransformerConfig:
+def tiny_config(dispatch: str | None, kernel: str = "tiles", capacity: float = 4.0,
+                dtype: str = "float32") -> TransformerConfig:
     moe = None if dispatch is None else MoEConfig(
         num_experts=8, top_k=2, expert_d_ff=256, group_size=128,
         capacity_factor_train=capacity, dispatch=dispatch, grouped_kernel=kernel)
     return TransformerConfig(vocab_size=2048, d_model=128, d_ff=384, num_heads=8,
                              num_kv_heads=2, d_kv=16, num_layers=4, max_length=128,
                              mlp_activations=("silu", "linear"), position_encoding="rotary",
+                             activation_dtype=dtype,
                              shared_embedding_and_softmax=False, moe_every=2 if moe else 0,
                              moe=moe)
 
@@ -119,11 +129,12 @@ def model_rows(args):
     batch = {"targets": rng.integers(1, 2048, shape).astype(np.int32),
              "targets_segment_ids": np.ones(shape, np.int32),
              "targets_positions": np.broadcast_to(np.arange(128), shape).astype(np.int32)}
-    rows = [("moe_tiny one-hot, no drops", tiny_config("capacity")),
-            ("moe_tiny one-hot, 1.25", tiny_config("capacity", capacity=1.25))]
-    rows += [(f"moe_tiny dropless, {k}", tiny_config("dropless", k))
+    dt = dict(dtype=args.dtype)
+    rows = [("moe_tiny one-hot, no drops", tiny_config("capacity", **dt)),
+            ("moe_tiny one-hot, 1.25", tiny_config("capacity", capacity=1.25, **dt))]
+    rows += [(f"moe_tiny dropless, {k}", tiny_config("dropless", k, **dt))
              for k in kernels(True)]  # (8 experts: ragged_dot's dense expansion is bearable)
-    rows.append(("dense, the same active size", tiny_config(None)))
+    rows.append(("dense, the same active size", tiny_config(None, **dt)))
     out = []
     layout = Layout("", "")
     for name, c in rows:
@@ -146,7 +157,8 @@ def model_rows(args):
 
 def main():
     args = parse_args()
-    print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}, {args.dtype}; "
+          f"moe.grouped_kernel='auto' runs {grouped.default_kernel(None, args.dtype)!r}")
     print(f"1. a layer of 64 experts, top-8: d_model {args.d_model}, expert d_ff "
           f"{args.d_model} (SwiGLU), {args.tokens} tokens in groups of {args.group}; "
           f"forward and backward")

@@ -83,7 +83,7 @@ def _dropless(config: MoEConfig, **kwargs) -> MoEConfig:
     return dataclasses.replace(config, dispatch="dropless", **kwargs)
 
 
-@pytest.mark.parametrize("kernel", ["tiles", "ragged_dot",  # (megablox: the test above)
+@pytest.mark.parametrize("kernel", ["tiles", "ragged_dot", "tokamax",  # (megablox: above)
                                     pytest.param("megablox", marks=pytest.mark.slow)])
 def test_dropless_layer_equals_the_reference_and_capacity_without_drops(kernel):
     """The per-token reference; capacity dispatch with a slot for every token: the same

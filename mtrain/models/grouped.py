@@ -2,57 +2,171 @@
 (the experts of a dropless mixture of experts, `mtrain.models.dropless`).
 
 ``grouped_matmul(x [m, k], w [groups, k, n], sizes [groups])`` is ``jax.lax.ragged_dot``:
-rows ``sum(sizes[:i]) .. sum(sizes[:i+1])`` times ``w[i]``; rows past ``sum(sizes)`` give 0.
-Three kernels compute it (`moe.grouped_kernel`, chosen like the attention kernel):
+rows ``sum(sizes[:i]) .. sum(sizes[:i+1])`` times ``w[i]``; rows past ``sum(sizes)`` give 0
+(and get no gradient). Four kernels compute it (`moe.grouped_kernel`, chosen like the
+attention kernel):
 
+- ``'tokamax'``: ``tokamax.ragged_dot`` (`pip install 'mtrain[gpu]'`), with the
+  implementation of `tokamax_implementations`: on a Hopper GPU with bfloat16 or float16
+  operands its Mosaic GPU kernel (wgmma, with its own backward pass: on an H100 13x and 32x
+  XLA's ``ragged_dot`` with 64 and 128 experts, 2.1x with Mixtral's 8: `SELECTION`);
+  elsewhere its Triton kernel where that registers (it needs jax_triton, which mtrain[gpu]
+  does not bring), else its reference, XLA's op with a float32 accumulator: what the CPU
+  runs, so that the tests check the wiring the GPU runs through the same call. Rows past
+  the groups are masked (a kernel need not write them: Megablox does not), in the input
+  too, so that no gradient reaches them.
 - ``'ragged_dot'``: XLA's own op. XLA:CPU expands it into one dense matmul against every
   group's weight with the other groups' rows masked out (``groups`` x the FLOPs: measured
-  by `benchmarks/moe.py` and the plan's matmul count); XLA:TPU and XLA:GPU have their own
-  lowerings. ``'auto'`` takes it on a GPU (where no other kernel is measured yet).
+  by `benchmarks/moe.py` and the plan's matmul count); XLA:GPU does the same unless cuDNN's
+  ragged-dot fusion engages (cuDNN >= 9.22, bfloat16 output); XLA:TPU has its own lowering.
 - ``'megablox'``: the Pallas TPU kernel of Megablox (`jax.experimental.pallas.ops.tpu
-  .megablox`, MaxText's), with its own backward pass; ``'auto'`` on a TPU. Elsewhere it runs
-  in Pallas's interpreter (tests), which is slow.
-- ``'tiles'``: the same algorithm in XLA, ``'auto'`` on the CPU. Each group's rows are
-  padded to a multiple of a tile of ``t`` rows, so that a tile belongs to one group; a loop
-  over the tiles that hold rows (as many as the routing filled, not a static worst case)
-  multiplies each by its group's weight. The backward pass is its own (`jax.custom_vjp`):
-  the input's gradient by the same loop against the transposed weights, each weight's
-  gradient summed over its tiles. The loop's trip count is known only at run time, so its
-  name says how many tiles balanced routing fills (``balanced_trips_N``), which is what the
-  planner counts (`mtrain.planning.hlo_cost`).
+  .megablox`, MaxText's), with its own backward pass. Elsewhere it runs in Pallas's
+  interpreter (tests), which is slow.
+- ``'tiles'``: the same algorithm in XLA. Each group's rows are padded to a multiple of a
+  tile of ``t`` rows, so that a tile belongs to one group; a loop over the tiles that hold
+  rows (as many as the routing filled, not a static worst case) multiplies each by its
+  group's weight. The backward pass is its own (`jax.custom_vjp`): the input's gradient by
+  the same loop against the transposed weights, each weight's gradient summed over its
+  tiles. The loop's trip count is known only at run time, so its name says how many tiles
+  balanced routing fills (``balanced_trips_N``), which is what the planner counts
+  (`mtrain.planning.hlo_cost`).
+
+``'auto'`` takes the first row of `SELECTION` that matches the backend, the GPU's generation
+(`gpu_generation`: from the compute capability, as tokamax dispatches) and the operands'
+dtype; each row names the measurement it rests on. A TPU runs Megablox, a CPU the tiles;
+a GPU never the tiles (a loop of small matmuls: 7x XLA's op for `moe_tiny` on an H100).
+On a Hopper GPU bfloat16 experts run tokamax's Mosaic kernel. The fallback, float32
+experts on any GPU and every GPU before or after Hopper, is XLA's ``ragged_dot``:
+
+- float32: Mosaic takes bfloat16 or float16 alone; XLA's op is the fastest measured
+  float32 kernel on an H100 (`moe_tiny` 2.4 ms against the tiles' 17.3; the 64-expert
+  layer 57-58 ms either way); tokamax's Triton kernel would take float32 but does not
+  register without jax_triton, and is unmeasured.
+- Ampere, Blackwell: tokamax 0.0.17's Mosaic kernels for them (sm80, sm100) take only the
+  default dimension numbers, so the weights' gradient (a ragged contraction) raises: they
+  cannot train. XLA's op is correct everywhere and cuDNN's fusion speeds it where it
+  engages; 'tokamax' (its Triton kernel where it registers) stays a setting to measure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
-GROUPED_KERNELS = ("auto", "ragged_dot", "megablox", "tiles")
+GROUPED_KERNELS = ("auto", "ragged_dot", "megablox", "tiles", "tokamax")
+HALF = ("bfloat16", "float16")  # the operand dtypes of tokamax's Mosaic GPU kernel
 
 
-def default_kernel(backend: str | None = None) -> str:
-    """The kernel of ``'auto'`` on `backend` (default: this process's)."""
-    return {"tpu": "megablox", "gpu": "ragged_dot"}.get(backend or jax.default_backend(),
-                                                        "tiles")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+    """A row of `SELECTION`: on `backend` (a GPU of `generation`, None: any) with operands of
+    `dtypes` (names; None: any), ``'auto'`` runs `kernel` and ``'tokamax'`` tries
+    `tokamax` (its implementations, in order: the first that registers and takes the call);
+    `measured`: what the choice rests on."""
+
+    backend: str | None
+    generation: str | None
+    dtypes: tuple[str, ...] | None
+    kernel: str
+    tokamax: tuple[str, ...]
+    measured: str
+
+    def matches(self, backend: str, generation: str | None, dtype: str) -> bool:
+        return (self.backend in (None, backend) and self.generation in (None, generation)
+                and (self.dtypes is None or dtype in self.dtypes))
+
+
+# The first row that matches wins. The measurements: issue 61 (one H100 80GB, jax 0.11.2,
+# 2026-11-26; fwd+bwd TFLOP/s of [rows, k] x [groups, k, n]) and README's benchmarks/moe.py.
+SELECTION = (
+    Choice(backend="gpu", generation="hopper", dtypes=HALF, kernel="tokamax",
+           tokamax=("mosaic", "triton", "xla"),
+           measured="H100 bf16: tokamax Mosaic against XLA ragged_dot, 105 vs 7.7 TFLOP/s at "
+                    "[32768, 512] x [64, 512, 512], 201 vs 6.3 at [65536, 2048] x [128, 2048, "
+                    "768] (Qwen3-MoE), 290 vs 139 at [16384, 4096] x [8, 4096, 14336] (Mixtral)"),
+    Choice(backend="gpu", generation=None, dtypes=HALF, kernel="ragged_dot",
+           tokamax=("triton", "xla"),
+           measured="unmeasured off Hopper: tokamax 0.0.17's sm80/sm100 Mosaic kernels refuse "
+                    "the weights' gradient (a ragged contraction); XLA's op runs everywhere"),
+    Choice(backend="gpu", generation=None, dtypes=None, kernel="ragged_dot",
+           tokamax=("triton", "xla"),
+           measured="H100 float32 (Mosaic takes bf16/f16): moe_tiny step ragged_dot 2.4 ms vs "
+                    "tiles 17.3; 64 experts top-8, 4096 tokens, d 512: 57-58 ms either"),
+    Choice(backend="tpu", generation=None, dtypes=None, kernel="megablox",
+           tokamax=("mosaic", "xla"),
+           measured="unmeasured here: Megablox is MaxText's TPU kernel (its own backward); "
+                    "tokamax's own order on a TPU"),
+    Choice(backend=None, generation=None, dtypes=None, kernel="tiles", tokamax=("xla",),
+           measured="2 CPU cores: moe_tiny step tiles 279 ms vs ragged_dot 538 (XLA:CPU: a "
+                    "dense matmul per expert, 3.2x the FLOPs)"),
+)
+
+
+def gpu_generation(compute_capability) -> str | None:
+    """The NVIDIA generation of a CUDA compute capability ("9.0", 9.0; None: not a GPU), as
+    tokamax's kernels tell them apart: 'ampere' (8.x, Ada's 8.9 too), 'hopper' (9.x: H100,
+    H200, GH200), 'blackwell' (10.x and later), 'older'."""
+    if compute_capability is None:
+        return None
+    cc = float(compute_capability)
+    return ("older" if cc < 8 else "ampere" if cc < 9 else "hopper" if cc < 10
+            else "blackwell")
+
+
+def choose(backend: str, generation: str | None, dtype) -> Choice:
+    """The row of `SELECTION` for operands of `dtype` on `backend` (a GPU of `generation`)."""
+    name = jnp.dtype(dtype).name
+    return next(c for c in SELECTION if c.matches(backend, generation, name))
+
+
+def tokamax_implementations(backend: str, generation: str | None, dtype) -> tuple[str, ...]:
+    """What ``'tokamax'`` asks ``tokamax.ragged_dot`` for, in order (`SELECTION`)."""
+    return choose(backend, generation, dtype).tokamax
+
+
+def _here():
+    """This process's backend and GPU generation."""
+    return jax.default_backend(), gpu_generation(getattr(jax.devices()[0],
+                                                         "compute_capability", None))
+
+
+def _tokamax_missing() -> bool:
+    return importlib.util.find_spec("tokamax") is None
+
+
+def default_kernel(backend: str | None = None, dtype=jnp.float32,
+                   generation: str | None = None) -> str:
+    """The kernel of ``'auto'`` on `backend` (default: this process's, and its GPU's
+    generation) for operands of `dtype`: `SELECTION`'s, XLA's op where that is tokamax and
+    tokamax is not installed."""
+    if backend is None:
+        backend, generation = _here()
+    kernel = choose(backend, generation, dtype).kernel
+    return "ragged_dot" if kernel == "tokamax" and _tokamax_missing() else kernel
 
 
 def grouped_matmul(x, w, sizes, kernel: str = "auto", balanced_rows: int | None = None):
     """``x`` [m, k] rows in consecutive groups of `sizes` [groups] (int32, summing to at most
     m) times ``w`` [groups, k, n] -> [m, n] (module doc). `balanced_rows`: how many rows
     the groups hold when the routing is balanced (default m; the planner's count)."""
-    kernel = default_kernel() if kernel == "auto" else kernel
+    if kernel not in GROUPED_KERNELS:
+        raise ValueError(f"moe.grouped_kernel must be one of {GROUPED_KERNELS}, got {kernel!r}")
+    dtype = jnp.result_type(x, w)
+    kernel = default_kernel(None, dtype) if kernel == "auto" else kernel
     sizes = sizes.astype(jnp.int32)
     if kernel == "ragged_dot":
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
     if kernel == "megablox":
         return _megablox(x, w, sizes)
-    if kernel == "tiles":
-        t = tile_rows(x.shape[0], w.shape[0])
-        rows = x.shape[0] if balanced_rows is None else balanced_rows
-        return _tiles(x, w, sizes, t, balanced_trips(rows, w.shape[0], t))
-    raise ValueError(f"moe.grouped_kernel must be one of {GROUPED_KERNELS}, got {kernel!r}")
+    if kernel == "tokamax":
+        return _tokamax(x, w, sizes, tokamax_implementations(*_here(), dtype))
+    t = tile_rows(x.shape[0], w.shape[0])
+    rows = x.shape[0] if balanced_rows is None else balanced_rows
+    return _tiles(x, w, sizes, t, balanced_trips(rows, w.shape[0], t))
 
 
 def tile_rows(m: int, groups: int) -> int:
@@ -84,6 +198,26 @@ def _megablox(x, w, sizes):
     tiling = tuple(min(128, s) for s in (m + pad, k, n))
     y = gmm(xp, w, sizes, preferred_element_type=x.dtype, tiling=tiling,
             interpret=jax.default_backend() != "tpu")[:m]
+    return jnp.where(valid, y, 0).astype(x.dtype)
+
+
+def _tokamax(x, w, sizes, preferred: tuple[str, ...]):
+    """``tokamax.ragged_dot`` with the first of the `preferred` implementations it has
+    (tokamax tries the rest where one raises NotImplementedError), rows past the groups
+    masked as Megablox's."""
+    if _tokamax_missing():
+        raise ValueError("moe.grouped_kernel='tokamax' needs tokamax: pip install 'mtrain[gpu]'")
+    import tokamax
+
+    try:  # (tokamax has no public list; an unregistered name is an error, not a fallback)
+        from tokamax._src.ops.ragged_dot.api import IMPLEMENTATIONS as registered
+    except ImportError:
+        registered = ("mosaic", "xla")  # (0.0.17's, Triton aside: it needs jax_triton)
+    # ('mosaic' is registered as 'mosaic_gpu' and 'mosaic_tpu'; tokamax picks by device)
+    usable = tuple(i for i in preferred if any(k.startswith(i) for k in registered))
+    valid = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
+    y = tokamax.ragged_dot(jnp.where(valid, x, 0), w, sizes, preferred_element_type=x.dtype,
+                           implementation=usable[0] if len(usable) == 1 else usable)
     return jnp.where(valid, y, 0).astype(x.dtype)
 
 
