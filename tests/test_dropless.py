@@ -259,10 +259,13 @@ def test_the_26b_plan_counts_the_matmuls_dropless_runs():
     assert p["communication_seconds"] * bandwidth == pytest.approx(sent)
 
 
-@pytest.mark.slow  # (about a minute: a fresh HOME's data, then every mode)
-def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monkeypatch, capsys):
+@pytest.mark.slow  # (about a minute each: a fresh HOME's data, then every mode)
+@pytest.mark.parametrize("kernel", ["megablox", "tokamax"])
+def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monkeypatch, capsys,
+                                                                  kernel):
     """`experiments/moe_tiny_lm.gin` dropless with what a TPU runs (the Megablox kernel, in
-    Pallas's interpreter here, and the ragged all-to-all, as XLA:CPU emulates it) from an
+    Pallas's interpreter here) or a GPU (tokamax's, its reference implementation here
+    through the same call), and the ragged all-to-all (as XLA:CPU emulates it) from an
     empty HOME: train, the same command again, a resume that switches to capacity dispatch,
     eval, infer, score (the scores of the CPU's kernel and padded all-to-all) and plan."""
     import json
@@ -273,7 +276,8 @@ def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monk
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MTRAIN_DATA_DIR", raising=False)
     model_dir = tmp_path / "moe"
-    accelerator = ["--gin_param=moe.dispatch='dropless'", "--gin_param=moe.grouped_kernel='megablox'",
+    accelerator = ["--gin_param=moe.dispatch='dropless'",
+                   f"--gin_param=moe.grouped_kernel='{kernel}'",
                    "--gin_param=moe.ragged_all_to_all=True"]
     argv = ["--gin_file=experiments/moe_tiny_lm.gin", f"--model_dir={model_dir}",
             "--gin_param=vocabulary.size=512", "--gin_param=run.sequence_length=64",
