@@ -33,10 +33,15 @@ mtrain/parallel/targets.py, or on CPU a float32 matmul measured at start), compi
 memory per device (the device's own count where it keeps one, else XLA's memory analysis of
 the compiled step), the seconds the parameter initialisation takes to compile and run
 (``init``), and the attention kernel the step ran (with 'auto' on a Hopper GPU, cuDNN's
-packed layout with a table fitted to the rows, or the masked kernel).
+packed layout with a table fitted to the rows, or the masked kernel). A row may set
+``transformer.quantization`` (the GPU preset's 'llama_1b fp8 (tensorwise)', its projections'
+matmuls in fp8: MFU still against the bf16 peak), and ``--quantization`` sets it for every
+row that does not; a row measured beside the row it quantizes prints the ratio of their
+tokens/s after the table.
 
     python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1] [--preset cpu]
     python benchmarks/throughput.py --cpu_devices 8 --mesh_shape batch:8 --layout_rules batch:batch
+    python benchmarks/throughput.py --preset cpu --rows 6 --quantization fp8 --compare none
 
 The last line is ``ratio mtrain/plain: X.XX`` (> 1 means mtrain is faster).
 """
@@ -44,6 +49,7 @@ The last line is ``ratio mtrain/plain: X.XX`` (> 1 means mtrain is faster).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -71,6 +77,10 @@ def parse_args():
     p.add_argument("--flash_max_segments", type=int, default=None,
                    help="the comparison's table size for flash_kernel cudnn_segments")
     p.add_argument("--row_timeout", type=float, default=None, help="seconds per isolated row")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8", "int8"),
+                   help="transformer.quantization of the table's rows that set none")
+    p.add_argument("--quantization_scaling", default="tensorwise",
+                   choices=("tensorwise", "rowwise"), help="with --quantization")
     p.add_argument("--compare", default=None, choices=sorted(COMPARE) + ["none"],
                    help="the comparison with the plain implementation: cpu (the reference "
                         "model, float32, packed) or gpu (the 1B model, bf16, unpacked, against "
@@ -91,6 +101,7 @@ LLAMA = dict(mlp_activations=("silu", "linear"), position_encoding="rotary", opt
 LLAMA_TINY = dict(vocab_size=2048, d_model=128, d_ff=384, num_heads=8, num_kv_heads=2, d_kv=16,
                   num_layers=2, **LLAMA)
 LLAMA_1B = {**FLASH_1B, "d_ff": 5504, "num_kv_heads": 4, **LLAMA}
+LLAMA_1B_ROW = "llama_1b (SwiGLU, RoPE, 4 of 16 kv heads), packed, 'auto'"
 PRESETS = {
     "cpu": [
         ("reference", {}, 16, 128, 1),
@@ -102,6 +113,7 @@ PRESETS = {
          dict(vocab_size=8192, d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=6),
          16, 256, 1),
         ("llama_tiny (SwiGLU, RoPE, 2 of 8 kv heads)", LLAMA_TINY, 16, 128, 1),
+        ("llama_tiny fp8 (tensorwise)", {**LLAMA_TINY, "quantization": "fp8"}, 16, 128, 1),
     ],
     "gpu": [
         ("1B, packed, flash 'auto'", FLASH_1B, 16, 2048, 1),
@@ -110,9 +122,16 @@ PRESETS = {
         ("1B, packed, flash 'cudnn' (masked)", MASKED_1B, 4, 2048, 1),
         ("1B, packed, flash 'triton'", {**FLASH_1B, "flash_kernel": "triton"}, 16, 2048, 1),
         ("1B, packed, flash 'auto', scanned layers", {**FLASH_1B, "scan_layers": True}, 16, 2048, 1),
-        ("llama_1b (SwiGLU, RoPE, 4 of 16 kv heads), packed, 'auto'", LLAMA_1B, 16, 2048, 1),
+        (LLAMA_1B_ROW, LLAMA_1B, 16, 2048, 1),
+        ("llama_1b fp8 (tensorwise), packed, 'auto'", {**LLAMA_1B, "quantization": "fp8"},
+         16, 2048, 1),
     ],
 }
+# A row -> (the row it is measured against, the name of the ratio of their tokens/s, which
+# follows the table).
+AGAINST = {"llama_1b fp8 (tensorwise), packed, 'auto'": (LLAMA_1B_ROW, "llama_1b fp8/bf16"),
+           "llama_tiny fp8 (tensorwise)": ("llama_tiny (SwiGLU, RoPE, 2 of 8 kv heads)",
+                                           "llama_tiny fp8/bf16")}
 # What each preset compares with the plain implementation: the model and whether the plain
 # side is the fast GPU baseline (bf16, cuDNN is_causal attention, remat dots; rows unpacked).
 COMPARE = {"cpu": (REFERENCE, False), "gpu": (ONE_B, True)}
@@ -279,6 +298,10 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
 
     settings = dict(settings)
     make_optimizer = getattr(optimizer, settings.pop("optimizer", "adafactor"))
+    if args.quantization != "none" and "quantization" not in settings:
+        settings.update(quantization=args.quantization,
+                        quantization_scaling=args.quantization_scaling)
+        label = f"{label} [{args.quantization} {args.quantization_scaling}]"
     config = TransformerConfig(**{"max_length": max(512, length), **settings})
     layout = Layout(args.mesh_shape, args.layout_rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
@@ -318,6 +341,7 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
           f"{init_s:>6.1f} {peak_mem / 2**30:>7.2f} GiB ({how}) {kernel_ran(trainer, batch)}",
           flush=True)
     del state, batch, compiled
+    return batch_size * length / step
 
 
 def kernel_ran(trainer, batch) -> str:
@@ -343,7 +367,9 @@ def isolated(i, label, preset, args):
 
     command = [sys.executable, __file__, f"--preset={preset}", f"--rows={i}", "--compare=none",
                f"--table_steps={args.table_steps}", f"--warmup_steps={args.warmup_steps}",
-               f"--mesh_shape={args.mesh_shape}", f"--layout_rules={args.layout_rules}"]
+               f"--mesh_shape={args.mesh_shape}", f"--layout_rules={args.layout_rules}",
+               f"--quantization={args.quantization}",
+               f"--quantization_scaling={args.quantization_scaling}"]
     if args.cpu_devices:
         command.append(f"--cpu_devices={args.cpu_devices}")
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
@@ -352,13 +378,15 @@ def isolated(i, label, preset, args):
                              timeout=args.row_timeout)
     except subprocess.TimeoutExpired:
         print(f"{label:<48} failed: not done in {args.row_timeout:.0f} s", flush=True)
-        return
+        return None
     lines = [line for line in run.stdout.splitlines() if line.startswith(label)]
     if lines:
         print(lines[-1], flush=True)
-    else:  # the process died (e.g. killed for memory) before it could report
-        why = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"{label:<48} failed (exit {run.returncode}): {why[:160]}", flush=True)
+        tokens = re.search(r"M +\d+x\d+ +([\d,]+) ", lines[-1][len(label):])  # its tokens/s
+        return float(tokens.group(1).replace(",", "")) if tokens else None
+    why = (run.stderr.strip().splitlines() or ["no output"])[-1]  # died before reporting
+    print(f"{label:<48} failed (exit {run.returncode}): {why[:160]}", flush=True)
+    return None
 
 
 def main(args):
@@ -378,15 +406,20 @@ def main(args):
               f"{'init':>6} {'peak memory':>11}  kernel", flush=True)
         rows = PRESETS[preset]
         chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(len(rows))
+        measured = {}  # label -> tokens/s
         for i in chosen:
             if args.isolate:
-                isolated(i, rows[i][0], preset, args)
+                measured[rows[i][0]] = isolated(i, rows[i][0], preset, args)
             else:
                 try:
-                    measure(*rows[i], args, peak)
+                    measured[rows[i][0]] = measure(*rows[i], args, peak)
                 except Exception as e:  # out of memory, a kernel this device lacks: say so
                     print(f"{rows[i][0]:<48} failed: {type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0][:160]}", flush=True)
+        for label, (base, name) in AGAINST.items():  # (--quantization: both quantized)
+            if measured.get(label) and measured.get(base) and args.quantization == "none":
+                print(f"ratio {name} tokens/s: {measured[label] / measured[base]:.2f}",
+                      flush=True)
         print()
     if args.compare == "none":
         return

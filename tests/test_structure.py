@@ -40,7 +40,8 @@ MODEL_DIR_NAMES = ("checkpoints", "vocabulary.model", "config.gin", "metrics.jso
                    "decodes", "profile", "mtrain.lock", "before-restart", "events.out.tfevents")
 # benchmarks/gpu.sh's scripts, and a module each must reach (the walk finds their imports).
 GPU_BENCHMARKS = {ROOT.parent / "benchmarks" / "attention.py": "mtrain.models.attention",
-                  ROOT.parent / "benchmarks" / "throughput.py": "mtrain.training.trainer"}
+                  ROOT.parent / "benchmarks" / "throughput.py": "mtrain.training.trainer",
+                  ROOT.parent / "benchmarks" / "moe.py": "mtrain.models.moe"}
 NOT_ON_A_GPU = ("gin", "tensorflow", "tensorflow_datasets")
 MAX_LINES = 400
 

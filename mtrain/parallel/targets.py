@@ -2,7 +2,9 @@
 
 A `Target` is one accelerator as one JAX device sees it; `TARGETS` lists those `--target`
 names, with their sources. `device_peak_flops` is the peak the training loop and the
-benchmarks measure MFU against.
+benchmarks measure MFU against. A target's low-precision peaks (fp8, int8: dense, no
+sparsity) are those its matrix units run faster than bf16; a format it has no such rate for
+runs at its bf16 peak (`Target.peak_of`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ class Target:
     hbm_bytes: float
     hbm_bandwidth: float  # bytes/s
     interconnect_bandwidth: float  # bytes/s one device can send to its peers
+    # dense peaks of the low-precision formats (`transformer.quantization`) where they are
+    # faster than bf16; 0: none (the format runs at `peak_flops`)
+    fp8_flops: float = 0.0
+    int8_flops: float = 0.0
+
+    def peak_of(self, fmt: str) -> tuple[float, bool]:
+        """(the peak FLOP/s of matmuls in `fmt` ('none', 'fp8' or 'int8'), whether the
+        target has a rate of its own for it): without one, its bf16 peak."""
+        own = {"fp8": self.fp8_flops, "int8": self.int8_flops}.get(fmt, 0.0)
+        return (own, True) if own > self.peak_flops else (self.peak_flops, False)
 
 
 TARGETS = {t.name: t for t in [
@@ -39,15 +51,20 @@ TARGETS = {t.name: t for t in [
     # TPU v4, v5e, v5p: a JAX device is a chip. v4: 275 TFLOP/s, 32 GiB at 1200 GB/s, pod
     # all-reduce bandwidth 1.1 PB/s over 4096 chips (cloud.google.com/tpu/docs/v4). v5e: 197
     # TFLOP/s, 16 GB at 819 GB/s, ICI 1600 Gbit/s (docs/v5e). v5p: 459 TFLOP/s, 95 GB at
-    # 2765 GB/s, ICI 4800 Gbit/s (docs/v5p).
+    # 2765 GB/s, ICI 4800 Gbit/s (docs/v5p). int8: v5e 393 TOPS (docs/v5e), v5p 918 (Google's
+    # v5p announcement, 2023-12); v4's int8 runs at its bf16 rate (275), v2 and v3 have none;
+    # no TPU here has an fp8 rate above its bf16 one (docs/v5p: fp8 459).
     Target("tpu-v4", "chip", 275e12, 32 * GiB, 1200 * GB, 1.1e15 / 4096),
-    Target("tpu-v5e", "chip", 197e12, 16 * GiB, 819 * GB, 1600e9 / 8),
-    Target("tpu-v5p", "chip", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8),
+    Target("tpu-v5e", "chip", 197e12, 16 * GiB, 819 * GB, 1600e9 / 8, int8_flops=393e12),
+    Target("tpu-v5p", "chip", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8, int8_flops=918e12),
     # NVIDIA H100 and H200 SXM: dense bf16 989 TFLOP/s; 80 GB HBM3 at 3.35 TB/s and 141 GB
     # HBM3e at 4.8 TB/s; NVLink 4 900 GB/s in both directions, 450 GB/s out (NVIDIA data
     # sheets). Across nodes, InfiniBand is ~10x slower: plan multi-node runs accordingly.
-    Target("h100", "GPU", 989e12, 80 * GB, 3350 * GB, 450 * GB),
-    Target("h200", "GPU", 989e12, 141 * GB, 4800 * GB, 450 * GB),
+    # fp8 and int8: 1979 T(FL)OP/s dense on both (the data sheets' 3958 is with sparsity).
+    Target("h100", "GPU", 989e12, 80 * GB, 3350 * GB, 450 * GB, fp8_flops=1979e12,
+           int8_flops=1979e12),
+    Target("h200", "GPU", 989e12, 141 * GB, 4800 * GB, 450 * GB, fp8_flops=1979e12,
+           int8_flops=1979e12),
 ]}
 
 # jax's device_kind (lower case) -> the target whose peak it has.

@@ -16,7 +16,10 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
   peak) and memory traffic (each argument and output moved once, each temporary written
   and read once, over HBM bandwidth) overlap; collectives (bytes sent / interconnect
   bandwidth) do not. On a GPU target memory and time come from `mtrain.planning.step_model`
-  instead, which was measured to be closer there.
+  instead, which was measured to be closer there;
+- with ``transformer.quantization``, the step with its projections in fp8 or int8 against
+  the same step in bf16, and whether the format pays on the target
+  (`mtrain.planning.quantized`).
 
 The program is compiled by XLA:CPU, so it is the program a TPU or GPU would run up to the
 backend's own fusion and scheduling choices: memory and time are estimates, good for
@@ -34,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from mtrain.planning import inference, step_model
+from mtrain.planning import inference, quantized, step_model
 from mtrain.planning.hlo_cost import hlo_cost
 from mtrain.parallel.layout import is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
@@ -87,6 +90,7 @@ class Plan:
     tokens_per_second: float
     mfu: float  # analytic FLOPs / (step time x peak x devices): the best this layout can do
     inference: dict  # a decoder-only LM's `inference.estimate` ({} for others)
+    quantization: dict = dataclasses.field(default_factory=dict)  # `quantized.Quantized`
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -158,7 +162,7 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
         / target.interconnect_bandwidth
     step = max(compute, hbm) + comm
     executed = analytic - 2 * frozen_matmul * batch * length
-    estimate = None
+    estimate = kind = None
     if isinstance(model.config, TransformerConfig):  # the step model knows Transformers
         kind = "translation" if "inputs" in model.features else "lm"
         estimate = step_model.estimate(
@@ -166,14 +170,22 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
             trainer.loss_chunks, param_bytes + opt_bytes + batch_bytes, gradient_bytes,
             largest, executed, target)
     basis = "XLA:CPU buffer assignment"
-    xla_total = total
+    xla_total, bf16_compute, traffic = total, compute, 0.0
     if target.device == "GPU" and estimate:  # where XLA:CPU was measured to be far off
         basis, total = "step model (GPU)", int(estimate.total_bytes)
-        compute = estimate.compute_seconds
+        compute, bf16_compute = estimate.compute_seconds, estimate.bf16_compute_seconds
+        traffic = estimate.attention_traffic_seconds
         moved = 2 * (estimate.saved_activation_bytes + estimate.gradient_bytes
                      + estimate.logits_bytes)
         hbm = (2 * (param_bytes + opt_bytes) + moved) / target.hbm_bandwidth
         step = max(estimate.step_seconds, hbm) + comm
+    quantization = None
+    if kind and model.config.quantization != "none":  # the step in that format and in bf16
+        quantization = quantized.compare(
+            model.config, kind, layout, batch, length, trainer.num_microbatches, target,
+            model_flops=executed, compute=bf16_compute, traffic=traffic, memory=hbm,
+            collectives=comm)
+        compute, step = quantization.compute_seconds, quantization.step_seconds
     mesh_shape, rules = layout.mesh_text, layout.rules_text
     return Plan(
         mesh_shape=mesh_shape, layout_rules=rules,
@@ -195,6 +207,7 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
         inference=inference.estimate(model.config, layout, target, batch, length,
                                      prompt_length or length // 2, param_bytes)
         if hasattr(model, "prefill") and isinstance(model.config, TransformerConfig) else {},
+        quantization=dataclasses.asdict(quantization) if quantization else {},
     )
 
 
@@ -286,7 +299,10 @@ def format_plan(p: Plan, describe: str = "") -> str:
         f", memory {seconds_text(p.memory_seconds)}, "
         f"collectives {seconds_text(p.communication_seconds)}",
         f"  step ~{seconds_text(p.step_seconds)}, {p.tokens_per_second:,.0f} tokens/s, "
-        f"MFU {'at most ' if p.memory_basis.startswith('XLA') else '~'}{100 * p.mfu:.0f}%",
+        f"MFU {'at most ' if p.memory_basis.startswith('XLA') else '~'}{100 * p.mfu:.0f}%"
+        + (" (of the bf16 peak)" if p.quantization else ""),
+        *(quantized.lines(p.quantization, t, p.batch_size * p.sequence_length, seconds_text)
+          if p.quantization else []),
     ]
     if p.inference:
         e = p.inference

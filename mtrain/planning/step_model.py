@@ -27,7 +27,9 @@ counts instead what a step keeps:
 
 Time: model FLOPs (plus what remat recomputes) at the efficiency a well-written step
 reaches on the target, and the einsum path's [length, memory_length] attention matrices
-moved through HBM (softmax is memory-bound and does not overlap the matmuls).
+moved through HBM (softmax is memory-bound and does not overlap the matmuls). With
+``transformer.quantization`` the projections' FLOPs run at the format's peak and their
+operands' casts move through HBM (`planning.quantized`).
 
 Checked against the four H100 measurements of issue 17 in docs/plan_vs_measured.md.
 """
@@ -40,6 +42,7 @@ from mtrain.parallel.layout import Layout
 from mtrain.models import attention
 from mtrain.models.blocks import is_moe
 from mtrain.models.transformer import TransformerConfig
+from mtrain.planning import quantized
 
 # The fraction of the target's peak bf16 FLOP/s that the model FLOPs of a large, well-fused
 # training step reach. h100/h200: 0.58, the plain jax.jit + optax 1B decoder of
@@ -60,10 +63,12 @@ class StepModel:
     logits_bytes: float
     update_bytes: float
     total_bytes: float
-    compute_seconds: float
+    compute_seconds: float  # the matmuls (the projections at the quantized rate, if any)
     attention_traffic_seconds: float
     step_seconds: float
     efficiency: float
+    bf16_compute_seconds: float = 0.0  # the matmuls all at the bf16 peak
+    cast_seconds: float = 0.0  # the quantized operands' casts (`quantized`)
 
 
 HOPPER = ("h100", "h200")  # the GPU targets whose cuDNN takes heads up to 256
@@ -189,6 +194,11 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     recompute = {"none": 0.0, "dots": 0.0, "full": 1 / 3}[c.remat_policy]
     efficiency = EFFICIENCY.get(target.name, DEFAULT_EFFICIENCY)
     compute = model_flops * (1 + recompute) / layout.size / (target.peak_flops * efficiency)
+    bf16_compute, casts = compute, 0.0
+    if c.quantization != "none":
+        compute *= quantized.rate_factor(c, kind, batch_size, length, model_flops, target)
+        casts = quantized.cast_seconds(c, kind, layout, batch_size, length, num_microbatches,
+                                       target)
     traffic = 0.0
     if kernel == "dense" or context == "ring":  # logits written and read, weights written
         # and read, x3 for backward (the ring: its einsum blocks, this device's queries)
@@ -203,4 +213,5 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         working_bytes=working, context_bytes=received, logits_bytes=logits,
         update_bytes=update, total_bytes=total,
         compute_seconds=compute, attention_traffic_seconds=traffic,
-        step_seconds=compute + traffic, efficiency=efficiency)
+        step_seconds=compute + casts + traffic, efficiency=efficiency,
+        bf16_compute_seconds=bf16_compute, cast_seconds=casts)
