@@ -138,12 +138,16 @@ def test_auto_chooses_by_backend_dtype_and_gpu_generation_from_one_table():
     assert grouped.choose("some new backend", None, f32) is grouped.SELECTION[-1]
 
 
-def test_tokamax_missing_auto_falls_back_and_the_setting_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(grouped, "_tokamax_missing", lambda: True)
+def testtokamax_missing_auto_falls_back_and_the_setting_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(grouped, "tokamax_missing", lambda: True)
     assert grouped.default_kernel("gpu", jnp.bfloat16, "hopper") == "ragged_dot"
     with pytest.raises(ValueError, match=r"^moe.grouped_kernel='tokamax' needs tokamax: pip "):
         grouped.grouped_matmul(jnp.ones((8, 2)), jnp.ones((2, 2, 3)), jnp.asarray([4, 4]),
                                "tokamax")
+    from mtrain.models.moe import MoEConfig  # (and so, before anything is traced)
+
+    with pytest.raises(ValueError, match=r"^moe.grouped_kernel='tokamax' needs tokamax: pip "):
+        MoEConfig(grouped_kernel="tokamax")
 
 
 def test_a_bad_kernel_is_one_line_naming_every_kernel():

@@ -169,13 +169,21 @@ def _teacher_forced(model, params, inputs):
 
 @pytest.mark.parametrize("settings", [
     {}, pytest.param({"mla": dataclasses.replace(MLA, q_lora_rank=0, rope_interleaved=False),
-                      "lora": LoraConfig(rank=2), "scan_layers": True}, marks=pytest.mark.slow)],
-    ids=["low-rank queries", "direct queries, adapters, scanned"])
+                      "lora": LoraConfig(rank=2), "scan_layers": True}, marks=pytest.mark.slow),
+    {"quantization": "fp8"},
+    pytest.param({"quantization": "fp8", "lora": LoraConfig(rank=2)}, marks=pytest.mark.slow),
+    pytest.param({"quantization": "fp8", "latent_attention": False, "mla": None, "d_kv": 8,
+                  "num_kv_heads": 2}, marks=pytest.mark.slow)],
+    ids=["low-rank queries", "direct queries, adapters, scanned", "fp8", "fp8, adapters",
+         "fp8, multi-head attention"])
 def test_generation_from_the_cache_is_the_teacher_forced_pass(settings):
     """A token a step from an empty cache, and a prefill of each row's first 5 and 2
     tokens then steps from there (each row at its own position): the logits of the
     teacher-forced pass. With adapters (drawn nonzero), the absorbed form takes ``kv_b``'s
-    merged."""
+    merged. In fp8 (tensorwise in training) a pass without dropout scales per token, and the
+    absorbed form multiplies ``kv_b`` and the latents as the expanded pass quantized them:
+    the same logits (the two passes' float32 activations differ by ~1e-7 of their size,
+    e4m3's rounding boundaries are 2^-4 apart: a value between them rounds the same)."""
     config = dataclasses.replace(CONFIG, **settings)
     model, params = _lm(config)
     if config.lora:

@@ -28,59 +28,84 @@ ROUNDING = {"e4m3": (2.0**-4, 2.0**-10, 448.0), "e5m2": (2.0**-3, 2.0**-17, 5734
             "int8": (0.0, 0.5, 127.0)}
 FORWARD = {"fp8": "e4m3", "int8": "int8"}
 BACKWARD = {"fp8": "e5m2", "int8": "int8"}
-EPS32 = 2.0**-24  # float32's unit roundoff: the products' sums, K terms each
+# The unit roundoff of the dtype the quantization computes in: float32's, or bf16's for fp8
+# of bf16 operands (int8 computes in float32 whatever they are: `Quantization.einsum`).
+ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9}
 
 
-def rounding_error(x, fmt, axis):
-    """The bound on |q(x) - x| elementwise, the scale's absmax taken over `axis` (None:
-    the whole tensor; else the axis it is shared along, the contracted one)."""
-    u, h, qmax = ROUNDING[fmt]
-    scale = np.abs(x).max(axis=axis, keepdims=axis is not None) / qmax
-    return u * np.abs(x) + h * scale
+def scale(x, fmt, axis):
+    """The scale of `x` in `fmt` (absmax / qmax) over `axis` (None: the whole tensor)."""
+    return np.abs(x).max(axis=axis, keepdims=axis is not None) / ROUNDING[fmt][2]
 
 
-def product_bound(a, ea, b, eb):
-    """|â b̂ - a b| elementwise, â and b̂ within ea and eb of a and b: ea |b| + (|a| + ea) eb,
-    plus float32's rounding of the sums of K products of at most (|a| + ea)(|b| + eb)."""
-    k = a.shape[1]
-    big_a, big_b = np.abs(a) + ea, np.abs(b) + eb
-    return ea @ np.abs(b) + big_a @ eb + 2 * k * EPS32 * (big_a @ big_b)
+def rounding_error(x, fmt, axis, r=0.0):
+    """The bound on |q(x) - x| elementwise, `x`'s scale over `axis`; `r`: the unit roundoff
+    of the arithmetic before the format's rounding (the division by the scale, and a product
+    by another operand's scale: (1 + u)(1 + r)^2 - 1 relative, the scale itself within r)."""
+    u, h, _ = ROUNDING[fmt]
+    return ((1 + u) * (1 + r) ** 2 - 1) * np.abs(x) + h * (1 + r) * scale(x, fmt, axis)
 
 
-def operands(outlier=1.0):
+def accumulation(a, b):
+    """float32's rounding of sums of K products of |a| [., K] and |b| [K, .]."""
+    return 2 * a.shape[1] * ROUNDOFF["float32"] * (np.abs(a) @ np.abs(b))
+
+
+def bounds(mode, rows, x, w, dy, r):
+    """Bounds on the errors of y = x w, dx = dy w^T and dw = x^T dy as qwix computes them:
+    x and w quantized per row and per column (rowwise; else one scale each); dx from the
+    quantized product g = dy s_w (w's scales folded into the gradient, g per row) times the
+    quantized weight's values ŵ / s_w; dw from g = s_x dy (x's scales folded in, g per
+    column) times x̂ / s_x."""
+    fwd, bwd = FORWARD[mode], BACKWARD[mode]
+    sx, sw = scale(x, fwd, 1 if rows else None), scale(w, fwd, 0 if rows else None)
+    ex, ew = rounding_error(x, fwd, 1 if rows else None, r), rounding_error(
+        w, fwd, 0 if rows else None, r)
+    big_x, big_w = np.abs(x) + ex, np.abs(w) + ew
+    y = ex @ np.abs(w) + big_x @ ew + accumulation(big_x, big_w)
+    g = dy * sw
+    qw = big_w / sw
+    dx = rounding_error(g, bwd, 1 if rows else None, r) @ qw.T + np.abs(dy) @ ew.T
+    dx += accumulation(g, qw.T)
+    g = sx * dy
+    qx = big_x / sx
+    dw = qx.T @ rounding_error(g, bwd, 0 if rows else None, r) + ex.T @ np.abs(dy)
+    dw += accumulation(qx.T, g)
+    return y, dx, dw
+
+
+def operands(outlier=1.0, dtype=np.float32):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 96)).astype(np.float32)
     w = (rng.standard_normal((96, 48)) * 0.1).astype(np.float32)
     x[3] *= outlier  # one token's activations larger than the rest's
     dy = rng.standard_normal((32, 48)).astype(np.float32)
-    return x, w, dy
+    # (bf16 operands: their values, exactly, in float32 for the references)
+    return (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (x, w, dy))
 
 
-def quantized(mode, scaling, x, w, dy):
+def quantized(mode, scaling, x, w, dy, dtype=jnp.float32):
     quantization = Quantization(mode=mode, scaling=scaling)
-    y, vjp = jax.vjp(lambda x, w: quantization.einsum("td,df->tf", x, w), x, w)
-    return (np.asarray(a) for a in (y, *vjp(dy)))
+    y, vjp = jax.vjp(lambda x, w: quantization.einsum("td,df->tf", x, w),
+                     jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    return (np.asarray(jnp.asarray(a, jnp.float32)) for a in (y, *vjp(jnp.asarray(dy, dtype))))
 
 
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_a_projection_and_its_gradients_are_within_the_formats_error(mode, scaling):
-    """y = x w in the forward format; dx = dy w^T and dw = x^T dy with dy in the backward
-    format and x, w as the forward pass quantized them: each within the bound of its
-    operands' rounding (rowwise: a scale per row of x, per column of w, per row of dy for dx
-    and per column for dw), and not exact (the matmuls are quantized)."""
-    x, w, dy = operands()
-    y, dx, dw = quantized(mode, scaling, x, w, dy)
-    rows = scaling == "rowwise"
-    fwd, bwd = FORWARD[mode], BACKWARD[mode]
-    ex = rounding_error(x, fwd, 1 if rows else None)
-    ew = rounding_error(w, fwd, 0 if rows else None)
-    assert np.all(np.abs(y - x @ w) <= product_bound(x, ex, w, ew))
-    e_dy = rounding_error(dy, bwd, 1 if rows else None)
-    assert np.all(np.abs(dx - dy @ w.T) <= product_bound(dy, e_dy, w.T, ew.T))
-    e_dy = rounding_error(dy, bwd, 0 if rows else None)
-    assert np.all(np.abs(dw - x.T @ dy) <= product_bound(x.T, ex.T, dy, e_dy))
-    for got, exact in [(y, x @ w), (dx, dy @ w.T), (dw, x.T @ dy)]:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_projection_and_its_gradients_are_within_the_formats_error(mode, scaling, dtype):
+    """y = x w in the forward format; dx = dy w^T and dw = x^T dy with the gradient in the
+    backward format and x, w as the forward pass quantized them: each within the bound of
+    its operands' rounding (`bounds`; bf16 operands: their arithmetic's rounding before the
+    format's, and the result's rounding to bf16), and not exact (the matmuls are quantized)."""
+    x, w, dy = operands(dtype=dtype)
+    y, dx, dw = quantized(mode, scaling, x, w, dy, dtype)
+    r = ROUNDOFF[dtype if mode == "fp8" else "float32"]
+    out = ROUNDOFF[dtype] if dtype == "bfloat16" else 0.0  # (the results rounded to bf16)
+    for got, exact, bound in zip((y, dx, dw), (x @ w, dy @ w.T, x.T @ dy),
+                                 bounds(mode, scaling == "rowwise", x, w, dy, r)):
+        assert np.all(np.abs(got - exact) <= bound + out * (np.abs(exact) + bound))
         assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()
 
 
@@ -91,8 +116,7 @@ def test_rowwise_scales_each_token_on_its_own(mode, outlier):
     not. (int8's range is 127 steps: 1000x leaves the others a few; e4m3's exponent spans
     448 / 2^-6 ~ 3e4 before its subnormals: 1e5x pushes the others below its normals.)"""
     x, w, dy = operands(outlier)
-    row_bound = product_bound(x, rounding_error(x, FORWARD[mode], 1), w,
-                              rounding_error(w, FORWARD[mode], 0))
+    row_bound = bounds(mode, True, x, w, dy, ROUNDOFF["float32"])[0]
     others = np.arange(len(x)) != 3
     for scaling, within in [("rowwise", True), ("tensorwise", False)]:
         y, _, _ = quantized(mode, scaling, x, w, dy)

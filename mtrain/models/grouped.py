@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 GROUPED_KERNELS = ("auto", "ragged_dot", "megablox", "tiles", "tokamax")
+TOKAMAX_MISSING = "moe.grouped_kernel='tokamax' needs tokamax: pip install 'mtrain[gpu]'"
 HALF = ("bfloat16", "float16")  # the operand dtypes of tokamax's Mosaic GPU kernel
 
 
@@ -134,7 +135,8 @@ def _here():
                                                          "compute_capability", None))
 
 
-def _tokamax_missing() -> bool:
+def tokamax_missing() -> bool:
+    """Whether tokamax is not installed (it comes with ``pip install 'mtrain[gpu]'``)."""
     return importlib.util.find_spec("tokamax") is None
 
 
@@ -146,7 +148,7 @@ def default_kernel(backend: str | None = None, dtype=jnp.float32,
     if backend is None:
         backend, generation = _here()
     kernel = choose(backend, generation, dtype).kernel
-    return "ragged_dot" if kernel == "tokamax" and _tokamax_missing() else kernel
+    return "ragged_dot" if kernel == "tokamax" and tokamax_missing() else kernel
 
 
 def grouped_matmul(x, w, sizes, kernel: str = "auto", balanced_rows: int | None = None):
@@ -205,8 +207,8 @@ def _tokamax(x, w, sizes, preferred: tuple[str, ...]):
     """``tokamax.ragged_dot`` with the first of the `preferred` implementations it has
     (tokamax tries the rest where one raises NotImplementedError), rows past the groups
     masked as Megablox's."""
-    if _tokamax_missing():
-        raise ValueError("moe.grouped_kernel='tokamax' needs tokamax: pip install 'mtrain[gpu]'")
+    if tokamax_missing():
+        raise ValueError(TOKAMAX_MISSING)
     import tokamax
 
     try:  # (tokamax has no public list; an unregistered name is an error, not a fallback)

@@ -250,23 +250,34 @@ class LatentAttention(nn.Module):
         """A decoding step's attention to the cache (`latents` [b, m, kv_lora], `rope_keys`
         [b, m, rope], `visible` [1|b, 1, 1|l, m]) with ``kv_b`` (its adapter merged)
         absorbed into the query and the output: never a key or value per head."""
-        w = kv_b.w if kv_b.adapter is None else merged(kv_b.w, kv_b.adapter.a,
-                                                       kv_b.adapter.b, kv_b.lora.scale)
         nope = q_nope.shape[-1]
         latents = constrain(latents, ("batch", "memory_length", "kv_lora"))
         rope_keys = constrain(rope_keys, ("batch", "memory_length", "d_rope"))
-        q_latent = jnp.einsum("blhn,chn->blhc", q_nope, w[..., :nope])
-        logits = jnp.einsum("blhc,bmc->bhlm", q_latent, latents,
+        # (weight, latents) pairs: ``kv_b`` with its adapter merged; quantized (`quantization`),
+        # the weight and latents as the expanded pass's quantized matmul sees them, and the
+        # adapter's share (unquantized there) beside it
+        a, q = kv_b.adapter, kv_b.quantization
+        if q is None:
+            pairs = [(kv_b.w if a is None else merged(kv_b.w, a.a, a.b, kv_b.lora.scale),
+                      latents)]
+        else:
+            pairs = [(q.rounded(kv_b.w, (0,)), q.rounded(latents, (2,)))]
+            if a is not None:
+                pairs.append((merged(jnp.zeros_like(kv_b.w), a.a, a.b, kv_b.lora.scale),
+                              latents))
+        logits = jnp.einsum("blhr,bmr->bhlm", q_rope, rope_keys,
                             preferred_element_type=jnp.float32)
-        logits += jnp.einsum("blhr,bmr->bhlm", q_rope, rope_keys,
-                             preferred_element_type=jnp.float32)
+        for w, held in pairs:
+            q_latent = jnp.einsum("blhn,chn->blhc", q_nope, w[..., :nope])
+            logits += jnp.einsum("blhc,bmc->bhlm", q_latent, held,
+                                 preferred_element_type=jnp.float32)
         if self.scale != 1.0:
             logits = logits * self.scale
         logits = constrain(jnp.where(visible, logits, NEG_INF),
                            ("batch", "heads", "length", "memory_length"))
         weights = jax.nn.softmax(logits, axis=-1).astype(latents.dtype)
-        context_latents = jnp.einsum("bhlm,bmc->blhc", weights, latents)
-        return jnp.einsum("blhc,chk->blhk", context_latents, w[..., nope:])
+        return sum(jnp.einsum("blhc,chk->blhk", jnp.einsum("bhlm,bmc->blhc", weights, held),
+                              w[..., nope:]) for w, held in pairs)
 
     def _cached(self, latent, rope_key, index):
         """Writes this position's latent and rotary key into the cache; returns all cached

@@ -117,7 +117,7 @@ class Projection:
         if self.quantization is None:
             y = jnp.einsum(self.spec, x, self.w)
         else:
-            y = self.quantization.einsum(self.spec, x, self.w)
+            y = self.quantization.einsum(self.spec, x, self.w, per_token=deterministic)
         if self.adapter is None:
             return y
         a, b, a_letters, b_letters, r = self.adapter

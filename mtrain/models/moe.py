@@ -54,7 +54,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mtrain.models import dropless, layers
+from mtrain.models import dropless, grouped, layers
 from mtrain.models.base import shape_field
 from mtrain.models.feedforward import Clamp, DenseReluDense, gated, input_names
 from mtrain.models.grouped import GROUPED_KERNELS
@@ -140,6 +140,8 @@ class MoEConfig:
         if self.grouped_kernel not in GROUPED_KERNELS:
             raise ValueError(f"moe.grouped_kernel must be one of {GROUPED_KERNELS}, got "
                              f"{self.grouped_kernel!r}")
+        if self.grouped_kernel == "tokamax" and grouped.tokamax_missing():
+            raise ValueError(grouped.TOKAMAX_MISSING)
         if self.load_balance_loss < 0 or self.router_z_loss < 0:
             raise ValueError("moe.load_balance_loss and moe.router_z_loss must not be negative")
         self._check_frontier()

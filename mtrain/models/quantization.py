@@ -6,8 +6,11 @@ scaled so that its largest magnitude lands on the format's largest value), multi
 quantized values (on hardware with such units, at their rate: an H100's fp8 tensor cores
 run 2x its bf16 rate) and scales the product back. Its backward pass quantizes the incoming
 gradient the same way (fp8: to e5m2, the wider-range format, as Transformer Engine's and
-torchtitan's recipes do; int8: to int8, as AQT's) and multiplies it by the quantized
-operands saved from the forward pass. Parameters, optimizer state and checkpoints stay as
+torchtitan's recipes do; int8: to int8, rounded to nearest, where AQT rounds it
+stochastically: with one scale for the tensor, entries below 1/254 of its largest become 0,
+so int8 wants ``'rowwise'``) and multiplies it by the quantized operands saved from the
+forward pass. int8 quantizes in float32 whatever the activations' dtype (x / scale rounded
+to bf16 first would cost up to 3/4 of a step, not 1/2). Parameters, optimizer state and checkpoints stay as
 they are (float32, or the run's dtype): the low-precision copies live only inside a step.
 
 `transformer.quantization_scaling` says what one scale covers:
@@ -18,13 +21,24 @@ they are (float32, or the run's dtype): the low-precision copies live only insid
   activations, each output unit's weights; torchtitan's ``rowwise``): more accurate where
   a few tokens carry outliers, at the cost of the scales' reductions.
 
+Delayed scaling (a scale from an amax history of earlier steps, Transformer Engine's and
+flax's ``Fp8Einsum``) is not offered: it needs state that every step rewrites from the
+backward pass (the gradient's history) through the optimizer's path, and torchao dropped it
+from torchtitan's float8 once current scaling fused as fast.
+
+Whatever the scaling, a pass without dropout's randomness (``deterministic``: evaluation,
+scoring, decoding, a frozen reference, DPO's policy with dropout disabled) scales per token:
+then no row's result depends on the rows beside it in its batch, and decoding a token a
+step computes what the whole pass computes (one scale for a tensor would span the batch,
+its padding, and a decoding step's single token).
+
 Only the projections are quantized (attention's q, k, v, o and latent attention's, the
 feed-forward layers' and the capacity-dispatched experts'): never the embeddings, the
 logits, the attention's own products (q.k, p.v), the router or the norms, as torchtitan and
-MaxText leave them. The dropless experts' grouped matmuls, the multi-token prediction's
-projection and latent attention's absorbed decoding (which folds ``kv_b`` into the queries)
-stay in the run's dtype; so does a projection's low-rank adapter (`lora`): its matmuls are
-small.
+MaxText leave them. The dropless experts' grouped matmuls and the multi-token prediction's
+projection stay in the run's dtype; so does a projection's low-rank adapter (`lora`): its
+matmuls are small. Latent attention's absorbed decoding (``kv_b`` folded into the queries)
+multiplies ``kv_b`` and the cached latents as its expanded pass quantized them (`rounded`).
 
 Why qwix: it is Google's quantization library for JAX (MaxText's, after AQT), a dependency
 of tokamax already, and its quantized-training (QT) dot_general has the backward pass
@@ -69,12 +83,13 @@ class Quantization:
             return None
         return cls(mode=c.quantization, scaling=c.quantization_scaling)
 
-    def einsum(self, spec: str, x, w):
+    def einsum(self, spec: str, x, w, per_token: bool = False):
         """``einsum(spec, x, w)`` with both operands and the backward pass's incoming
-        gradient quantized (module doc), in the operands' dtype."""
+        gradient quantized (module doc), in the operands' dtype; `per_token`: rowwise
+        whatever the scaling (a pass without dropout's randomness: module doc)."""
         qt = _qwix_training_op()
         forward, backward = FORMATS[self.mode]
-        one = self.scaling == "tensorwise"
+        one = self.scaling == "tensorwise" and not per_token
         config = qt.DotGeneralQtConfig(
             lhs_qtype=forward, rhs_qtype=forward, dlhs_grad_qtype=backward,
             drhs_grad_qtype=backward, lhs_disable_channelwise_axes=one,
@@ -84,9 +99,25 @@ class Quantization:
         def dot_general(lhs, rhs, dimension_numbers, *args, **kwargs):
             return qt.dot_general_qt(lhs, rhs, dimension_numbers, config)
 
+        dtype = jnp.result_type(x, w)
+        if self.mode == "int8":  # x / scale rounded to bf16 first would cost int8 up to
+            x, w = x.astype(jnp.float32), w.astype(jnp.float32)  # 3/4 of a step, not 1/2
         with jax.disable_jit():  # (einsum's own jit would cache the closure: as qwix's)
             y = jnp.einsum(spec, x, w, _dot_general=dot_general)
-        return y.astype(jnp.result_type(x, w))
+        return y.astype(dtype)
+
+
+    def rounded(self, x, contracted: tuple[int, ...]):
+        """`x` as a per-token (rowwise) quantized matmul that contracts its `contracted`
+        axes sees it: quantized with a scale per slice along them, and back, in `x`'s dtype
+        (latent attention's absorbed decoding folds ``kv_b`` and the latents this way into
+        what its expanded pass multiplies)."""
+        import qwix
+
+        y = x.astype(jnp.float32) if self.mode == "int8" else x
+        kept = tuple(i for i in range(x.ndim) if i not in contracted)
+        return qwix.dequantize(qwix.quantize(y, FORMATS[self.mode][0],
+                                             channelwise_axes=kept)).astype(x.dtype)
 
 
 def _qwix_training_op():
