@@ -40,6 +40,56 @@ def test_label_smoothing_minimum_is_zero():
     assert abs(float(best[0, 0])) < 1e-5 and float(worse[0, 0]) > 0.1
 
 
+@pytest.mark.parametrize("z_loss,smoothing,classes", [
+    (0.0, 0.0, 0), (1e-4, 0.0, 0), (1e-2, 0.1, 0), (1e-2, 0.1, 12), (0.0, 0.0, 12)])
+def test_written_out_gradient_is_autodiffs(z_loss, smoothing, classes):
+    """cross_entropy's gradient (written out, one pass over the logits) is autodiff's of the
+    textbook loss (log_softmax over the real classes only), for the loss and the
+    cross-entropy at once (DPO differentiates the latter) and for the weights; in bfloat16
+    it comes back in bfloat16."""
+    rng = np.random.default_rng(0)
+    vocab = 16
+    logits = (rng.normal(size=(3, 8, vocab)) * 4).astype(np.float32)
+    targets = rng.integers(0, classes or vocab, (3, 8)).astype(np.int32)
+    weights = (rng.random((3, 8)) > 0.3).astype(np.float32)
+    on_loss, on_xent = rng.normal(size=(2, 3, 8)).astype(np.float32)
+
+    def reference(logits, weights):
+        real = classes or vocab
+        log_p = jax.nn.log_softmax(logits[..., :real])
+        low = smoothing / (real - 1)
+        soft = jax.nn.one_hot(targets, real) * (1 - smoothing - low) + low
+        entropy = -(1 - smoothing) * np.log(1 - smoothing) - (real - 1) * low * np.log(
+            low + 1e-20) if smoothing else 0.0
+        xent = -jnp.take_along_axis(log_p, targets[..., None], -1)[..., 0]
+        loss = -(soft * log_p).sum(-1) - entropy \
+            + z_loss * jnp.square(jax.nn.logsumexp(logits[..., :real], -1))
+        return (on_loss * loss * weights + on_xent * xent * weights).sum()
+
+    def ours(logits, weights):
+        loss, xent = losses.cross_entropy(logits, targets, weights, z_loss=z_loss,
+                                          label_smoothing=smoothing, classes=classes)
+        return (on_loss * loss + on_xent * xent).sum()
+
+    (want, want_w), (got, got_w) = (jax.grad(f, (0, 1))(logits, weights)
+                                    for f in (reference, ours))
+    # The same sums in other orders: a few float32 roundings of each term, the largest of
+    # which (softmax x the row's cotangent) is at most |on_loss| (1 + 2 z |log Z|) + |on_xent|;
+    # the softmax itself off by the rounding of log(sum of exp) <= log(vocab) (autodiff's
+    # log_softmax subtracts it, ours divides by the sum).
+    log_z = np.abs(jax.nn.logsumexp(logits, -1)).max()
+    scale = np.abs(on_loss).max() * (1 + 2 * z_loss * log_z) + np.abs(on_xent).max()
+    np.testing.assert_allclose(got, want, rtol=0,
+                               atol=8 * 2.0**-24 * scale * (1 + np.log(vocab)))
+    assert not np.asarray(got)[..., classes:].any() if classes else True
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+    # bfloat16 logits: the float32 gradient rounded once to bfloat16 (half an ulp, 2**-9).
+    got16 = jax.grad(ours)(jnp.asarray(logits, jnp.bfloat16), weights)
+    exact = jax.grad(ours)(np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float32), weights)
+    assert got16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got16, np.float32), exact, rtol=2.0**-8, atol=1e-30)
+
+
 def test_schedule_is_linear_warmup_rsqrt_decay_linear_decay():
     sched = optimizer.learning_rate_schedule(warmup_steps=100, train_steps=1000, linear_decay_steps=200)
     lr = lambda s: float(sched(s - 1))  # noqa: E731 (the schedule counts updates from 0)
