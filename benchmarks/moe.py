@@ -19,8 +19,10 @@ matmul FLOPs at equal results.
 
 --dtype: the activations' and the experts' matmuls' (parameters stay float32); default
 bfloat16 on a GPU (what tokamax's Mosaic kernel takes), float32 elsewhere. The header names
-the kernel 'auto' picks here (`grouped.SELECTION`). Each row prints the outputs' (or
-loss's) largest difference from the baseline, and the ratios. Compiled FLOPs: the HLO's
+the kernel 'auto' picks here (`grouped.SELECTION`). Each row prints, as soon as it is
+measured, the outputs' (or loss's) largest difference from the baseline, and the ratios; a
+row that fails (a kernel's lowering at this shape, memory) says why in one line and spares
+the others. Compiled FLOPs: the HLO's
 matmuls, loops counted per iteration (a grouped kernel's tiles at balanced routing:
 `mtrain.planning.hlo_cost`; a custom kernel's, tokamax's on a GPU, are not counted).
 
@@ -95,8 +97,7 @@ def layer_rows(args):
     rows += [(f"dropless, {kernel}", dataclasses.replace(config, dispatch="dropless",
                                                          grouped_kernel=kernel))
              for kernel in kernels(args.ragged_dot_on_cpu)]
-    out = []
-    for name, c in rows:
+    for name, c in rows:  # (a row that fails, a kernel's lowering at this shape: its error)
         layer = MoeFeedForward(c, d, activations=("silu", "linear"), dtype=args.dtype)
 
         def step(params, x):
@@ -105,9 +106,12 @@ def layer_rows(args):
                 return jnp.sum(jnp.sin(y)), y
             return jax.value_and_grad(f, (0, 1), has_aux=True)(params, x)
 
-        ((_, y), _), seconds, flops = timed(step, params, x, steps=args.steps)
-        out.append((name, y, seconds, flops))
-    return out
+        try:
+            ((_, y), _), seconds, flops = timed(step, params, x, steps=args.steps)
+        except Exception as e:  # each row on its own: say why, go on
+            yield name, e
+            continue
+        yield name, (y, seconds, flops)
 
 
 def tiny_config(dispatch: str | None, kernel: str = "tiles", capacity: float = 4.0,
@@ -135,24 +139,36 @@ def model_rows(args):
     rows += [(f"moe_tiny dropless, {k}", tiny_config("dropless", k, **dt))
              for k in kernels(True)]  # (8 experts: ragged_dot's dense expansion is bearable)
     rows.append(("dense, the same active size", tiny_config(None, **dt)))
-    out = []
     layout = Layout("", "")
-    for name, c in rows:
-        trainer = Trainer(model=DecoderLM(c), optimizer=optimizer.adamw(1e-3), layout=layout,
-                          mesh=layout.make_mesh(jax.devices()[:1]), batch_size=shape[0],
-                          sequence_length=shape[1], seed=1)
-        state, placed = trainer.init_state(), trainer.place_batch(batch)
-        flops = hlo_cost(trainer.compile_train_step(placed).as_text(), 1).matmul_flops
-        state, metrics = trainer.train_step(state, placed)
-        loss = float(metrics["loss"])
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
+    for name, c in rows:  # (a row that fails: its error)
+        try:
+            trainer = Trainer(model=DecoderLM(c), optimizer=optimizer.adamw(1e-3),
+                              layout=layout, mesh=layout.make_mesh(jax.devices()[:1]),
+                              batch_size=shape[0], sequence_length=shape[1], seed=1)
+            state, placed = trainer.init_state(), trainer.place_batch(batch)
+            flops = hlo_cost(trainer.compile_train_step(placed).as_text(), 1).matmul_flops
             state, metrics = trainer.train_step(state, placed)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        out.append((name, loss, statistics.median(times), flops))
-    return out
+            loss = float(metrics["loss"])
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                state, metrics = trainer.train_step(state, placed)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+        except Exception as e:  # each row on its own: say why, go on
+            yield name, e
+            continue
+        yield name, (loss, statistics.median(times), flops)
+
+
+def failure(e: Exception) -> str:
+    """An error in one line."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"failed: {type(e).__name__}: {first[:160]}"
+
+
+def ratio(a: float, b: float | None) -> str:
+    return f"{a / b:10.3f}" if b else f"{'-':>10s}"
 
 
 def main():
@@ -162,22 +178,37 @@ def main():
     print(f"1. a layer of 64 experts, top-8: d_model {args.d_model}, expert d_ff "
           f"{args.d_model} (SwiGLU), {args.tokens} tokens in groups of {args.group}; "
           f"forward and backward")
-    rows = layer_rows(args)
-    base = rows[0]
     print(f"{'':28s} {'ms':>9s} {'GFLOPs':>9s} {'max |dy|':>10s} {'time/base':>10s} "
-          f"{'FLOPs/base':>10s}")
-    for name, y, seconds, flops in rows:
-        print(f"{name:28s} {1e3 * seconds:9.1f} {flops / 1e9:9.2f} "
-              f"{float(jnp.abs(y - base[1]).max()):10.2e} {seconds / base[2]:10.3f} "
-              f"{flops / base[3]:10.3f}")
+          f"{'FLOPs/base':>10s}", flush=True)
+    failed, base = [], None  # base: the first row's (y, seconds, flops), if it ran
+    for i, (name, row) in enumerate(layer_rows(args)):
+        if isinstance(row, Exception):
+            failed.append(name)
+            print(f"{name:28s} {failure(row)}", flush=True)
+            continue
+        y, seconds, flops = row
+        base = row if i == 0 else base
+        dy = f"{float(jnp.abs(y - base[0]).max()):10.2e}" if base else f"{'-':>10s}"
+        print(f"{name:28s} {1e3 * seconds:9.1f} {flops / 1e9:9.2f} {dy} "
+              f"{ratio(seconds, base and base[1])} {ratio(flops, base and base[2])}",
+              flush=True)
     print(f"2. moe_tiny train step (AdamW), batch {args.batch} x 128, one device")
-    rows = model_rows(args)
-    base = rows[0]
     print(f"{'':28s} {'ms':>9s} {'GFLOPs':>9s} {'loss':>10s} {'time/base':>10s} "
-          f"{'FLOPs/base':>10s}")
-    for name, loss, seconds, flops in rows:
+          f"{'FLOPs/base':>10s}", flush=True)
+    base = None
+    for i, (name, row) in enumerate(model_rows(args)):
+        if isinstance(row, Exception):
+            failed.append(name)
+            print(f"{name:28s} {failure(row)}", flush=True)
+            continue
+        loss, seconds, flops = row
+        base = row if i == 0 else base
         print(f"{name:28s} {1e3 * seconds:9.1f} {flops / 1e9:9.2f} {loss:10.5f} "
-              f"{seconds / base[2]:10.3f} {flops / base[3]:10.3f}")
+              f"{ratio(seconds, base and base[1])} {ratio(flops, base and base[2])}",
+              flush=True)
+    if failed:
+        print(f"{len(failed)} rows failed (why: on their lines above): {'; '.join(failed)}",
+              flush=True)
 
 
 if __name__ == "__main__":

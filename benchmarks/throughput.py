@@ -37,7 +37,9 @@ packed layout with a table fitted to the rows, or the masked kernel). A row may 
 ``transformer.quantization`` (the GPU preset's 'llama_1b fp8 (tensorwise)', its projections'
 matmuls in fp8: MFU still against the bf16 peak), and ``--quantization`` sets it for every
 row that does not; a row measured beside the row it quantizes prints the ratio of their
-tokens/s after the table.
+tokens/s as soon as both are in (``ratio llama_1b fp8/bf16 tokens/s: X.XX``).
+``--table_budget`` bounds the isolated rows' time together: a row that would start with
+under 30 s left says so instead.
 
     python benchmarks/throughput.py [--steps 10] [--rounds 5] [--dropout 0.1] [--preset cpu]
     python benchmarks/throughput.py --cpu_devices 8 --mesh_shape batch:8 --layout_rules batch:batch
@@ -77,6 +79,9 @@ def parse_args():
     p.add_argument("--flash_max_segments", type=int, default=None,
                    help="the comparison's table size for flash_kernel cudnn_segments")
     p.add_argument("--row_timeout", type=float, default=None, help="seconds per isolated row")
+    p.add_argument("--table_budget", type=float, default=None,
+                   help="seconds for all the isolated rows: a row gets at most what is left "
+                        "(and --row_timeout); one with under 30 s left is skipped, saying so")
     p.add_argument("--quantization", default="none", choices=("none", "fp8", "int8"),
                    help="transformer.quantization of the table's rows that set none")
     p.add_argument("--quantization_scaling", default="tensorwise",
@@ -359,8 +364,9 @@ def kernel_ran(trainer, batch) -> str:
     return kernel if kernel != "auto" else f"{attention.default_kernel()} (auto)"
 
 
-def isolated(i, label, preset, args):
-    """Row `i` of `preset` measured in a fresh process (`--rows i`), its line printed here."""
+def isolated(i, label, preset, args, timeout=None):
+    """Row `i` of `preset` measured in a fresh process (`--rows i`) within `timeout` seconds
+    (None: no limit), its line printed here."""
     import os
     import subprocess
     import sys
@@ -374,10 +380,9 @@ def isolated(i, label, preset, args):
         command.append(f"--cpu_devices={args.cpu_devices}")
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
     try:
-        run = subprocess.run(command, capture_output=True, text=True, env=env,
-                             timeout=args.row_timeout)
+        run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        print(f"{label:<48} failed: not done in {args.row_timeout:.0f} s", flush=True)
+        print(f"{label:<48} failed: not done in {timeout:.0f} s", flush=True)
         return None
     lines = [line for line in run.stdout.splitlines() if line.startswith(label)]
     if lines:
@@ -387,6 +392,15 @@ def isolated(i, label, preset, args):
     why = (run.stderr.strip().splitlines() or ["no output"])[-1]  # died before reporting
     print(f"{label:<48} failed (exit {run.returncode}): {why[:160]}", flush=True)
     return None
+
+
+def print_ratios(measured: dict, label: str, args) -> None:
+    """The ratios of `AGAINST` that row `label`, just measured, completes: as soon as both
+    of their rows are in (--quantization quantizes both: none)."""
+    for row, (base, name) in AGAINST.items():
+        if (label in (row, base) and measured.get(row) and measured.get(base)
+                and args.quantization == "none"):
+            print(f"ratio {name} tokens/s: {measured[row] / measured[base]:.2f}", flush=True)
 
 
 def main(args):
@@ -406,20 +420,26 @@ def main(args):
               f"{'init':>6} {'peak memory':>11}  kernel", flush=True)
         rows = PRESETS[preset]
         chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(len(rows))
-        measured = {}  # label -> tokens/s
+        measured, start = {}, time.perf_counter()  # label -> tokens/s
         for i in chosen:
+            label = rows[i][0]
+            left = (args.table_budget - (time.perf_counter() - start)
+                    if args.table_budget else None)
+            if args.isolate and left is not None and left < 30:
+                print(f"{label:<48} skipped: {max(left, 0):.0f} s left of the table's "
+                      f"{args.table_budget:.0f}", flush=True)
+                continue
             if args.isolate:
-                measured[rows[i][0]] = isolated(i, rows[i][0], preset, args)
+                limits = [x for x in (args.row_timeout, left) if x is not None]
+                measured[label] = isolated(i, label, preset, args,
+                                           timeout=min(limits) if limits else None)
             else:
                 try:
-                    measured[rows[i][0]] = measure(*rows[i], args, peak)
+                    measured[label] = measure(*rows[i], args, peak)
                 except Exception as e:  # out of memory, a kernel this device lacks: say so
-                    print(f"{rows[i][0]:<48} failed: {type(e).__name__}: "
+                    print(f"{label:<48} failed: {type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0][:160]}", flush=True)
-        for label, (base, name) in AGAINST.items():  # (--quantization: both quantized)
-            if measured.get(label) and measured.get(base) and args.quantization == "none":
-                print(f"ratio {name} tokens/s: {measured[label] / measured[base]:.2f}",
-                      flush=True)
+            print_ratios(measured, label, args)
         print()
     if args.compare == "none":
         return

@@ -19,7 +19,11 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
   instead, which was measured to be closer there;
 - with ``transformer.quantization``, the step with its projections in fp8 or int8 against
   the same step in bf16, and whether the format pays on the target
-  (`mtrain.planning.quantized`).
+  (`mtrain.planning.quantized`). The bf16 step is the plan of the bf16 program, compiled
+  too (a second compilation: the quantized program's time on XLA:CPU is not a TPU's or a
+  GPU's): the quantized step is its compute at the format's rate, its memory traffic, the
+  casts, and the quantized program's collectives; the memory that must fit, the quantized
+  program's.
 
 The program is compiled by XLA:CPU, so it is the program a TPU or GPU would run up to the
 backend's own fusion and scheduling choices: memory and time are estimates, good for
@@ -52,6 +56,19 @@ def sharded_bytes(tree, shardings) -> int:
     for leaf, sharding in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings)):
         total += math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
     return total
+
+
+def bf16_trainer(trainer: Trainer) -> Trainer:
+    """`trainer` with its model's projections in bf16 (``transformer.quantization='none'``):
+    the same optimizer, objective, layout, mesh, batch, seed and settings."""
+    model = trainer.model.clone(config=dataclasses.replace(trainer.model.config,
+                                                           quantization="none"))
+    batch_size, sequence_length = trainer.batch_shape
+    return Trainer(model=model, optimizer=trainer.given_optimizer,
+                   objective=trainer.given_objective, layout=trainer.layout, mesh=trainer.mesh,
+                   batch_size=batch_size, sequence_length=sequence_length, seed=trainer.seed,
+                   num_microbatches=trainer.num_microbatches,
+                   trainable=trainer.trainable if trainer.frozen else None)
 
 
 @dataclasses.dataclass
@@ -170,22 +187,28 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
             trainer.loss_chunks, param_bytes + opt_bytes + batch_bytes, gradient_bytes,
             largest, executed, target)
     basis = "XLA:CPU buffer assignment"
-    xla_total, bf16_compute, traffic = total, compute, 0.0
+    xla_total = total
     if target.device == "GPU" and estimate:  # where XLA:CPU was measured to be far off
         basis, total = "step model (GPU)", int(estimate.total_bytes)
-        compute, bf16_compute = estimate.compute_seconds, estimate.bf16_compute_seconds
-        traffic = estimate.attention_traffic_seconds
+        compute = estimate.compute_seconds
         moved = 2 * (estimate.saved_activation_bytes + estimate.gradient_bytes
                      + estimate.logits_bytes)
         hbm = (2 * (param_bytes + opt_bytes) + moved) / target.hbm_bandwidth
         step = max(estimate.step_seconds, hbm) + comm
     quantization = None
-    if kind and model.config.quantization != "none":  # the step in that format and in bf16
+    if kind and model.config.quantization != "none":  # against the bf16 program's own plan
+        bf16 = plan(bf16_trainer(trainer), target)
         quantization = quantized.compare(
             model.config, kind, layout, batch, length, trainer.num_microbatches, target,
-            model_flops=executed, compute=bf16_compute, traffic=traffic, memory=hbm,
-            collectives=comm)
-        compute, step = quantization.compute_seconds, quantization.step_seconds
+            model_flops=executed, compute=bf16.compute_seconds,
+            traffic=bf16.step_model["attention_traffic_seconds"]
+            if target.device == "GPU" else 0.0,
+            memory=bf16.memory_seconds, bf16_collectives=bf16.communication_seconds,
+            collectives=comm, bf16_step=bf16.step_seconds,
+            scale_all_reduces=max(0, comms["all-reduce"].count
+                                  - bf16.collectives["all-reduce"]["count"]))
+        compute, hbm, step = (quantization.compute_seconds, bf16.memory_seconds,
+                              quantization.step_seconds)
     mesh_shape, rules = layout.mesh_text, layout.rules_text
     return Plan(
         mesh_shape=mesh_shape, layout_rules=rules,
@@ -296,7 +319,8 @@ def format_plan(p: Plan, describe: str = "") -> str:
             f" (at {100 * p.step_model['efficiency']:.0f}% of peak, as measured for a "
             f"strong JAX baseline; + {seconds_text(p.step_model['attention_traffic_seconds'])} "
             f"of attention matrices through HBM)") +
-        f", memory {seconds_text(p.memory_seconds)}, "
+        f", memory {seconds_text(p.memory_seconds)}"
+        + (" (the bf16 program's; the casts below)" if p.quantization else "") + ", "
         f"collectives {seconds_text(p.communication_seconds)}",
         f"  step ~{seconds_text(p.step_seconds)}, {p.tokens_per_second:,.0f} tokens/s, "
         f"MFU {'at most ' if p.memory_basis.startswith('XLA') else '~'}{100 * p.mfu:.0f}%"

@@ -8,9 +8,11 @@ quantized too: all three matmuls of a projection, 6 FLOPs per weight and token).
 embeddings, the logits, attention's q.k and p.v, the router, the dropless experts' grouped
 matmuls or the multi-token prediction's projection.
 
-The plan's step is ``max(compute + traffic, memory) + collectives`` (`planner`: traffic is
-what does not overlap the matmuls, the einsum path's attention matrices; memory what does).
-Quantized:
+The plan compiles the bf16 program too (`planner.bf16_trainer`) and plans it as it would
+without quantization: the verdict's bf16 step is that plan's. The quantized step is
+``max(compute + traffic, memory) + casts + collectives``, from the bf16 plan's compute,
+traffic (what does not overlap the matmuls: the einsum path's attention matrices) and
+memory (what does), the quantized program's collectives:
 
 - the projections' share s of the step's model FLOPs runs at the format's peak
   (`Target.peak_of`: an H100's fp8 1979 TFLOP/s against its bf16 989) at bf16's efficiency,
@@ -18,17 +20,32 @@ Quantized:
   with no rate of its own for the format runs it at its bf16 peak: no gain, and the casts.
 - the casts: each quantized operand read twice at its precision (its absolute maximum, a
   reduction that must finish before the cast; then the cast) and written once as a 1-byte
-  copy. qwix (`models.quantization`) casts a projection's input and weight once, forward,
-  and keeps the copies for the backward pass; the incoming gradient it casts twice, once
-  for each backward matmul (each scaled by the other operand's scales first). Memory-bound
-  passes between the matmuls: added to the compute, not overlapped. Spread evenly over the
-  devices (a layout that replicates an operand casts it on each device: more); the weights
-  once per microbatch. 'rowwise' and 'tensorwise' cost the same here (rowwise's scaled
-  matmuls are slower on GPUs than tensorwise's, as torchtitan measures: not modelled).
-- the memory and the collectives are the bf16 step's (the 1-byte copies the backward pass
-  keeps in place of bf16 ones would shrink the saved activations a little: not counted). On
-  a TPU target the memory term is XLA:CPU's buffers of the compiled program, the quantized
-  one: its copies are in it too (the casts counted twice there, an overestimate).
+  copy: memory-bound passes between the matmuls that overlap neither them nor the other
+  memory traffic. qwix (`models.quantization`) casts a projection's input and weight
+  forward, and the incoming gradient twice, once for each backward matmul (each scaled by
+  the other operand's scales first). Projections that read one input (attention's q, k and
+  v; latent attention's q and kv_a; SwiGLU's wi) share its cast (XLA merges them). Under
+  remat 'dots' or 'full' the backward pass recomputes the forward's casts (XLA:CPU's program
+  of a 2-layer model: the forward's cast elements twice over; 'none' keeps the copies). The
+  weights are cast once per microbatch (not counted: that program casts attention's 3-D
+  weights once more for the backward pass, and under 'full' once more again; a weight is
+  small beside its tokens' activations at a training batch). Each operand per device as
+  the layout rules split it (`split`): a replicated one is cast whole on every device that
+  holds it (data parallelism's weights: each replica casts its copy); a weight under
+  parameter layout rules (FSDP) as gathered for use (XLA may cast the stored shard before
+  the gather: less).
+  'rowwise' and 'tensorwise' cost the same here (rowwise's scaled matmuls are slower on GPUs
+  than tensorwise's, as torchtitan measures: not modelled).
+- the collectives: the quantized program's. Tensorwise scaling takes each split operand's
+  absolute maximum over the devices that split it: an all-reduce of a scalar per operand
+  (tests/test_plan_quantization.py's 2-layer model over ``batch:8``: 18 all-reduces in fp8
+  tensorwise, 3 rowwise, 2 in bf16). Their bytes are counted; their latency is not (the
+  plan has no per-collective latency), so the plan says how many more there are than in
+  bf16.
+- the memory that must fit is the quantized program's (its buffers hold the 1-byte copies);
+  its traffic, the bf16 program's (XLA:CPU's buffers of a quantized program are not what a
+  TPU or GPU runs; the copies the backward pass keeps in place of bf16 ones would shrink the
+  saved activations a little: not counted).
 
 The format pays where the step is at least `PAYS` times faster than in bf16; where not, the
 verdict names what bounds the quantized step: memory traffic (its time above the compute's),
@@ -39,6 +56,7 @@ experts in bf16) and the casts.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mtrain.models import counts
 
@@ -87,50 +105,93 @@ def flops(c, kind: str, batch_size: int, length: int) -> dict[str, float]:
     return out
 
 
-def _shapes(c, kind: str) -> list[tuple[float, float, float]]:
-    """The quantized projections a token goes through in the whole stack, as (input width,
-    output width, how many: layers x the token's slots in them)."""
+TOKENS = ("batch", "length")  # the logical names a projection's tokens are split by
+
+
+def projections(c, kind: str) -> list[tuple]:
+    """The quantized projections of the whole stack, as (input width, output width, a
+    token's passes through it: layers x its slots in them, its weights: layers x experts,
+    the input's logical names, the output's, whether it casts its input (not where it shares
+    the one cast for the projection before it: attention's k and v the q's, latent
+    attention's kv_a the q's, SwiGLU's second wi the first's), the names splitting its
+    tokens beyond ``TOKENS`` and its weights beyond input and output: a routed expert's
+    ``experts``)."""
     d, h, k, g = c.d_model, c.num_heads, c.d_kv, c.num_kv_heads
     a = len(c.mlp_activations)
-    attention = [(d, h * k), (d, g * k), (d, g * k), (h * k, d)]  # q, k, v, o
-    own = attention
-    if getattr(c, "latent_attention", False):
-        m = c.mla
-        own = ([(d, m.q_lora_rank), (m.q_lora_rank, h * m.qk_head_dim)] if m.q_lora_rank
-               else [(d, h * m.qk_head_dim)]) + [
-            (d, m.kv_lora_rank + m.qk_rope_head_dim),
-            (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim)), (h * m.v_head_dim, d)]
+    heads = ("heads", "d_kv")
+    kv = ("heads" if g == h else "kv_heads", "d_kv")
+    model = ("d_model",)
 
-    def ffn(width, n):
-        return [(d, width, a * n), (width, d, n)]  # wi (one per activation), wo
+    def attention(n, cross):  # q, k, v, o: self-attention's k and v read q's input
+        return [(d, h * k, n, n, model, heads, True, ()),
+                (d, g * k, n, n, model, kv, cross, ()), (d, g * k, n, n, model, kv, False, ()),
+                (h * k, d, n, n, heads, model, True, ())]
+
+    def latent(n):
+        m = c.mla
+        q = ([(d, m.q_lora_rank, n, n, model, ("q_lora",), True, ()),
+              (m.q_lora_rank, h * m.qk_head_dim, n, n, ("q_lora",), heads, True, ())]
+             if m.q_lora_rank else [(d, h * m.qk_head_dim, n, n, model, heads, True, ())])
+        return q + [(d, m.kv_lora_rank + m.qk_rope_head_dim, n, n, model, ("kv_latent",),
+                     False, ()),
+                    (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), n, n,
+                     ("kv_lora",), heads, True, ()),
+                    (h * m.v_head_dim, d, n, n, heads, model, True, ())]
+
+    def ffn(width, n, weights, extra=()):  # wi (one per activation, one input), wo
+        wi = [(d, width, n, weights, model, ("d_ff",), True, extra)]
+        if a > 1:
+            wi.append((d, width, (a - 1) * n, (a - 1) * weights, model, ("d_ff",), False,
+                       extra))
+        return wi + [(width, d, n, weights, ("d_ff",), model, True, extra)]
 
     encoder, decoder = stacks(c, kind)
     dense = encoder + decoder
-    out = [(i, o, encoder + decoder) for i, o in own] + [(i, o, decoder) for i, o in attention]
+    own = (latent(dense) if getattr(c, "latent_attention", False)
+           else attention(dense, False))
+    out = own + (attention(decoder, True) if decoder else [])
     if getattr(c, "moe_every", 0):
         m = c.moe
         experts = counts.moe_layers(c, encoder) + counts.moe_layers(c, decoder)
         dense -= experts
         if m.num_shared_experts:
-            out += ffn(m.expert_d_ff * m.num_shared_experts, experts)
+            out += ffn(m.expert_d_ff * m.num_shared_experts, experts, experts)
         if m.dispatch == "capacity":  # a token's slots in its experts' capacity
-            out += ffn(m.expert_d_ff, experts * m.top_k * m.capacity_factor_train)
-    return out + ffn(c.d_ff, dense)
+            out += ffn(m.expert_d_ff, experts * m.top_k * m.capacity_factor_train,
+                       experts * m.num_experts, ("experts",))
+    return out + (ffn(c.d_ff, dense, dense) if dense else [])
 
 
-def cast_bytes(c, kind: str, batch_size: int, length: int, num_microbatches: int = 1) -> float:
-    """HBM bytes a step's casts move, all devices together (module doc)."""
+def split(layout, names) -> int:
+    """Into how many parts `layout` splits a tensor of logical `names` (a mesh dimension
+    once); 1 without a layout."""
+    if layout is None:
+        return 1
+    dims = {layout.mesh_dim_for(n) for n in names} - {None}
+    return math.prod(layout.mesh_dims[m] for m in dims)
+
+
+def cast_bytes(c, kind: str, batch_size: int, length: int, num_microbatches: int = 1,
+               layout=None) -> float:
+    """HBM bytes a step's casts move per device of `layout` (one device without; module
+    doc)."""
     a = 2 if c.activation_dtype == "bfloat16" else 4
-    per_token = sum(n * (i + 2 * o) for i, o, n in _shapes(c, kind))  # x, and dy twice
-    elements = (batch_size * length * per_token
-                + num_microbatches * projection_parameters(c, kind, active=False))
+    again = 1 if c.remat_policy == "none" else 2  # the forward's casts redone backward
+    tokens, elements = batch_size * length, 0.0
+    for i, o, passes, weights, ins, outs, casts_input, extra in projections(c, kind):
+        rows = tokens * passes
+        if casts_input:
+            elements += again * rows * i / split(layout, TOKENS + extra + ins)
+        elements += 2 * rows * o / split(layout, TOKENS + extra + outs)  # dy, twice
+        elements += (again * num_microbatches * weights * i * o
+                     / split(layout, extra + ins + outs))
     return elements * (2 * a + 1)
 
 
 def cast_seconds(c, kind: str, layout, batch_size: int, length: int, num_microbatches: int,
                  target) -> float:
     """The casts' time per device on `target` (module doc)."""
-    return (cast_bytes(c, kind, batch_size, length, num_microbatches) / layout.size
+    return (cast_bytes(c, kind, batch_size, length, num_microbatches, layout)
             / target.hbm_bandwidth)
 
 
@@ -151,28 +212,33 @@ class Quantized:
     projection_share: float  # of the step's model FLOPs
     compute_seconds: float  # the matmuls, projections at the format's rate
     cast_seconds: float
-    bf16_step_seconds: float
+    bf16_step_seconds: float  # the bf16 program's plan's step
     step_seconds: float
     speedup: float  # bf16's step / this one
     pays: bool
     bound: str  # where it does not pay, why: what takes the most of the step, or no rate
+    scale_all_reduces: int = 0  # all-reduces the quantized program has beyond bf16's
 
 
 def compare(c, kind: str, layout, batch_size: int, length: int, num_microbatches: int, target,
             *, model_flops: float, compute: float, traffic: float, memory: float,
-            collectives: float) -> Quantized:
+            bf16_collectives: float, collectives: float, bf16_step: float | None = None,
+            scale_all_reduces: int = 0) -> Quantized:
     """The quantized step against bf16's, whose parts are `compute` (the matmuls at the bf16
     peak, of `model_flops`), `traffic` (not overlapped with them), `memory` (overlapped)
-    and `collectives` (after them)."""
+    and `bf16_collectives` (after them), and whose step is `bf16_step` (by default
+    ``max(compute + traffic, memory) + bf16_collectives``). `collectives`: the quantized
+    program's, with its `scale_all_reduces` more all-reduces than bf16's."""
     fmt = c.quantization
     peak, own = target.peak_of(fmt)
     parts = flops(c, kind, batch_size, length)
     share = min(1.0, parts.pop("projections") / model_flops)
     quantized = compute * rate_factor(c, kind, batch_size, length, model_flops, target)
     casts = cast_seconds(c, kind, layout, batch_size, length, num_microbatches, target)
-    bf16 = max(compute + traffic, memory) + collectives
-    busy = quantized + casts + traffic
-    step = max(busy, memory) + collectives
+    bf16 = (max(compute + traffic, memory) + bf16_collectives if bf16_step is None
+            else bf16_step)
+    busy = quantized + traffic
+    step = max(busy, memory) + casts + collectives
     speedup = bf16 / step
     pays = speedup >= PAYS
     bound = ""
@@ -184,13 +250,13 @@ def compare(c, kind: str, layout, batch_size: int, length: int, num_microbatches
         else:
             seconds = {name: compute * f / model_flops for name, f in parts.items()}
             seconds["attention"] = traffic + compute * (1 - share) - sum(seconds.values())
-            seconds[f"the casts to {fmt}"] = casts
+        seconds[f"the casts to {fmt}"] = casts
         seconds["collectives"] = collectives
         bound = max(seconds, key=seconds.get)
     return Quantized(format=fmt, scaling=c.quantization_scaling, peak_flops=peak, own_rate=own,
                      projection_share=share, compute_seconds=quantized, cast_seconds=casts,
                      bf16_step_seconds=bf16, step_seconds=step, speedup=speedup, pays=pays,
-                     bound=bound)
+                     bound=bound, scale_all_reduces=scale_all_reduces)
 
 
 def lines(q: dict, target, tokens: int, seconds_text) -> list[str]:
@@ -211,4 +277,8 @@ def lines(q: dict, target, tokens: int, seconds_text) -> list[str]:
     else:
         why = q["bound"] if not q["own_rate"] else f"the step is bound by {q['bound']}"
         out.append(f"  {fmt} does not pay here: {why}, {q['speedup']:.2f}x ({step})")
+    if q.get("scale_all_reduces"):
+        out.append(f"  {q['scaling']} scaling: {q['scale_all_reduces']} all-reduces more than "
+                   f"bf16 (operands' absolute maxima over the devices that split them: their "
+                   f"bytes are in the collectives, their latency is not)")
     return out

@@ -67,7 +67,6 @@ class StepModel:
     attention_traffic_seconds: float
     step_seconds: float
     efficiency: float
-    bf16_compute_seconds: float = 0.0  # the matmuls all at the bf16 peak
     cast_seconds: float = 0.0  # the quantized operands' casts (`quantized`)
 
 
@@ -194,7 +193,7 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
     recompute = {"none": 0.0, "dots": 0.0, "full": 1 / 3}[c.remat_policy]
     efficiency = EFFICIENCY.get(target.name, DEFAULT_EFFICIENCY)
     compute = model_flops * (1 + recompute) / layout.size / (target.peak_flops * efficiency)
-    bf16_compute, casts = compute, 0.0
+    casts = 0.0
     if c.quantization != "none":
         compute *= quantized.rate_factor(c, kind, batch_size, length, model_flops, target)
         casts = quantized.cast_seconds(c, kind, layout, batch_size, length, num_microbatches,
@@ -214,4 +213,4 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
         update_bytes=update, total_bytes=total,
         compute_seconds=compute, attention_traffic_seconds=traffic,
         step_seconds=compute + casts + traffic, efficiency=efficiency,
-        bf16_compute_seconds=bf16_compute, cast_seconds=casts)
+        cast_seconds=casts)
