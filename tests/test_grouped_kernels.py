@@ -164,6 +164,7 @@ def test_a_bad_kernel_is_one_line_naming_every_kernel():
     assert "tokamax" in grouped.GROUPED_KERNELS
 
 
+@pytest.mark.slow  # (about 20 s: two trainers; the fast tier checks the kernel itself)
 def test_moe_tiny_trains_with_tokamax_as_with_tiles_on_one_device_and_experts_split():
     """Dropless `moe_tiny` (4 layers, experts in 2), 3 steps: the same losses with
     'tokamax' as with 'tiles' on one device, and with the experts over `batch` (the

@@ -170,7 +170,7 @@ def _teacher_forced(model, params, inputs):
 @pytest.mark.parametrize("settings", [
     {}, pytest.param({"mla": dataclasses.replace(MLA, q_lora_rank=0, rope_interleaved=False),
                       "lora": LoraConfig(rank=2), "scan_layers": True}, marks=pytest.mark.slow),
-    {"quantization": "fp8"},
+    pytest.param({"quantization": "fp8"}, marks=pytest.mark.slow),
     pytest.param({"quantization": "fp8", "lora": LoraConfig(rank=2)}, marks=pytest.mark.slow),
     pytest.param({"quantization": "fp8", "latent_attention": False, "mla": None, "d_kv": 8,
                   "num_kv_heads": 2}, marks=pytest.mark.slow)],

@@ -162,6 +162,7 @@ def test_each_device_casts_what_it_holds_and_remat_casts_the_forward_again():
             2 * inputs + gradients + 2 * weights) * 9
 
 
+@pytest.mark.slow  # (about 10 s: two plans compiled; the fast tier keeps llama_tiny's verdict)
 def test_llama_1b_in_fp8_on_an_h100_pays_against_bf16(capsys):
     """The projections (78% of llama_1b's FLOPs) at twice the bf16 rate, plus their casts:
     faster than bf16, by less than 2x; the memory unchanged."""
@@ -216,6 +217,7 @@ def test_the_verdicts_bf16_step_is_the_bf16_plans(capsys):
     assert q["speedup"] < 1 and report["memory_seconds"] > report["compute_seconds"]
 
 
+@pytest.mark.slow  # (about 10 s: two plans compiled; the fast tier keeps llama_tiny's verdict)
 def test_fp8_does_not_pay_where_the_collectives_bound_the_step():
     """A tiny model data-parallel over 8 GPUs: the gradients' all-reduce takes longer than
     its matmuls, which fp8 speeds up; the step barely moves. Tensorwise scaling all-reduces
@@ -240,6 +242,7 @@ def test_fp8_does_not_pay_where_the_collectives_bound_the_step():
     assert q["cast_seconds"] > quantized.cast_bytes(TINY, "lm", 16, 64) / 8 / H100.hbm_bandwidth
 
 
+@pytest.mark.slow  # (about 10 s: two plans compiled; the fast tier keeps llama_tiny's verdict)
 def test_int8_pays_on_a_tpu_v5e_and_has_no_rate_on_a_tpu_v4():
     """One compiled step planned for both: v5e's 393 TOPS int8 against its 197 bf16 speed up
     the projections; a v4 runs int8 at its bf16 rate, and the casts make it slower."""

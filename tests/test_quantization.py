@@ -190,11 +190,11 @@ def losses(c, mesh_shape="", rules="", parameter_rules="", params=None, steps=2)
     return out, jax.device_get(state.params)
 
 
+@pytest.mark.slow  # (about 12 s each: two trainers)
 @pytest.mark.parametrize("scaling, mesh_shape, rules, parameter_rules", [
     ("tensorwise", "batch:4;model:2", SPLIT, ""),
-    pytest.param("rowwise", "batch:4;model:2", SPLIT, "", marks=pytest.mark.slow),
-    pytest.param("tensorwise", "batch:8", "batch:batch", "d_model:batch",
-                 marks=pytest.mark.slow)])  # (FSDP: the weights' d_model over batch)
+    ("rowwise", "batch:4;model:2", SPLIT, ""),
+    ("tensorwise", "batch:8", "batch:batch", "d_model:batch")])  # (FSDP: d_model over batch)
 def test_layouts_change_no_loss(scaling, mesh_shape, rules, parameter_rules):
     """fp8 from the same parameters: the same losses over 2 steps on one device and split
     (a tensor's absmax is a max: the same over any split; the sums in another order move
