@@ -246,6 +246,7 @@ def test_help_explains_every_flag():
         assert flag in proc.stdout
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_speed_settings_profile_and_mfu_from_gin(data_dir, tmp_path):
     model_dir = tmp_path / "run"
     assert cli(model_dir, "run.train_steps=4", "run.log_every=2", "run.num_microbatches=2",

@@ -112,6 +112,7 @@ def test_dropless_layer_equals_the_reference_and_capacity_without_drops(kernel):
         np.testing.assert_allclose(stats[name], stats_c[name], **TOL, err_msg=name)
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_dropless_adapters_equal_capacitys():
     """LoRA on the experts' weights: the dropless layer merges each adapter into its weight
     (`lora.adapted`), capacity applies it factored: the same outputs and adapter

@@ -164,6 +164,7 @@ def test_a_prompt_longer_than_the_row_keeps_its_end():
     assert 1 <= len(continued.split()) <= 8
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_the_generator_continues_a_prompt_holding_id_0_as_the_model_does():
     """A prompt whose ids include 0 (and a continuation that may) through `Generator`:
     the ids the model's own argmax gives after the whole prompt, recomputed here by

@@ -47,6 +47,7 @@ class BagOfWordsLM(nn.Module):
 gin.external_configurable(BagOfWordsLM, "BagOfWordsLM")
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_a_model_defined_here_trains_through_run(data_dir, tmp_path):
     model_dir = tmp_path / "bow"
     params = [*TINY, "run.task='bible_lm'", "run.mesh_shape='batch:4;model:2'",

@@ -152,7 +152,8 @@ def test_microbatches_change_no_loss():
 
 
 @pytest.mark.parametrize("scan, mesh_shape, rules", [
-    pytest.param(True, "", "", marks=pytest.mark.slow), (False, "batch:4;model:2", SPLIT),
+    pytest.param(True, "", "", marks=pytest.mark.slow),
+    pytest.param(False, "batch:4;model:2", SPLIT, marks=pytest.mark.slow),
     pytest.param(True, "batch:4;model:2", SPLIT, marks=pytest.mark.slow)])
 def test_scanning_and_layouts_change_no_loss(scan, mesh_shape, rules):
     """From the same parameters, the same losses and MTP losses over 3 steps as unscanned

@@ -100,6 +100,7 @@ def test_loops_count_per_iteration_and_conditionals_once():
     assert cost.matmul_flops == 3 * 2 * 16 * 32 * 64 + 2 * 16 * 16 * 64
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_scanned_and_microbatched_steps_are_planned_per_iteration():
     _, plain = make_plan("batch:4;model:2")
     _, scanned = make_plan("batch:4;model:2", config=dataclasses.replace(

@@ -310,6 +310,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(data_dir, tmp_
     assert "4.damaged" in names and {"4", "6"} <= set(names)  # kept aside, then redone
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(data_dir, tmp_path, capsys):
     model_dir = tmp_path / "run"
     assert main(argv(model_dir, "run.train_steps=2", "run.checkpoint_every=2")) == 0
@@ -378,6 +379,7 @@ def test_divergence_never_poisons_the_newest_checkpoint(data_dir, tmp_path, caps
                for x in jax.tree_util.tree_leaves(state["params"]))
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_init_from_another_run_and_keep_every(data_dir, tmp_path):
     base = tmp_path / "base"
     assert main(argv(base, "run.train_steps=6", "run.checkpoint_every=1",

@@ -88,6 +88,7 @@ def test_the_same_bytes_written_again_resume(trained, tmp_path, capsys):
     assert position(model_dir, 4) != position(model_dir, 2)  # its input went on
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_other_contents_continue_on_the_new_data_from_its_start(trained, tmp_path, capsys):
     model_dir, data = copy(trained, tmp_path)
     corpus(data, 5)  # edited: other lines

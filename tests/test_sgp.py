@@ -139,6 +139,7 @@ def test_exact_averaging_every_h_steps_restores_consensus():
     assert float(sgp.consensus_distance(state)["max"]) > 1e-5  # gossip only since
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_sgp_state_converts_to_and_from_a_trainer_state():
     t = trainer("batch:4;model:2")
     sgp = SGPTrainer(t)

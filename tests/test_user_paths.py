@@ -147,6 +147,7 @@ def test_first_run_rerun_and_changed_settings(name, tmp_path):
     assert records(stopped)[-1]["step"] == 7
 
 
+@pytest.mark.slow  # (7-12 s: the fast tier keeps its siblings; issue 61's budget)
 def test_runs_started_together_on_a_fresh_machine_prepare_the_data_once(tmp_path):
     """Two experiments started at once on a fresh HOME: one builds lm1b and its vocabulary,
     the other waits for it, then uses them (it had failed on the first's half-written raw
