@@ -5,6 +5,7 @@ faster on CPU; tests check results, not speed.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -62,6 +63,16 @@ def split_import_times(stderr: str) -> tuple[set[str], list[str]]:
         elif line.strip():
             lines.append(line)
     return packages, lines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_jax_caches():
+    """Each test module's compiled programs let go at its end (`jax.clear_caches`): a test
+    process of the full suite otherwise keeps every executable it ever compiled, hundreds
+    of test modules' worth, and a worker that grew so has aborted inside XLA's compiler."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

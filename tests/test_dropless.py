@@ -187,13 +187,10 @@ TRAIN_LAYOUTS = [("", "", ""), ("batch:8", "batch:batch;experts:batch", ""),
                  ("batch:4;model:2", "batch:batch;experts:batch;d_ff:model", "d_model:batch")]
 
 
-@pytest.mark.slow  # (the fast tier: the layer in every layout above)
-@pytest.mark.parametrize("scan", [False, True])
-def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
-    """`moe_tiny` (4 layers, experts in 2; scanned: a dense and an expert layer per step)
-    trains 3 steps with the same losses by either dispatch (capacity: a slot for every
-    token), on one device, with the experts over `batch` (all-to-all), and unscanned also
-    over `model` beside `d_ff:model` and under FSDP's parameter rules; nothing dropped."""
+def moe_tiny_losses(settings, runs):
+    """{key: (losses, dropped fractions)} of 3 steps of `moe_tiny` (with gin `settings`) on
+    the same packed batches from the same seed, for each ``(key, moe settings, mesh_shape,
+    rules, parameter_rules)`` of `runs`."""
     import test_trainer
     from mtrain import config
     from mtrain.models.transformer import DecoderLM
@@ -202,28 +199,41 @@ def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
     from mtrain.training.trainer import Trainer
 
     config.parse(["models/moe_tiny.gin"], ["transformer.max_length=16", "moe.group_size=16",
-                                           f"transformer.scan_layers={scan}",
-                                           "learning_rate_schedule.warmup_steps=2",
-                                           "moe.capacity_factor_train=4.0"])
+                                           "learning_rate_schedule.warmup_steps=2", *settings])
     model_config = config.model_config(test_trainer.CONFIG.vocab_size)
     opt = config.adamw(config.learning_rate_schedule(train_steps=10))
     batches = test_trainer.packed_batches(3)
-    losses = {}
-    for dispatch in ("capacity", "dropless"):
-        c = dataclasses.replace(model_config, moe=dataclasses.replace(model_config.moe,
-                                                                      dispatch=dispatch))
-        for mesh_shape, rules, parameter_rules in TRAIN_LAYOUTS[:2 if scan else None]:
-            layout = Layout(mesh_shape, rules, parameter_rules)
-            trainer = Trainer(model=DecoderLM(c), optimizer=opt, layout=layout,
-                              mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
-                              sequence_length=16, seed=1,
-                              objective=LanguageModeling(LossConfig(z_loss=0.0)))
-            state, run = trainer.init_state(), []
-            for batch in batches:
-                state, metrics = trainer.train_step(state, trainer.place_batch(batch))
-                run.append(float(metrics["loss"]))
-                assert float(metrics["dropped_fraction"]) == 0.0
-            losses[dispatch, mesh_shape, parameter_rules] = run
+    out = {}
+    for key, moe, mesh_shape, rules, parameter_rules in runs:
+        c = dataclasses.replace(model_config, moe=dataclasses.replace(model_config.moe, **moe))
+        layout = Layout(mesh_shape, rules, parameter_rules)
+        trainer = Trainer(model=DecoderLM(c), optimizer=opt, layout=layout,
+                          mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
+                          sequence_length=16, seed=1,
+                          objective=LanguageModeling(LossConfig(z_loss=0.0)))
+        state, losses, dropped = trainer.init_state(), [], []
+        for batch in batches:
+            state, metrics = trainer.train_step(state, trainer.place_batch(batch))
+            losses.append(float(metrics["loss"]))
+            dropped.append(float(metrics["dropped_fraction"]))
+        out[key] = losses, dropped
+    return out
+
+
+@pytest.mark.slow  # (the fast tier: the layer in every layout above)
+@pytest.mark.parametrize("scan", [False, True])
+def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
+    """`moe_tiny` (4 layers, experts in 2; scanned: a dense and an expert layer per step)
+    trains 3 steps with the same losses by either dispatch (capacity: a slot for every
+    token), on one device, with the experts over `batch` (all-to-all), and unscanned also
+    over `model` beside `d_ff:model` and under FSDP's parameter rules; nothing dropped."""
+    runs = [((dispatch, mesh_shape, parameter_rules), {"dispatch": dispatch}, mesh_shape, rules,
+             parameter_rules) for dispatch in ("capacity", "dropless")
+            for mesh_shape, rules, parameter_rules in TRAIN_LAYOUTS[:2 if scan else None]]
+    trained = moe_tiny_losses([f"transformer.scan_layers={scan}",
+                               "moe.capacity_factor_train=4.0"], runs)
+    assert all(d == 0.0 for _, dropped in trained.values() for d in dropped)
+    losses = {key: run for key, (run, _) in trained.items()}
     first = losses["capacity", "", ""]
     assert len(set(first)) == 3  # (the steps change the model)
     for key, run in losses.items():

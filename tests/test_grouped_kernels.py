@@ -15,7 +15,6 @@ float32 sum of r terms in any order, to first order). The train runs compare two
 computations that sum in other orders: test_dropless's 1e-5 relative on the losses.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,6 @@ import numpy as np
 import pytest
 
 from mtrain.models import grouped
-from mtrain.parallel.layout import Layout
 
 SIZES = [13, 0, 22, 1]  # an empty group; 4 rows past the groups (40 rows)
 
@@ -169,34 +167,13 @@ def test_moe_tiny_trains_with_tokamax_as_with_tiles_on_one_device_and_experts_sp
     """Dropless `moe_tiny` (4 layers, experts in 2), 3 steps: the same losses with
     'tokamax' as with 'tiles' on one device, and with the experts over `batch` (the
     all-to-all: each device's received rows end in rows past its groups)."""
-    import test_trainer
-    from mtrain import config
-    from mtrain.models.transformer import DecoderLM
-    from mtrain.training.language_modeling import LanguageModeling
-    from mtrain.training.losses import LossConfig
-    from mtrain.training.trainer import Trainer
+    from test_dropless import moe_tiny_losses
 
-    config.parse(["models/moe_tiny.gin"], ["transformer.max_length=16", "moe.group_size=16",
-                                           "moe.dispatch='dropless'",
-                                           "learning_rate_schedule.warmup_steps=2"])
-    model_config = config.model_config(test_trainer.CONFIG.vocab_size)
-    opt = config.adamw(config.learning_rate_schedule(train_steps=10))
-    batches = test_trainer.packed_batches(3)
-    losses = {}
-    for kernel, mesh_shape, rules in (("tiles", "", ""), ("tokamax", "", ""),
-                                      ("tokamax", "batch:8", "batch:batch;experts:batch")):
-        c = dataclasses.replace(model_config, moe=dataclasses.replace(model_config.moe,
-                                                                      grouped_kernel=kernel))
-        layout = Layout(mesh_shape, rules)
-        trainer = Trainer(model=DecoderLM(c), optimizer=opt, layout=layout,
-                          mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
-                          sequence_length=16, seed=1,
-                          objective=LanguageModeling(LossConfig(z_loss=0.0)))
-        state, run = trainer.init_state(), []
-        for batch in batches:
-            state, metrics = trainer.train_step(state, trainer.place_batch(batch))
-            run.append(float(metrics["loss"]))
-        losses[kernel, mesh_shape] = run
+    runs = [((kernel, mesh_shape), {"grouped_kernel": kernel}, mesh_shape, rules, "")
+            for kernel, mesh_shape, rules in (("tiles", "", ""), ("tokamax", "", ""),
+                                              ("tokamax", "batch:8", "batch:batch;experts:batch"))]
+    losses = {key: run for key, (run, _) in
+              moe_tiny_losses(["moe.dispatch='dropless'"], runs).items()}
     first = losses["tiles", ""]
     assert len(set(first)) == 3  # (the steps change the model)
     for key, run in losses.items():
