@@ -171,6 +171,24 @@ def ratio(a: float, b: float | None) -> str:
     return f"{a / b:10.3f}" if b else f"{'-':>10s}"
 
 
+def print_rows(rows, third):
+    """Print each ``(name, (value, seconds, flops))`` of `rows` as it comes (`third(value,
+    base)`: its third column; ratios to the first row's, if it ran), or its failure;
+    returns the names of the rows that failed."""
+    failed, base = [], None
+    for i, (name, row) in enumerate(rows):
+        if isinstance(row, Exception):
+            failed.append(name)
+            print(f"{name:28s} {failure(row)}", flush=True)
+            continue
+        value, seconds, flops = row
+        base = row if i == 0 else base
+        print(f"{name:28s} {1e3 * seconds:9.1f} {flops / 1e9:9.2f} {third(value, base)} "
+              f"{ratio(seconds, base and base[1])} {ratio(flops, base and base[2])}",
+              flush=True)
+    return failed
+
+
 def main():
     args = parse_args()
     print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}, {args.dtype}; "
@@ -180,32 +198,12 @@ def main():
           f"forward and backward")
     print(f"{'':28s} {'ms':>9s} {'GFLOPs':>9s} {'max |dy|':>10s} {'time/base':>10s} "
           f"{'FLOPs/base':>10s}", flush=True)
-    failed, base = [], None  # base: the first row's (y, seconds, flops), if it ran
-    for i, (name, row) in enumerate(layer_rows(args)):
-        if isinstance(row, Exception):
-            failed.append(name)
-            print(f"{name:28s} {failure(row)}", flush=True)
-            continue
-        y, seconds, flops = row
-        base = row if i == 0 else base
-        dy = f"{float(jnp.abs(y - base[0]).max()):10.2e}" if base else f"{'-':>10s}"
-        print(f"{name:28s} {1e3 * seconds:9.1f} {flops / 1e9:9.2f} {dy} "
-              f"{ratio(seconds, base and base[1])} {ratio(flops, base and base[2])}",
-              flush=True)
+    failed = print_rows(layer_rows(args), lambda y, base: (
+        f"{float(jnp.abs(y - base[0]).max()):10.2e}" if base else f"{'-':>10s}"))
     print(f"2. moe_tiny train step (AdamW), batch {args.batch} x 128, one device")
     print(f"{'':28s} {'ms':>9s} {'GFLOPs':>9s} {'loss':>10s} {'time/base':>10s} "
           f"{'FLOPs/base':>10s}", flush=True)
-    base = None
-    for i, (name, row) in enumerate(model_rows(args)):
-        if isinstance(row, Exception):
-            failed.append(name)
-            print(f"{name:28s} {failure(row)}", flush=True)
-            continue
-        loss, seconds, flops = row
-        base = row if i == 0 else base
-        print(f"{name:28s} {1e3 * seconds:9.1f} {flops / 1e9:9.2f} {loss:10.5f} "
-              f"{ratio(seconds, base and base[1])} {ratio(flops, base and base[2])}",
-              flush=True)
+    failed += print_rows(model_rows(args), lambda loss, base: f"{loss:10.5f}")
     if failed:
         print(f"{len(failed)} rows failed (why: on their lines above): {'; '.join(failed)}",
               flush=True)
