@@ -10,6 +10,7 @@ files use, and the run (`mtrain.run`) builds everything through them:
     moe.*                     MoEConfig (its experts, where transformer.moe_every > 0)
     mla.*                     LatentConfig (latent attention, where transformer.latent_attention)
     lora.*                    LoraConfig (low-rank adapters, where lora.rank > 0)
+    pipeline.*                PipelineConfig (stages' schedule, where a rule splits layers)
     rope_scaling.*            RopeScaling (rotary frequencies stretched: Llama 3.1's, linear)
     loss.*                    LossConfig
     dpo.*                     DpoConfig (a task of preference pairs)
@@ -47,6 +48,7 @@ from mtrain.io.textfiles import check_reachable
 from mtrain.models.latent_attention import LatentConfig
 from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
+from mtrain.models.pipeline import PipelineConfig
 from mtrain.models.positions import RopeScaling
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 from mtrain.modes.experiment import RunConfig
@@ -60,10 +62,11 @@ run = gin.external_configurable(RunConfig, "run")
 vocabulary = gin.external_configurable(VocabularyConfig, "vocabulary")
 transformer = gin.external_configurable(TransformerConfig, "transformer",
                                         denylist=["vocab_size", "moe", "rope_scaling",
-                                                  "real_vocab_size"])
+                                                  "real_vocab_size", "pipeline"])
 moe = gin.external_configurable(MoEConfig, "moe")
 mla = gin.external_configurable(LatentConfig, "mla")
 lora = gin.external_configurable(LoraConfig, "lora")
+pipeline = gin.external_configurable(PipelineConfig, "pipeline")
 rope_scaling = gin.external_configurable(RopeScaling, "rope_scaling")
 loss = gin.external_configurable(LossConfig, "loss")
 dpo = gin.external_configurable(DpoConfig, "dpo")
@@ -101,7 +104,8 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
 # float where an int is meant: ``lora.rank=2.5``) is a one-line error when the config is
 # parsed, before it reaches jax as a shape.
 TYPED = {"run": RunConfig, "vocabulary": VocabularyConfig, "transformer": TransformerConfig,
-         "moe": MoEConfig, "lora": LoraConfig, "rope_scaling": RopeScaling, "loss": LossConfig,
+         "moe": MoEConfig, "lora": LoraConfig, "pipeline": PipelineConfig,
+         "rope_scaling": RopeScaling, "loss": LossConfig,
          "dpo": DpoConfig, "decoding": DecodingConfig, "adafactor": optimizer.adafactor,
          "adamw": optimizer.adamw, "learning_rate_schedule": optimizer.learning_rate_schedule,
          "files": Files}
@@ -201,7 +205,7 @@ def model_config(vocab_size: int, real_vocab_size: int = 0) -> TransformerConfig
     adapter = lora()
     model = transformer(vocab_size=vocab_size, rope_scaling=rope_scaling(),
                         real_vocab_size=real_vocab_size if real_vocab_size < vocab_size else 0,
-                        lora=adapter if adapter.rank else None,
+                        lora=adapter if adapter.rank else None, pipeline=pipeline(),
                         # (the sizes of gin's mla.* from the start: the checks see them)
                         mla=mla() if bound("transformer.latent_attention", False) else None)
     if not model.latent_attention and gin.get_bindings("mla"):

@@ -11,10 +11,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from mtrain.models import layers, positions
+from mtrain.errors import ConfigError
+from mtrain.models import layers, pipeline, positions
 from mtrain.models.feedforward import DenseReluDense, clamp_of
 from mtrain.models.latent_attention import LatentAttention
-from mtrain.models.moe import STATS, MoeFeedForward
+from mtrain.models.moe import LOAD, STATS, MoeFeedForward
 from mtrain.models.quantization import Quantization
 from mtrain.parallel.layout import constrain
 
@@ -176,18 +177,29 @@ def scanned_blocks(c, num_layers: int, cross_attention: bool = False,
     first k layers (dense), then the rest, as a list (named `names`: the dense scan's, the
     rest's; a setup names them by its attribute, ``encoder_0``, ``encoder_1``).
 
-    Its parameters are stacked on a leading ``layers`` dimension (a logical axis that the
-    layout leaves whole). Its decoding cache is stacked on axis 1, after the rows: beam search
-    reorders every cache leaf along axis 0. Every argument after `x` (masks, `deterministic`,
-    memory, `decode_index`) is the same for all layers.
+    Its parameters are stacked on a leading ``layers`` dimension (split over a mesh
+    dimension, the stack runs as a pipeline: `pipelined_stack`). Its decoding cache is
+    stacked on axis 1, after the rows: beam search reorders every cache leaf along axis 0.
+    Every argument after `x` (masks, `deterministic`, memory, `decode_index`) is the same
+    for all layers.
     """
+    parts = scan_parts(c, num_layers)
+    scans = [_scan(c, count, cross_attention, first, dense, names[0] if dense else names[1])
+             for first, count, dense in parts]
+    return scans if len(scans) > 1 else scans[0]
+
+
+def scan_parts(c, num_layers: int) -> list[tuple[int, int, bool]]:
+    """The scans of a stack of `num_layers` layers in order: (its first layer, its layers,
+    whether they are the `first_dense_layers`)."""
     k = getattr(c, "first_dense_layers", 0)
-    rest = _scan(c, num_layers - k, cross_attention, k, False, names[1])
-    return [_scan(c, k, cross_attention, 0, True, names[0]), rest] if k else rest
+    return ([(0, k, True)] if k else []) + [(k, num_layers - k, False)]
 
 
-def _scan(c, num_layers: int, cross_attention: bool, first: int, dense: bool, name):
-    """Layers `first` .. `first` + `num_layers` - 1 of a stack scanned (`scanned_blocks`)."""
+def _scan(c, num_layers: int, cross_attention: bool, first: int, dense: bool, name,
+          bound: bool = True):
+    """Layers `first` .. `first` + `num_layers` - 1 of a stack scanned (`scanned_blocks`);
+    not `bound`: a module of its own (`pipelined_stack`'s chunks)."""
     size = dense_period(c) if dense else period(c)
     body = block_class(c, scanned=True)
     kwargs = {"moe": not dense and is_moe(c, first), "window": layer_window(c, first)}
@@ -197,6 +209,8 @@ def _scan(c, num_layers: int, cross_attention: bool, first: int, dense: bool, na
     scan = nn.scan(body, variable_axes={"params": 0, "cache": 1, STATS: 0},
                    split_rngs={"params": True, "dropout": True}, in_axes=nn.broadcast,
                    length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    if not bound:
+        kwargs["parent"] = None
     return scan(c, cross_attention, **kwargs, name=name)
 
 
@@ -210,13 +224,57 @@ def run_layers(stack, x, *args):
 
 
 def layer_stack(c, x, mask, deterministic: bool, decode_index=None, positions=None,
-                bias=None):
+                bias=None, module: nn.Module | None = None):
     """The decoder-only LM's layers: `num_layers` Blocks ``layer_{i}``, or with `scan_layers`
     one Block ``layers`` scanned over a stacked ``layers`` parameter dimension (after the
-    `first_dense_layers`, scanned as ``dense_layers``)."""
+    `first_dense_layers`, scanned as ``dense_layers``). Where the active layout splits
+    ``layers`` (over stages), the scans of `module` (the model) run as a pipeline
+    (`pipelined_stack`), but while the model is made or decodes a token at a time."""
+    if pipeline.stages() > 1 and not c.scan_layers:
+        raise ConfigError("a layout rule splits 'layers' (pipeline stages), which needs "
+                          "transformer.scan_layers=True: only a scanned stack has a layers "
+                          "dimension to split")
     if c.scan_layers:
+        if pipeline.stages() > 1 and decode_index is None and not module.is_initializing():
+            return pipelined_stack(module, c, x, mask, deterministic, positions, bias)
         stack = scanned_blocks(c, c.num_layers, names=("dense_layers", "layers"))
     else:
         stack = [block_class(c)(c, moe=is_moe(c, i), window=layer_window(c, i),
                                 name=f"layer_{i}") for i in range(c.num_layers)]
     return run_layers(stack, x, mask, deterministic, None, None, decode_index, positions, bias)
+
+
+def pipelined_stack(module: nn.Module, c, x, mask, deterministic: bool, positions=None,
+                    bias=None):
+    """The decoder-only LM's scanned layers (`module`'s ``dense_layers`` and ``layers``,
+    each in turn) run as a pipeline over the stages that split ``layers``
+    (`pipeline.run`): each stage a scan of its chunk of the same Blocks, from the stack's
+    parameters as they are stored. The experts' statistics, where the model keeps them,
+    are the stack's (``moe_stats``), each layer's over the microbatches."""
+    keep_stats = module.is_mutable_collection(STATS)
+    train_dropout = not deterministic and c.dropout_rate > 0
+    for first, count, dense in scan_parts(c, c.num_layers):
+        name = "dense_layers" if dense else "layers"
+
+        def chunk(params, x, rows, key, first=first, dense=dense):
+            steps = jax.tree_util.tree_leaves(params)[0].shape[0]
+            size = dense_period(c) if dense else period(c)
+            scan = _scan(c, steps * size, False, first, dense, None, bound=False)
+            out = scan.apply({"params": params}, x, rows[0], deterministic, None, None, None,
+                             rows[1], bias, rngs={"dropout": key} if key is not None else None,
+                             mutable=[STATS] if keep_stats else False)
+            if not keep_stats:
+                return out[0], {}
+            (y, _), variables = out
+            return y, variables.get(STATS, {})
+
+        x, stats = pipeline.run(
+            c.pipeline, chunk, module.variables["params"][name], x, (mask, positions),
+            module.make_rng("dropout") if train_dropout else None, REDUCTIONS)
+        if keep_stats and stats:
+            module.put_variable(STATS, name, stats)
+    return x
+
+
+# How the experts' statistics of a pipeline's microbatches add up (`moe.summary`'s).
+REDUCTIONS = pipeline.Reductions(sums=(LOAD,), maxima=("busiest_expert_share",))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from mtrain.errors import ConfigError
 from mtrain.parallel.layout import constrain
-from mtrain.models import attention, context, counts, layers, mtp
+from mtrain.models import attention, context, counts, layers, mtp, pipeline
 from mtrain.models import positions as positions_lib
 from mtrain.models.blocks import (block_class, is_moe, layer_stack, layer_window, run_layers,
                                   scanned_blocks)
@@ -166,7 +166,7 @@ class DecoderLM(_PackingAware, nn.Module):
         if c.position_encoding == "relative_bias":
             bias = _relative_bias(c, _relative_bias_table(c, False, "relative_bias"),
                                   inputs.shape[1], None if prefill is not None else decode_index)
-        trunk = layer_stack(c, x, mask, deterministic, decode_index, positions, bias)
+        trunk = layer_stack(c, x, mask, deterministic, decode_index, positions, bias, self)
         x = _norm(c, "final_norm")(trunk)
         x = nn.Dropout(c.dropout_rate)(x, deterministic=deterministic)
         softmax = _softmax_table(self, c)
@@ -317,6 +317,9 @@ class EncoderDecoder(_PackingAware, nn.Module):
 
     def encode(self, inputs, inputs_segment_ids, inputs_positions, deterministic: bool = True):
         """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
+        if pipeline.stages() > 1:
+            raise ConfigError("the encoder-decoder runs no pipeline: a layout rule splits "
+                              "'layers' over stages; split it over batch, heads, d_ff instead")
         x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
         mask = attention.AttentionMask.of_self(inputs_segment_ids, causal=False)
         x = run_layers(self.encoder, x, mask, deterministic, None, None, None, inputs_positions,

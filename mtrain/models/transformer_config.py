@@ -15,6 +15,7 @@ from mtrain.models.blocks import REMAT_POLICIES, dense_period, period
 from mtrain.models.latent_attention import LatentConfig
 from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
+from mtrain.models.pipeline import PipelineConfig
 from mtrain.models.positions import RopeScaling
 
 
@@ -120,6 +121,9 @@ class TransformerConfig:
     # ('rowwise'). Parameters and checkpoints keep their dtype: it may change between runs.
     quantization: str = "none"
     quantization_scaling: str = "tensorwise"
+    # How a stack split over pipeline stages (a layout rule layers:<mesh dim>) runs
+    # (`pipeline.PipelineConfig`, gin's pipeline.*; None: its defaults, GPipe).
+    pipeline: PipelineConfig | None = None
 
     @property
     def dtype(self):
@@ -154,6 +158,7 @@ class TransformerConfig:
         object.__setattr__(self, "moe", moe)
         object.__setattr__(self, "mla", (self.mla or LatentConfig()) if self.latent_attention
                            else None)
+        object.__setattr__(self, "pipeline", self.pipeline or PipelineConfig())
         stacks = {self.num_layers, self.num_encoder_layers or self.num_layers}
         k = self.first_dense_layers
         if k and not self.moe_every:

@@ -1,0 +1,285 @@
+"""Pipeline parallelism as a split of ``layers``: a layout rule ``layers:stage`` puts each
+stage's layers (and their optimizer state) on the devices of one index of the mesh
+dimension `stage`, and a scanned stack's pass runs its microbatches through the stages
+inside the one jitted step (MaxText's `layers/pipeline.py`, GPipe in torchtitan's words).
+
+A stack of n scanned layers (or groups of layers: `blocks.period`) is cut into R x S
+chunks of k = n / (R S): chunk ``r S + s`` (layers ``(r S + s) k`` .. ``+ k - 1``) lives on
+stage s. With R = 1 (``schedule='gpipe'``) each stage holds one run of adjacent layers;
+with R > 1 (``'circular'``, ``repeats`` = R) several runs, a microbatch going round the
+stages R times, so that the pipeline fills and drains in chunks R times smaller: the
+bubble, the share of the stages' time they idle, is (S - 1) / (R M + S - 1) for M
+microbatches (GPipe's (S - 1) / (M + S - 1) at R = 1).
+
+Microbatch m (rows m, m + M, m + 2M, ...: each device keeps its own rows) reaches stage s
+in repeat r at iteration ``t = r M + m + s``: a stage works on one microbatch an iteration,
+then every stage's output moves to the next stage at once (one `jnp.roll` of an array
+split over `stage`, which XLA makes a collective-permute); the last stage's output
+re-enters stage 0 for the next repeat M - S + 1 iterations later (so circular needs M >=
+S). The backward pass is the loop's own (autodiff runs the iterations in reverse: all
+forwards, then all backwards, as GPipe), and each stage's layers are a scan of the same
+Blocks, so one step's result is the unsplit step's up to the order of float sums.
+
+The parameters stay stored as every other layout stores them, one ``layers`` dimension in
+the stack's order (a checkpoint is read by any stage count). GPipe's chunks are those
+shards as they lie; circular's are not (stage s holds chunks s, S + s, ...), so its step
+first moves every layer to its stage (an all-to-all of the stack's parameters over
+`stage`, and of their gradients back), which `planner` counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from mtrain.errors import ConfigError
+from mtrain.parallel import layout as layout_lib
+
+SCHEDULES = ("gpipe", "circular")
+STACKED = "layers"  # the tensor dimension whose split makes the stages
+# The bubble a default microbatch count keeps the pipeline under.
+BUBBLE_GOAL = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How a stack split over stages (a layout rule ``layers:<mesh dim>``) runs (gin's
+    ``pipeline.*``). `schedule`: 'gpipe' (one run of adjacent layers a stage) or
+    'circular' (`repeats` runs a stage, a microbatch going round the stages `repeats`
+    times). `microbatches`: how many slices of a batch's rows flow through the stages (0:
+    the fewest that keep the bubble under a fifth, `microbatch_count`)."""
+
+    schedule: str = "gpipe"
+    repeats: int = 2
+    microbatches: int = 0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline.schedule must be one of {SCHEDULES}, got "
+                             f"{self.schedule!r}")
+        if self.repeats < 1 or (self.schedule == "circular" and self.repeats < 2):
+            raise ValueError(f"pipeline.repeats must be at least 2 for the circular schedule "
+                             f"(1 is schedule='gpipe'), got {self.repeats}")
+        if self.microbatches < 0:
+            raise ValueError(f"pipeline.microbatches must be 0 (as many as keep the bubble "
+                             f"under {BUBBLE_GOAL:.0%}) or positive, got {self.microbatches}")
+
+    @property
+    def chunks(self) -> int:
+        """R: the runs of layers each stage holds."""
+        return self.repeats if self.schedule == "circular" else 1
+
+
+def stage_axis() -> str | None:
+    """The mesh dimension the active layout splits ``layers`` over (None: not split)."""
+    active = layout_lib.active()
+    if active is None or active[0].ways(STACKED) <= 1:
+        return None
+    return active[0].mesh_dim_for(STACKED)
+
+
+def stages() -> int:
+    """S: into how many stages the active layout splits ``layers`` (1: none)."""
+    active = layout_lib.active()
+    return 1 if active is None else active[0].ways(STACKED)
+
+
+def bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The share of a step the stages idle: (S - 1) / (R M + S - 1)."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
+
+
+def microbatch_count(config: PipelineConfig, rows: int, stages: int, data_ways: int = 1) -> int:
+    """M for a batch of `rows` over `stages` stages whose ``batch`` is split `data_ways`
+    ways inside a stage: `config.microbatches`, or the fewest that keep the `bubble` under
+    `BUBBLE_GOAL` (the most there are where none does). Each microbatch's rows must split
+    as the batch's do, and circular needs M >= S. Raises ConfigError where none fits."""
+    r = config.chunks
+
+    def fits(m):
+        return rows % m == 0 and (rows // m) % data_ways == 0 and (r == 1 or m >= stages)
+
+    if config.microbatches:
+        if not fits(config.microbatches):
+            raise ConfigError(
+                f"pipeline.microbatches={config.microbatches} does not fit a batch of {rows} "
+                f"rows over {stages} stages: it must divide the rows into slices that "
+                f"divide by the batch's {data_ways}-way split"
+                + (f", and be at least the {stages} stages (circular)" if r > 1 else ""))
+        return config.microbatches
+    fitting = [m for m in range(1, rows + 1) if fits(m)]
+    if not fitting:
+        raise ConfigError(
+            f"a batch of {rows} rows cannot flow through {stages} stages in the circular "
+            f"schedule: it needs at least {stages} microbatches of rows that divide by the "
+            f"batch's {data_ways}-way split (more rows, or pipeline.schedule='gpipe')")
+    good = [m for m in fitting if bubble(stages, m, r) <= BUBBLE_GOAL]
+    return good[0] if good else fitting[-1]
+
+
+def microbatched(x: jax.Array, m: int) -> jax.Array:
+    """[b, ...] -> [m, b / m, ...]: microbatch j holds rows j, j + m, j + 2m, ..."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def unbatched(x: jax.Array) -> jax.Array:
+    """The inverse of `microbatched`."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+# chunk(params of k layers, x [rows, ...], per-row arguments, dropout key or None)
+#   -> (x, statistics: a tree of [k, ...] arrays, or {})
+Chunk = Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reductions:
+    """How each statistic a chunk returns adds up over the microbatches: by default their
+    mean; `sums` by name are added, `maxima` the most of any."""
+
+    sums: tuple[str, ...] = ()
+    maxima: tuple[str, ...] = ()
+
+    def kind(self, name: str) -> str:
+        return "sum" if name in self.sums else "max" if name in self.maxima else "mean"
+
+
+def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
+        key=None, reductions: Reductions = Reductions()) -> tuple[jax.Array, Any]:
+    """`x` [b, length, d_model] through a stack of n layers whose `params` (leaves [n, ...])
+    the active layout splits over stages: (the stack's output, its statistics: leaves [n,
+    ...], each layer's over the microbatches by `reductions`; a mean is that of the
+    microbatches' statistics, which is the whole batch's where they are means over equal
+    parts of each microbatch: the experts' over groups of tokens within rows).
+    `per_row`: arrays [b, ...] (masks, positions) each microbatch takes its rows of; `key`:
+    the dropout key (None: deterministic), one per stage and iteration folded from it."""
+    layout, mesh = layout_lib.active()
+    axis, s_count, r_count = stage_axis(), stages(), config.chunks
+    n = jax.tree_util.tree_leaves(params)[0].shape[0]
+    if n % (s_count * r_count):
+        raise ConfigError(
+            f"a stack of {n} scanned layers does not split into {s_count} stages x "
+            f"{r_count} runs (pipeline.repeats): make the layers a multiple of "
+            f"{s_count * r_count}")
+    k = n // (s_count * r_count)
+    m_count = microbatch_count(config, x.shape[0], s_count, layout.ways("batch"))
+
+    def staged(p):  # [n, ...] -> [S, R, k, ...]: stage s, run r holds chunk r S + s
+        if r_count == 1:
+            return p.reshape(s_count, 1, k, *p.shape[1:])
+        return circular_order(p, axis, mesh, s_count, r_count)
+
+    stage_params = jax.tree_util.tree_map(staged, params)
+    names = ("batch", "length", "d_model")[: x.ndim]
+    micro = layout_lib.constrain(microbatched(x, m_count), (None, *names),
+                                 "pipeline microbatches")
+    rows = jax.tree_util.tree_map(lambda a: microbatched(a, m_count), per_row)
+    stage_ids = jnp.arange(s_count)
+
+    def stage(p, r, x, rows, key):
+        if r_count > 1:
+            p = jax.tree_util.tree_map(lambda q: jax.lax.dynamic_index_in_dim(q, r, 0, False), p)
+        else:
+            p = jax.tree_util.tree_map(lambda q: q[0], p)
+        return chunk(p, x, rows, key)
+
+    stepped = jax.vmap(stage, spmd_axis_name=axis)
+
+    def iteration(carry, t):
+        state, done, totals = carry
+        step = t - stage_ids  # where each stage is: repeat r, microbatch m
+        valid = (step >= 0) & (step < r_count * m_count)
+        m, r = step % m_count, jnp.clip(step // m_count, 0, r_count - 1)
+        first = jnp.where(t < m_count, micro[t % m_count], done[t % m_count])
+        state = jnp.where((stage_ids == 0).reshape(-1, *[1] * x.ndim), first[None], state)
+        state = layout_lib.constrain(state, (STACKED, *names), "pipeline stage inputs")
+        keys = None if key is None else jax.vmap(
+            lambda s: jax.random.fold_in(jax.random.fold_in(key, t), s))(stage_ids)
+        here = jax.tree_util.tree_map(lambda a: a[m], rows)
+        out, stats = stepped(stage_params, r, state, here, keys)
+        out = layout_lib.constrain(out, (STACKED, *names), "pipeline stage outputs")
+        last = (t - (s_count - 1)) % m_count
+        done = done.at[last].set(jnp.where(t >= s_count - 1, out[-1], done[last]))
+        totals = _add(totals, stats, r, valid.astype(jnp.float32), valid, reductions)
+        return (jnp.roll(out, 1, axis=0), done, totals), None
+
+    out_shape = jax.eval_shape(stepped, stage_params, jnp.zeros(s_count, jnp.int32),
+                               jnp.zeros((s_count, *micro.shape[1:]), x.dtype),
+                               jax.tree_util.tree_map(lambda a: a[jnp.zeros(s_count, int)], rows),
+                               None if key is None else jnp.stack([key] * s_count))
+    totals = _zeros(out_shape[1], r_count, reductions), jnp.zeros((s_count, r_count))
+    carry = (jnp.zeros((s_count, *micro.shape[1:]), x.dtype), jnp.zeros_like(micro), totals)
+    (_, done, totals), _ = jax.lax.scan(iteration, carry,
+                                        jnp.arange(r_count * m_count + s_count - 1))
+    return unbatched(done), _finish(*totals, out_shape[1], n, reductions)
+
+
+def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) -> jax.Array:
+    """A stack's parameter [n, ...] stored split over `axis` in layer order (stage s holds
+    chunks s R .. s R + R - 1) -> [S, R, k, ...] with stage s holding chunks s, S + s, ...
+    (the circular schedule's): each stage sends each of its chunks to the stage that runs
+    it, chunk r S + s from stage (r S + s) // R to stage s, in R x R collective-permutes
+    (autodiff sends the gradients back the same way)."""
+    k = p.shape[0] // (s_count * r_count)
+
+    def local(q):  # this stage's chunks [R k, ...] -> [1, R, k, ...]
+        q = q.reshape(r_count, k, *q.shape[1:])
+        runs = []
+        for r in range(r_count):
+            run_r = jnp.zeros_like(q[0])
+            for j in range(r_count):  # the chunks that are their stage's j-th
+                pairs = [((r * s_count + s) // r_count, s) for s in range(s_count)
+                         if (r * s_count + s) % r_count == j]
+                if pairs:
+                    run_r = run_r + jax.lax.ppermute(q[j], axis, pairs)
+            runs.append(run_r)
+        return jnp.stack(runs)[None]
+
+    return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(axis),
+                         out_specs=PartitionSpec(axis), axis_names={axis}, check_vma=False)(p)
+
+
+def _zeros(stats_shape, r_count: int, reductions: Reductions):
+    """Accumulators [S, R, k, ...] of each statistic (stats_shape's leaves are [S, k, ...])."""
+    def zero(path, leaf):
+        shape = (leaf.shape[0], r_count, *leaf.shape[1:])
+        fill = -jnp.inf if reductions.kind(path[-1].key) == "max" else 0.0
+        return jnp.full(shape, fill, jnp.float32)
+    return jax.tree_util.tree_map_with_path(zero, stats_shape)
+
+
+def _add(totals, stats, r, weight, valid, reductions: Reductions):
+    """Each stage's statistics of this iteration into its run r's accumulators, means
+    weighted by `weight` [S] (0 in the bubble, where `valid` is False)."""
+    sums, weights = totals
+    at = jax.vmap(lambda t, i: jax.lax.dynamic_index_in_dim(t, i, 0, False))
+    put = jax.vmap(lambda t, v, i: jax.lax.dynamic_update_index_in_dim(t, v, i, 0))
+
+    def one(path, total, new):
+        here, new = at(total, r), new.astype(jnp.float32)
+        shape = (-1, *[1] * (new.ndim - 1))
+        kind = reductions.kind(path[-1].key)
+        if kind == "max":
+            value = jnp.where(valid.reshape(shape), jnp.maximum(here, new), here)
+        else:
+            value = here + jnp.where(valid.reshape(shape), new, 0.0) * (
+                weight.reshape(shape) if kind == "mean" else 1.0)
+        return put(total, value, r)
+
+    return (jax.tree_util.tree_map_with_path(one, sums, stats),
+            put(weights, at(weights, r) + weight, r))
+
+
+def _finish(sums, weights, stats_shape, n: int, reductions: Reductions):
+    """Accumulators [S, R, k, ...] -> the stack's statistics [n, ...] in layer order, in
+    their own dtypes."""
+    def one(path, total, like):
+        if reductions.kind(path[-1].key) == "mean":
+            total = total / jnp.maximum(weights, 1e-30).reshape(
+                *weights.shape, *[1] * (total.ndim - 2))
+        return total.swapaxes(0, 1).reshape(n, *total.shape[3:]).astype(like.dtype)
+    return jax.tree_util.tree_map_with_path(one, sums, stats_shape)
