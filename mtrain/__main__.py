@@ -75,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="--mode=plan --auto_layout: the number of devices to lay the model out "
                         "on (default: the size of run.mesh_shape)")
+    p.add_argument("--slices", type=int, default=1, metavar="N",
+                   help="--mode=plan: the devices are N slices (TPU multislice) or GPU nodes "
+                        "joined by the data-centre network, which the first mesh dimension "
+                        "spans (its size a multiple of N): collectives over it at --target's "
+                        "DCN bandwidth (default 1)")
     p.add_argument("--input_file", default=None, metavar="FILE",
                    help="--mode=infer: sentences to translate (an LM: prompts), one per line; --mode=score: "
                         "lines to score (default: stdin)")
@@ -233,6 +238,9 @@ def main(argv=None) -> int:
     if args.mode != "plan" and (args.auto_layout or args.devices is not None):
         print("mtrain: error: --auto_layout and --devices go with --mode=plan", file=sys.stderr)
         return 2
+    if args.slices != 1 and (args.mode != "plan" or args.slices < 1):
+        print("mtrain: error: --slices (at least 1) goes with --mode=plan", file=sys.stderr)
+        return 2
     if args.restart and args.mode not in (None, "train"):
         print("mtrain: error: --restart goes with --mode=train", file=sys.stderr)
         return 2
@@ -319,7 +327,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.mode == "plan":
             kwargs["plan_options"] = {"target": args.target, "output_format": args.format,
                                       "auto_layout": args.auto_layout, "devices": plan_devices,
-                                      "prompt_length": args.prompt_length}
+                                      "prompt_length": args.prompt_length,
+                                      "slices": args.slices}
             if args.auto_layout:  # the search replaces the configured mesh and rules
                 kwargs.update(mesh_shape="", layout_rules="", parameter_layout_rules="")
         run_lib.run(**kwargs)

@@ -13,10 +13,10 @@ microbatches (GPipe's (S - 1) / (M + S - 1) at R = 1).
 
 Microbatch m (rows m, m + M, m + 2M, ...: each device keeps its own rows) reaches stage s
 in repeat r at iteration ``t = r M + m + s``: a stage works on one microbatch an iteration,
-then every stage's output moves to the next stage at once (one `jnp.roll` of an array
-split over `stage`, which XLA makes a collective-permute); the last stage's output
-re-enters stage 0 for the next repeat M - S + 1 iterations later (so circular needs M >=
-S). The backward pass is the loop's own (autodiff runs the iterations in reverse: all
+then every stage's output moves to the next stage at once (one collective-permute over
+`stage`); the last stage's output, which reaches stage 0 so, is kept there and re-enters
+for the next repeat M - S + 1 iterations later (so circular needs M >= S); after the last
+iteration stage 0 holds the stack's output, which it sends to every stage. The backward pass is the loop's own (autodiff runs the iterations in reverse: all
 forwards, then all backwards, as GPipe), and each stage's layers are a scan of the same
 Blocks, so one step's result is the unsplit step's up to the order of float sums.
 
@@ -177,7 +177,7 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
     names = ("batch", "length", "d_model")[: x.ndim]
     micro = layout_lib.constrain(microbatched(x, m_count), (None, *names),
                                  "pipeline microbatches")
-    rows = jax.tree_util.tree_map(lambda a: microbatched(a, m_count), per_row)
+    rows = jax.tree_util.tree_map(lambda a: microbatched(jnp.asarray(a), m_count), per_row)
     stage_ids = jnp.arange(s_count)
 
     def stage(p, r, x, rows, key):
@@ -190,32 +190,48 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
     stepped = jax.vmap(stage, spmd_axis_name=axis)
 
     def iteration(carry, t):
-        state, done, totals = carry
+        state, held, totals = carry
         step = t - stage_ids  # where each stage is: repeat r, microbatch m
         valid = (step >= 0) & (step < r_count * m_count)
         m, r = step % m_count, jnp.clip(step // m_count, 0, r_count - 1)
-        first = jnp.where(t < m_count, micro[t % m_count], done[t % m_count])
-        state = jnp.where((stage_ids == 0).reshape(-1, *[1] * x.ndim), first[None], state)
+        # stage 0 takes microbatch t % M: from the input in the first repeat, after it what
+        # came round from the last stage (each stage reads its own copy: no send)
+        entering = jnp.where(t < m_count, micro[t % m_count][None], held[:, t % m_count])
+        state = jnp.where((stage_ids == 0).reshape(-1, *[1] * x.ndim), entering, state)
         state = layout_lib.constrain(state, (STACKED, *names), "pipeline stage inputs")
         keys = None if key is None else jax.vmap(
             lambda s: jax.random.fold_in(jax.random.fold_in(key, t), s))(stage_ids)
         here = jax.tree_util.tree_map(lambda a: a[m], rows)
         out, stats = stepped(stage_params, r, state, here, keys)
-        out = layout_lib.constrain(out, (STACKED, *names), "pipeline stage outputs")
+        state = shifted(layout_lib.constrain(out, (STACKED, *names), "pipeline stage outputs"),
+                        axis, mesh, s_count)
+        # what reached stage 0 is the last stage's microbatch (t - S + 1) % M: kept there
         last = (t - (s_count - 1)) % m_count
-        done = done.at[last].set(jnp.where(t >= s_count - 1, out[-1], done[last]))
+        held = held.at[:, last].set(jnp.where(t >= s_count - 1, state, held[:, last]))
         totals = _add(totals, stats, r, valid.astype(jnp.float32), valid, reductions)
-        return (jnp.roll(out, 1, axis=0), done, totals), None
+        return (state, held, totals), None
 
     out_shape = jax.eval_shape(stepped, stage_params, jnp.zeros(s_count, jnp.int32),
                                jnp.zeros((s_count, *micro.shape[1:]), x.dtype),
                                jax.tree_util.tree_map(lambda a: a[jnp.zeros(s_count, int)], rows),
                                None if key is None else jnp.stack([key] * s_count))
     totals = _zeros(out_shape[1], r_count, reductions), jnp.zeros((s_count, r_count))
-    carry = (jnp.zeros((s_count, *micro.shape[1:]), x.dtype), jnp.zeros_like(micro), totals)
-    (_, done, totals), _ = jax.lax.scan(iteration, carry,
+    held = layout_lib.constrain(jnp.zeros((s_count, *micro.shape), x.dtype),
+                                (STACKED, None, *names), "pipeline outputs")
+    carry = (jnp.zeros((s_count, *micro.shape[1:]), x.dtype), held, totals)
+    (_, held, totals), _ = jax.lax.scan(iteration, carry,
                                         jnp.arange(r_count * m_count + s_count - 1))
-    return unbatched(done), _finish(*totals, out_shape[1], n, reductions)
+    # stage 0 holds every microbatch's output: sent to every stage once
+    return unbatched(held[0]), _finish(*totals, out_shape[1], n, reductions)
+
+
+def shifted(x: jax.Array, axis: str, mesh, s_count: int) -> jax.Array:
+    """Every stage's `x` [S, ...] (split over `axis`) to the next stage, the last's to the
+    first: one collective-permute (autodiff's: one back)."""
+    ring = [(s, (s + 1) % s_count) for s in range(s_count)]
+    return jax.shard_map(lambda y: jax.lax.ppermute(y, axis, ring), mesh=mesh,
+                         in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis),
+                         axis_names={axis}, check_vma=False)(x)
 
 
 def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) -> jax.Array:

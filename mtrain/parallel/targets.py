@@ -4,7 +4,9 @@ A `Target` is one accelerator as one JAX device sees it; `TARGETS` lists those `
 names, with their sources. `device_peak_flops` is the peak the training loop and the
 benchmarks measure MFU against. A target's low-precision peaks (fp8, int8: dense, no
 sparsity) are those its matrix units run faster than bf16; a format it has no such rate for
-runs at its bf16 peak (`Target.peak_of`).
+runs at its bf16 peak (`Target.peak_of`). `dcn_bandwidth` is what one device can send across
+slices (TPU multislice) or nodes (GPUs over InfiniBand): the data-centre network that a plan
+with ``--slices`` crosses (`mtrain.planning.slices`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Target:
     # faster than bf16; 0: none (the format runs at `peak_flops`)
     fp8_flops: float = 0.0
     int8_flops: float = 0.0
+    # bytes/s one device can send to other slices or nodes (the data-centre network: a
+    # host's network bandwidth over its devices); 0: unknown (a plan over slices refuses)
+    dcn_bandwidth: float = 0.0
 
     def peak_of(self, fmt: str) -> tuple[float, bool]:
         """(the peak FLOP/s of matmuls in `fmt` ('none', 'fp8' or 'int8'), whether the
@@ -46,25 +51,35 @@ TARGETS = {t.name: t for t in [
     # 16 GiB HBM at 700 GB/s, 4 ICI links of 496 Gbit/s; v3 123 TFLOP/s, 32 GiB at 900 GB/s,
     # 4 links of 656 Gbit/s (Norrie et al., "The Design Process for Google's Training Chips:
     # TPUv2 and TPUv3", IEEE Micro 2021; cloud.google.com/tpu/docs/v3).
-    Target("tpu-v2", "TensorCore (half a chip)", 22.5e12, 8 * GiB, 350 * GB, 4 * 62 * GB / 2),
-    Target("tpu-v3", "TensorCore (half a chip)", 61.5e12, 16 * GiB, 450 * GB, 4 * 82 * GB / 2),
+    # Between pods (DCN): no figure published; assumed a host's 100 Gbit/s over its 8 cores.
+    Target("tpu-v2", "TensorCore (half a chip)", 22.5e12, 8 * GiB, 350 * GB, 4 * 62 * GB / 2,
+           dcn_bandwidth=100e9 / 8 / 8),
+    Target("tpu-v3", "TensorCore (half a chip)", 61.5e12, 16 * GiB, 450 * GB, 4 * 82 * GB / 2,
+           dcn_bandwidth=100e9 / 8 / 8),
     # TPU v4, v5e, v5p: a JAX device is a chip. v4: 275 TFLOP/s, 32 GiB at 1200 GB/s, pod
     # all-reduce bandwidth 1.1 PB/s over 4096 chips (cloud.google.com/tpu/docs/v4). v5e: 197
     # TFLOP/s, 16 GB at 819 GB/s, ICI 1600 Gbit/s (docs/v5e). v5p: 459 TFLOP/s, 95 GB at
     # 2765 GB/s, ICI 4800 Gbit/s (docs/v5p). int8: v5e 393 TOPS (docs/v5e), v5p 918 (Google's
     # v5p announcement, 2023-12); v4's int8 runs at its bf16 rate (275), v2 and v3 have none;
-    # no TPU here has an fp8 rate above its bf16 one (docs/v5p: fp8 459).
-    Target("tpu-v4", "chip", 275e12, 32 * GiB, 1200 * GB, 1.1e15 / 4096),
-    Target("tpu-v5e", "chip", 197e12, 16 * GiB, 819 * GB, 1600e9 / 8, int8_flops=393e12),
-    Target("tpu-v5p", "chip", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8, int8_flops=918e12),
+    # no TPU here has an fp8 rate above its bf16 one (docs/v5p: fp8 459). Across slices
+    # (multislice, the data-centre network): v5p 50 Gbit/s per chip (docs/v5p: "DCN
+    # bandwidth per chip"); v5e 6.4 Tbit/s per 256-chip pod (docs/v5e), 25 Gbit/s a chip;
+    # v4 publishes none: assumed v5p's 50 Gbit/s a chip (a host of 4 chips, 200 Gbit/s).
+    Target("tpu-v4", "chip", 275e12, 32 * GiB, 1200 * GB, 1.1e15 / 4096,
+           dcn_bandwidth=50e9 / 8),
+    Target("tpu-v5e", "chip", 197e12, 16 * GiB, 819 * GB, 1600e9 / 8, int8_flops=393e12,
+           dcn_bandwidth=6.4e12 / 256 / 8),
+    Target("tpu-v5p", "chip", 459e12, 95 * GB, 2765 * GB, 4800e9 / 8, int8_flops=918e12,
+           dcn_bandwidth=50e9 / 8),
     # NVIDIA H100 and H200 SXM: dense bf16 989 TFLOP/s; 80 GB HBM3 at 3.35 TB/s and 141 GB
     # HBM3e at 4.8 TB/s; NVLink 4 900 GB/s in both directions, 450 GB/s out (NVIDIA data
-    # sheets). Across nodes, InfiniBand is ~10x slower: plan multi-node runs accordingly.
+    # sheets). Across nodes: one InfiniBand NDR adapter (ConnectX-7, 400 Gbit/s) per GPU, as
+    # DGX H100 and H200 systems have: 50 GB/s, 9x slower than NVLink (DGX H100 user guide).
     # fp8 and int8: 1979 T(FL)OP/s dense on both (the data sheets' 3958 is with sparsity).
     Target("h100", "GPU", 989e12, 80 * GB, 3350 * GB, 450 * GB, fp8_flops=1979e12,
-           int8_flops=1979e12),
+           int8_flops=1979e12, dcn_bandwidth=400e9 / 8),
     Target("h200", "GPU", 989e12, 141 * GB, 4800 * GB, 450 * GB, fp8_flops=1979e12,
-           int8_flops=1979e12),
+           int8_flops=1979e12, dcn_bandwidth=400e9 / 8),
 ]}
 
 # jax's device_kind (lower case) -> the target whose peak it has.

@@ -1,5 +1,11 @@
 """``--mode=plan --auto_layout``: every legal mesh and layout of a number of devices,
-planned (`planner.plan`) and ranked: those that fit by estimated step time."""
+planned (`planner.plan`) and ranked: those that fit by estimated step time.
+
+A model that can pipeline (a decoder-only LM of scanned layers) is also tried with its
+layers split over a ``stage`` mesh dimension (`stage_layouts`) where nothing fits without,
+or where slices joined by the data-centre network make the first mesh dimension's
+collectives slow: then with the stage dimension first (over the slices) and behind
+``batch`` (the gradients' all-reduce over the slices), ranked by the same step time."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from mtrain.errors import ConfigError
 from mtrain.parallel.layout import Layout, LayoutError
 from mtrain.parallel.targets import GiB, Target
 from mtrain.planning.planner import Plan, plan, seconds_text, sharded_bytes, size_text
@@ -67,6 +74,30 @@ def candidate_layouts(num_devices: int, experts: bool = False,
     return [(mesh, rules, "") for mesh, rules in out] + fsdp
 
 
+_STAGE_RULES = "layers:stage;"
+
+
+def stage_layouts(num_devices: int, layers: int, slices: int = 1) -> list[tuple[str, str, str]]:
+    """Candidates that split a stack of `layers` layers over S stages (S dividing both the
+    devices and the layers): ``stage:S`` beside ``batch``, and beside ``batch`` and the
+    paper's ``model`` split; over several `slices`, each with ``stage`` first (it spans the
+    slices) and, where S is no multiple of the slices or to compare, ``batch`` first."""
+    out = []
+    for stage in range(2, min(num_devices, layers) + 1):
+        if num_devices % stage or layers % stage:
+            continue
+        rest = num_devices // stage
+        meshes = [(f"batch:{rest}", "batch:batch")] if rest > 1 else [("", "")]
+        meshes += [(f"batch:{b};model:{m}", _MODEL_RULES[0]) for b, m in _factorizations(rest, 2)]
+        for mesh, rules in meshes:
+            joined = f"{_STAGE_RULES}{rules}".rstrip(";")
+            out.append((f"stage:{stage};{mesh}".rstrip(";"), joined, ""))
+            if slices > 1 and mesh.startswith("batch:"):
+                b, other = mesh.split(";", 1) if ";" in mesh else (mesh, "")
+                out.append((";".join(x for x in (b, f"stage:{stage}", other) if x), joined, ""))
+    return out
+
+
 @dataclasses.dataclass
 class Candidate:
     mesh_shape: str
@@ -78,32 +109,31 @@ class Candidate:
 
 def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, target: Target,
                 progress: Callable[[str], None] = lambda message: None,
-                experts: bool = False, sequence_length: int = 0) -> list[Candidate]:
+                experts: bool = False, sequence_length: int = 0, slices: int = 1,
+                pipelines: int = 0) -> list[Candidate]:
     """Every candidate layout for `num_devices` (`experts`: of a mixture of experts; a
     `sequence_length` of `LONG` or more: with ``length`` splits too; see
     `candidate_layouts`), best first: those that fit ranked by estimated step time, then
     those that do not fit (least memory first), then the illegal ones. A candidate whose
-    parameters and optimizer state alone overflow the target is not compiled."""
-    results = []
-    candidates = candidate_layouts(num_devices, experts, sequence_length >= LONG)
-    for i, (mesh_shape, rules, parameter_rules) in enumerate(candidates):
-        c = Candidate(mesh_shape, rules, parameter_rules)
-        results.append(c)
-        try:
-            trainer = make_trainer(Layout(mesh_shape, rules, parameter_rules))
-            state = sharded_bytes(trainer.abstract_state, trainer.state_shardings)
-            if state > target.hbm_bytes:
-                c.rejected = (f"does not fit: parameters and optimizer state alone take "
-                              f"{state / GiB:.1f} GiB per device")
-                continue
-            c.plan = plan(trainer, target)
-            if not c.plan.fits:
-                c.rejected = f"does not fit: {c.plan.total_bytes / GiB:.1f} GiB per device"
-        except LayoutError as e:
-            c.rejected = "illegal: " + str(e).split(" — ")[0]
-        progress(f"[{i + 1}/{len(candidates)}] {mesh_shape or '(one device)'} {rules}"
-                 + (f" parameters {parameter_rules}" if parameter_rules else "") + ": "
-                 + (c.rejected or f"{c.plan.step_seconds:.3g} s per step"))
+    parameters and optimizer state alone overflow the target is not compiled. `slices`:
+    the slices the first mesh dimension spans (`planner.plan`); `pipelines`: the layers of
+    a stack that can pipeline (0: none), whose stage splits (`stage_layouts`) are tried
+    too where no other candidate fits or `slices` > 1."""
+    results: list[Candidate] = []
+
+    def search(candidates, first=0, total=0):
+        for i, (mesh_shape, rules, parameter_rules) in enumerate(candidates, first):
+            results.append(_try(make_trainer, target, slices, mesh_shape, rules,
+                                parameter_rules))
+            c = results[-1]
+            progress(f"[{i + 1}/{total or len(candidates)}] {mesh_shape or '(one device)'} "
+                     f"{rules}" + (f" parameters {parameter_rules}" if parameter_rules else "")
+                     + ": " + (c.rejected or f"{c.plan.step_seconds:.3g} s per step"))
+
+    search(candidate_layouts(num_devices, experts, sequence_length >= LONG))
+    if pipelines and (slices > 1 or not any(c.plan and c.plan.fits for c in results)):
+        staged = stage_layouts(num_devices, pipelines, slices)
+        search(staged, len(results), len(results) + len(staged))
 
     def rank(c: Candidate):
         if c.plan is None:
@@ -115,12 +145,37 @@ def auto_layout(make_trainer: Callable[[Layout], Trainer], num_devices: int, tar
     return sorted(results, key=rank)
 
 
+def _try(make_trainer, target: Target, slices: int, mesh_shape: str, rules: str,
+         parameter_rules: str) -> Candidate:
+    """One candidate, planned (or why not)."""
+    c = Candidate(mesh_shape, rules, parameter_rules)
+    try:
+        layout = Layout(mesh_shape, rules, parameter_rules)
+        if slices > 1 and (not layout.mesh_shape or layout.mesh_shape[0][1] % slices):
+            c.rejected = (f"illegal: its first mesh dimension cannot span the {slices} "
+                          f"slices")
+            return c
+        trainer = make_trainer(layout)
+        state = sharded_bytes(trainer.abstract_state, trainer.state_shardings)
+        if state > target.hbm_bytes:
+            c.rejected = (f"does not fit: parameters and optimizer state alone take "
+                          f"{state / GiB:.1f} GiB per device")
+            return c
+        c.plan = plan(trainer, target, slices=slices)
+        if not c.plan.fits:
+            c.rejected = f"does not fit: {c.plan.total_bytes / GiB:.1f} GiB per device"
+    except (LayoutError, ConfigError) as e:
+        c.rejected = "illegal: " + str(e).split(" — ")[0]
+    return c
+
+
 
 def format_auto_layout(results: list[Candidate], num_devices: int, target: str,
-                       top: int = 5) -> str:
+                       top: int = 5, slices: int = 1) -> str:
     fitting = [c for c in results if c.plan and c.plan.fits]
     compiled = sum(c.plan is not None for c in results)
-    lines = [f"auto-layout for {num_devices} devices on {target}: {len(results)} candidates, "
+    lines = [f"auto-layout for {num_devices} devices on {target}"
+             + (f" in {slices} slices" if slices > 1 else "") + f": {len(results)} candidates, "
              f"{compiled} compiled, {len(fitting)} fit"]
     if not fitting:
         lines.append("none fits; the closest:")
@@ -130,7 +185,8 @@ def format_auto_layout(results: list[Candidate], num_devices: int, target: str,
         lines += [
             f"#{rank}  step ~{seconds_text(p.step_seconds)}  {size_text(p.total_bytes)} per device  "
             f"MFU <= {100 * p.mfu:.0f}%  (compute {seconds_text(p.compute_seconds)}, memory "
-            f"{seconds_text(p.memory_seconds)}, collectives {seconds_text(p.communication_seconds)})",
+            f"{seconds_text(p.memory_seconds)}, collectives {seconds_text(p.communication_seconds)}"
+            + (f", pipeline bubble {100 * p.pipeline['bubble']:.0f}%" if p.pipeline else "") + ")",
             *("    " + line for line in p.gin_lines().splitlines()),
         ]
     rejected = [c for c in results if c.plan is None]

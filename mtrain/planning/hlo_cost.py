@@ -6,7 +6,9 @@ every called computation with the number of times it runs (a while loop's trip c
 its backend config), and adds up the dots' FLOPs and, per kind of collective, the bytes each
 device sends (ring algorithms: an all-reduce of B bytes over g devices sends 2 B (g-1)/g, an
 all-gather or all-to-all producing B sends B (g-1)/g, a reduce-scatter producing B sends
-B (g-1), a collective-permute sends B).
+B (g-1), a collective-permute sends B). Given the mesh (`slices.Topology`), each collective's
+bytes are also told by the mesh dimensions its groups span, and, where the first mesh
+dimension spans slices joined by the data-centre network, split into what crosses it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import dataclasses
 import functools
 import math
 import re
+
+from mtrain.planning.slices import Topology, groups_of, split
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -52,6 +56,10 @@ class CollectiveStats:
     # of which the padding of dropless experts' padded all-to-alls (what a ragged all-to-all
     # does not send when routing is balanced: `mtrain.models.dropless`)
     padding_bytes: float = 0.0
+    dcn_bytes: float = 0.0  # of which over the data-centre network (between slices)
+    # bytes_sent by the mesh dimensions their groups span ("stage", "stage,batch"; "" where
+    # no mesh was given or the groups are not known)
+    over: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -70,6 +78,9 @@ class HloCost:
             mine.bytes_sent += times * s.bytes_sent
             mine.parameter_shaped_bytes += times * s.parameter_shaped_bytes
             mine.padding_bytes += times * s.padding_bytes
+            mine.dcn_bytes += times * s.dcn_bytes
+            for axes, sent in s.over.items():
+                mine.over[axes] = mine.over.get(axes, 0.0) + times * sent
 
     @property
     def collective_bytes(self) -> float:
@@ -77,7 +88,8 @@ class HloCost:
 
 
 def hlo_cost(hlo_text: str, num_devices: int,
-             parameter_shapes: set[tuple[int, ...]] = frozenset()) -> HloCost:
+             parameter_shapes: set[tuple[int, ...]] = frozenset(),
+             topology: Topology | None = None) -> HloCost:
     """Every collective of a compiled (SPMD-partitioned) HLO module, by kind: how many, and
     the bytes each device sends; and the FLOPs of its matmuls. A buffer whose shape is that
     of a parameter (or its shard) is counted as parameter-shaped: a gradient or a gathered
@@ -92,7 +104,12 @@ def hlo_cost(hlo_text: str, num_devices: int,
     Counted per execution, as the program runs: a while loop's body as many times as its
     known trip count (scanned layers, microbatches; XLA's own cost analysis counts it once),
     and of a conditional's branches only the costliest (SGP's step compiles a
-    collective-permute for each hop of its cycle, and one runs per step)."""
+    collective-permute for each hop of its cycle, and one runs per step).
+
+    With `topology` (the mesh, and the slices its first dimension spans), each collective's
+    bytes are kept by the mesh dimensions its groups span (`CollectiveStats.over`), and
+    those of a collective that joins slices are its ICI and DCN parts (`slices.split`:
+    `dcn_bytes`); a collective-permute whose pairs all stay on their device sends nothing."""
     # Per computation: what its own instructions do, and what it calls, as (callees of
     # which the costliest runs, times). Instructions before any computation header (a bare
     # listing) form the entry, "".
@@ -113,6 +130,10 @@ def hlo_cost(hlo_text: str, num_devices: int,
                 direct[current].matmul_flops += _dot_flops(result, rest, shapes)
             elif op in COLLECTIVES:
                 g = _group_size(rest) or num_devices
+                groups = groups_of(rest, num_devices) if topology else None
+                if op == "collective-permute" and groups == []:
+                    continue
+                where = (topology.span(groups), topology.axes(groups)) if topology else (1, "")
                 elements = _shapes(result)
                 sliced = [op == "all-reduce" and _only_sliced(name, i, len(elements), elements[i],
                                                               g, users, ops, shapes, computations)
@@ -121,7 +142,7 @@ def hlo_cost(hlo_text: str, num_devices: int,
                 if kept:
                     stats = direct[current].collectives[op]
                     before = stats.bytes_sent
-                    _add_collective(stats, op, kept, g, parameter_shapes)
+                    _add_collective(stats, op, kept, g, parameter_shapes, where=where)
                     # a block of routed rows padded to the most one device could send: a
                     # ragged all-to-all sends the rows, 1/n of it when routing is balanced
                     padded = re.search(r"routed_rows_1_in_(\d+)", rest)
@@ -133,7 +154,7 @@ def hlo_cost(hlo_text: str, num_devices: int,
                                     "reduce-scatter",
                                     [(b, (math.prod(d) // g,)) for (b, d), s in
                                      zip(elements, sliced) if s], g, parameter_shapes,
-                                    [d for (_, d), s in zip(elements, sliced) if s])
+                                    [d for (_, d), s in zip(elements, sliced) if s], where)
 
     @functools.lru_cache(maxsize=None)
     def total(name: str) -> HloCost:
@@ -261,17 +282,19 @@ def _dot_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
 
 
 def _add_collective(s: CollectiveStats, kind: str, elements, g: int, parameter_shapes,
-                    logical=None) -> None:
+                    logical=None, where: tuple[int, str] = (1, "")) -> None:
     """Adds one collective over groups of `g` devices producing `elements` ((bytes per
-    element, dims) each; `logical`: the dims to match with parameter shapes, if others)."""
+    element, dims) each; `logical`: the dims to match with parameter shapes, if others;
+    `where`: the slices its groups span and the mesh dimensions, `slices.Topology`)."""
     if g <= 1 and kind != "collective-permute":
         return
-    factor = {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g,
-              "all-to-all": (g - 1) / g, "reduce-scatter": g - 1,
-              "collective-permute": 1.0}[kind]
+    ici, dcn = split(kind, g, where[0])
     s.count += 1
     for (itemsize, dims), shape in zip(elements, logical or [d for _, d in elements]):
-        sent = itemsize * math.prod(dims) * factor
+        size = itemsize * math.prod(dims)
+        sent = size * (ici + dcn)
         s.bytes_sent += sent
+        s.dcn_bytes += size * dcn
+        s.over[where[1]] = s.over.get(where[1], 0.0) + sent
         if shape and shape in parameter_shapes:
             s.parameter_shaped_bytes += sent

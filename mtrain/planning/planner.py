@@ -19,7 +19,13 @@ devices, from abstract shapes only: no parameter is allocated. From the compiled
   instead, which was measured to be closer there;
 - with ``transformer.quantization``, the step with its projections in fp8 or int8 against
   the same step in bf16, and whether the format pays on the target
-  (`mtrain.planning.quantized`). The bf16 step is the plan of the bf16 program, compiled
+  (`mtrain.planning.quantized`);
+- over ``slices`` slices joined by the data-centre network (the first mesh dimension spans
+  them), the bytes of each collective that crosses them at its DCN bandwidth
+  (`mtrain.planning.slices`); where the layout splits ``layers`` over stages, the
+  pipeline's bubble, per-stage memory and sends between stages (`mtrain.planning.pipelined`).
+
+The bf16 step of a quantized plan is the plan of the bf16 program, compiled
   too (a second compilation: the quantized program's time on XLA:CPU is not a TPU's or a
   GPU's): the quantized step is its compute at the format's rate, its memory traffic, the
   casts, and the quantized program's collectives; the memory that must fit, the quantized
@@ -41,8 +47,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from mtrain.planning import inference, quantized, step_model
+from mtrain.planning import inference, pipelined, quantized, step_model
 from mtrain.planning.hlo_cost import hlo_cost
+from mtrain.planning.slices import Topology, check
 from mtrain.parallel.layout import is_names, logical_names
 from mtrain.models.transformer import TransformerConfig
 from mtrain.parallel.targets import GB, TARGETS, GiB, Target
@@ -108,6 +115,9 @@ class Plan:
     mfu: float  # analytic FLOPs / (step time x peak x devices): the best this layout can do
     inference: dict  # a decoder-only LM's `inference.estimate` ({} for others)
     quantization: dict = dataclasses.field(default_factory=dict)  # `quantized.Quantized`
+    slices: int = 1  # slices (or nodes) the first mesh dimension spans, joined by DCN
+    dcn_seconds: float = 0.0  # of communication_seconds, the data-centre network's
+    pipeline: dict = dataclasses.field(default_factory=dict)  # `pipelined.Pipelined`
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,13 +129,16 @@ class Plan:
         return lines
 
 
-def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | None = None
-         ) -> Plan:
+def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | None = None,
+         slices: int = 1) -> Plan:
     """Compiles `trainer`'s train step (unless `compiled` is given) and estimates its cost;
     for a decoder-only LM, also generation's from prompts of `prompt_length` tokens (default
-    half the row) to the end of the row (`inference`)."""
-    compiled = compiled or trainer.compile_train_step()
+    half the row) to the end of the row (`inference`). `slices`: the slices (TPU
+    multislice, GPU nodes) the first mesh dimension spans, joined by the data-centre
+    network."""
     layout, n = trainer.layout, trainer.layout.size
+    check(layout, target, slices)
+    compiled = compiled or trainer.compile_train_step()
     abstract, shardings = trainer.abstract_state, trainer.state_shardings
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -146,9 +159,10 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
                                                            leaf.shape))
         shapes = {tuple(leaf.shape), tuple(s.shard_shape(leaf.shape)),
                   tuple(used.shard_shape(leaf.shape))}
-        # A scanned stack's parameter [layers, ...] moves a layer at a time in the loop.
-        parameter_shapes |= shapes | ({x[1:] for x in shapes} if names and names[0] == "layers"
-                                      else set())
+        # A scanned stack's parameter [layers, ...] moves a layer at a time in the loop (a
+        # pipeline stage's as [1, ...]).
+        parameter_shapes |= shapes | ({y for x in shapes for y in (x[1:], (1, *x[1:]))}
+                                      if names and names[0] == "layers" else set())
         shard = math.prod(s.shard_shape(leaf.shape))
         if names and "experts" in names:  # the experts' weights, per device
             expert_bytes += shard * jnp.dtype(leaf.dtype).itemsize
@@ -157,7 +171,8 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
             gradient_bytes += shard * 4
         elif leaf.ndim >= 2 and not path.endswith("embedding"):
             frozen_matmul += leaf.size * (active if "experts" in names else 1.0)
-    hlo = hlo_cost(compiled.as_text(), n, parameter_shapes)
+    hlo = hlo_cost(compiled.as_text(), n, parameter_shapes,
+                   Topology(tuple(layout.mesh_shape), slices))
     comms = hlo.collectives
     batch, length = trainer.batch_shape
     param_bytes = sharded_bytes(abstract.params, shardings.params)
@@ -174,9 +189,13 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
     traffic = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                + 2 * memory.temp_size_in_bytes)
     hbm = traffic / target.hbm_bandwidth
-    # every target has a ragged all-to-all: it sends the routed rows, not XLA:CPU's padding
-    comm = sum(s.bytes_sent - s.padding_bytes for s in comms.values()) \
-        / target.interconnect_bandwidth
+    # every target has a ragged all-to-all: it sends the routed rows, not XLA:CPU's padding;
+    # what crosses slices goes at the data-centre network's bandwidth
+    kept = {k: 1 - s.padding_bytes / s.bytes_sent if s.bytes_sent else 0.0
+            for k, s in comms.items()}
+    dcn = sum(kept[k] * s.dcn_bytes for k, s in comms.items()) / (target.dcn_bandwidth or 1)
+    comm = sum(kept[k] * (s.bytes_sent - s.dcn_bytes) for k, s in comms.items()) \
+        / target.interconnect_bandwidth + dcn
     step = max(compute, hbm) + comm
     executed = analytic - 2 * frozen_matmul * batch * length
     estimate = kind = None
@@ -197,7 +216,7 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
         step = max(estimate.step_seconds, hbm) + comm
     quantization = None
     if kind and model.config.quantization != "none":  # against the bf16 program's own plan
-        bf16 = plan(bf16_trainer(trainer), target)
+        bf16 = plan(bf16_trainer(trainer), target, slices=slices)
         quantization = quantized.compare(
             model.config, kind, layout, batch, length, trainer.num_microbatches, target,
             model_flops=executed, compute=bf16.compute_seconds,
@@ -231,6 +250,10 @@ def plan(trainer: Trainer, target: Target, compiled=None, prompt_length: int | N
                                      prompt_length or length // 2, param_bytes)
         if hasattr(model, "prefill") and isinstance(model.config, TransformerConfig) else {},
         quantization=dataclasses.asdict(quantization) if quantization else {},
+        slices=slices, dcn_seconds=dcn,
+        pipeline=dataclasses.asdict(pipelined.estimate(
+            trainer, target, {k: dataclasses.asdict(v) for k, v in comms.items()}, slices))
+        if pipelined.stage_ways(trainer) > 1 else {},
     )
 
 
@@ -276,6 +299,9 @@ def format_plan(p: Plan, describe: str = "") -> str:
         f"layout {p.layout_rules or '(replicated)'}" + (
             f", parameters also {p.parameter_layout_rules} (stored split: FSDP)"
             if p.parameter_layout_rules else ""),
+        *([f"  {p.slices} slices joined by the data-centre network: the first mesh dimension "
+           f"spans them ({t.dcn_bandwidth / GB:.2f} GB/s a device across them)"]
+          if p.slices > 1 else []),
         f"  batch {p.batch_size} x {p.sequence_length} tokens",
         f"parameters: {p.parameters:,}" + (
             f" (analytic matmul and embedding parameters: {p.analytic_parameters:,})"
@@ -305,6 +331,8 @@ def format_plan(p: Plan, describe: str = "") -> str:
             lines.append(f"  {kind:<19}{s['count']:>4} ops {size_text(s['bytes_sent']):>12}"
                          + (f"   ({size_text(shaped)} parameter-shaped: gradients, weights)"
                             if shaped else "   (activations)"))
+            if s.get("dcn_bytes"):
+                lines.append(f"{'':30}of which {size_text(s['dcn_bytes'])} between slices (DCN)")
             if s["padding_bytes"]:
                 lines.append(f"{'':30}of which {size_text(s['padding_bytes'])} padding: a ragged "
                              f"all-to-all (GPU, TPU) sends only routed rows")
@@ -321,13 +349,16 @@ def format_plan(p: Plan, describe: str = "") -> str:
             f"of attention matrices through HBM)") +
         f", memory {seconds_text(p.memory_seconds)}"
         + (" (the bf16 program's; the casts below)" if p.quantization else "") + ", "
-        f"collectives {seconds_text(p.communication_seconds)}",
+        f"collectives {seconds_text(p.communication_seconds)}" + (
+            f" ({seconds_text(p.dcn_seconds)} of it between slices)" if p.slices > 1 else ""),
         f"  step ~{seconds_text(p.step_seconds)}, {p.tokens_per_second:,.0f} tokens/s, "
         f"MFU {'at most ' if p.memory_basis.startswith('XLA') else '~'}{100 * p.mfu:.0f}%"
         + (" (of the bf16 peak)" if p.quantization else ""),
         *(quantized.lines(p.quantization, t, p.batch_size * p.sequence_length, seconds_text)
           if p.quantization else []),
     ]
+    if p.pipeline:
+        lines += pipelined.lines(p.pipeline, size_text, seconds_text)
     if p.inference:
         e = p.inference
         lines += [
