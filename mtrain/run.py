@@ -45,6 +45,7 @@ from mtrain.modes.experiment import Experiment, RunConfig
 from mtrain.modes.dispatch import Request
 from mtrain.modes.plan import describe_model
 from mtrain.parallel import distributed
+from mtrain.models.blocks import check_stages
 from mtrain.parallel.layout import Layout, LayoutError
 from mtrain.training.dpo import Preference
 from mtrain.training.language_modeling import LanguageModeling
@@ -202,6 +203,9 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
     if model.features != features:
         raise ConfigError(f"run.model {type(model).__name__} takes {model.features}, but "
                           f"task {s.task!r} gives {features}")
+    if s.mode != "import":  # (the stages a stack runs over: see models.pipeline)
+        check_stages(model_config, layout.ways("layers"), s.batch_size // s.num_microbatches,
+                     layout.ways("batch"), encoder_decoder=task.kind == "translation")
     trainable = freezing.trainable(s.trainable, model_config.lora is not None)
     objective = Preference(config.dpo()) if task.preference else LanguageModeling(config.loss())
     trainer = Trainer(model=model, optimizer=opt, objective=objective, layout=layout, mesh=mesh,

@@ -244,6 +244,34 @@ def layer_stack(c, x, mask, deterministic: bool, decode_index=None, positions=No
     return run_layers(stack, x, mask, deterministic, None, None, decode_index, positions, bias)
 
 
+def check_stages(c, stages: int, rows: int, data_ways: int = 1,
+                 encoder_decoder: bool = False) -> None:
+    """Raises ConfigError (one line) where a stack cannot run over `stages` pipeline stages
+    (a layout rule splitting ``layers``) with `rows` rows a trainer microbatch split
+    `data_ways` ways inside a stage: the encoder-decoder's, an unscanned one's, a scan whose
+    layers (groups of `period`) do not divide into the stages x `pipeline.repeats`, or a
+    microbatch count that does not fit (`pipeline.microbatch_count`)."""
+    if stages <= 1:
+        return
+    if encoder_decoder:
+        raise ConfigError("the encoder-decoder runs no pipeline: a layout rule splits "
+                          "'layers' over stages; split it over batch, heads, d_ff instead")
+    if not c.scan_layers:
+        raise ConfigError("a layout rule splits 'layers' (pipeline stages), which needs "
+                          "transformer.scan_layers=True: only a scanned stack has a layers "
+                          "dimension to split")
+    chunks = c.pipeline.chunks
+    for _, count, dense in scan_parts(c, c.num_layers):
+        steps = count // (dense_period(c) if dense else period(c))
+        if steps % (stages * chunks):
+            raise ConfigError(
+                f"a stack of {steps} scanned layers does not split into {stages} stages x "
+                f"{chunks} runs (pipeline.repeats): make the layers a multiple of "
+                f"{stages * chunks}" + (f" (scanned in groups of {period(c)})"
+                                        if period(c) > 1 and not dense else ""))
+    pipeline.microbatch_count(c.pipeline, rows, stages, data_ways)
+
+
 def pipelined_stack(module: nn.Module, c, x, mask, deterministic: bool, positions=None,
                     bias=None):
     """The decoder-only LM's scanned layers (`module`'s ``dense_layers`` and ``layers``,
