@@ -245,3 +245,13 @@ def test_the_mesh_dimension_may_have_any_name():
     np.testing.assert_allclose(got, reference, rtol=1e-5)
     spec = jax.tree_util.tree_leaves(final.params["layers"])[0].sharding.spec
     assert spec[0] == "pp"
+
+
+def test_with_several_hosts_the_stages_lie_across_them():
+    """With several processes (`data_major`) the mesh dimension that splits ``layers`` is
+    laid out outermost, before ``batch``'s: with 2 hosts of 4 devices each, a stage a host."""
+    mesh = Layout("batch:4;stage:2", "layers:stage;batch:batch").make_mesh(data_major=True)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    stage = mesh.axis_names.index("stage")
+    assert sorted(np.take(ids, 0, axis=stage).ravel()) == [0, 1, 2, 3]
+    assert sorted(np.take(ids, 1, axis=stage).ravel()) == [4, 5, 6, 7]

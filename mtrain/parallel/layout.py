@@ -223,7 +223,9 @@ class Layout:
         keeps the devices of one host together along the trailing mesh dimensions. With
         `data_major` (default: when there are several processes) the mesh dimension that
         splits `batch` is laid out outermost whatever its place in the mesh shape, so that
-        the hosts lie along it and each feeds only its own rows of the batch.
+        the hosts lie along it and each feeds only its own rows of the batch; before it, the
+        one that splits ``layers`` (pipeline stages: a stage a host or slice, the activations
+        crossing between hosts rather than every gradient).
         """
         devices = list(jax.devices() if devices is None else devices)
         if self.size != len(devices):
@@ -237,9 +239,9 @@ class Layout:
         auto = (jax.sharding.AxisType.Auto,) * len(names)
         if data_major is None:
             data_major = jax.process_count() > 1
-        data = self.rules.get("batch")
-        order = sorted(range(len(names)), key=lambda i: names[i] != data) if data_major \
-            else list(range(len(names)))
+        outer = [self.rules.get("layers"), self.rules.get("batch")]
+        rank = lambda i: outer.index(names[i]) if names[i] in outer else len(outer)  # noqa: E731
+        order = sorted(range(len(names)), key=rank) if data_major else list(range(len(names)))
         mesh = jax.make_mesh(tuple(sizes[i] for i in order), tuple(names[i] for i in order),
                              axis_types=auto, devices=devices)
         if order == sorted(order):
