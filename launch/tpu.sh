@@ -22,6 +22,11 @@ Options:
   --gin_param=B          gin binding, e.g. run.train_steps=1000 (repeatable)
   --name=N               TPU (and queued resource) name (default: mtrain-$USER)
   --runtime_version=V    TPU VM image (default: by accelerator generation)
+  --num_slices=N         N slices joined by the data-centre network (TPU multislice,
+                         through queued-resources): nodes <name>-0 ... <name>-(N-1); the
+                         run's outermost mesh dimension spans them (its layers:<dim> rule's
+                         dimension first, then batch's: a pipeline stage, or a data
+                         shard, per slice; plan it with --mode=plan --slices=N)
   --queued               create through queued-resources (waits for capacity)
   --spot                 use Spot capacity
   --keep                 do not delete the slice at the end
@@ -36,7 +41,7 @@ EOF
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PROJECT="" ZONE="" ACCELERATOR="" RUNTIME="" MODEL_DIR="" NAME="mtrain-${USER:-user}"
-QUEUED=0 SPOT=0 KEEP=0 DRY_RUN=0 ALLOW_DIRTY=0
+QUEUED=0 SPOT=0 KEEP=0 DRY_RUN=0 ALLOW_DIRTY=0 SLICES=1
 GIN_ARGS=()
 for arg in "$@"; do
   case "$arg" in
@@ -46,6 +51,7 @@ for arg in "$@"; do
     --runtime_version=*) RUNTIME="${arg#*=}" ;;
     --model_dir=*) MODEL_DIR="${arg#*=}" ;;
     --name=*) NAME="${arg#*=}" ;;
+    --num_slices=*) SLICES="${arg#*=}" ;;
     --gin_file=* | --gin_param=*) GIN_ARGS+=("$arg") ;;
     --queued) QUEUED=1 ;;
     --spot) SPOT=1 ;;
@@ -63,6 +69,14 @@ done
 [[ "$MODEL_DIR" == gs://* ]] || die "--model_dir must be a gs:// path that every worker can write, got '$MODEL_DIR'"
 [[ " ${GIN_ARGS[*]-} " == *" --gin_file="* ]] || die "at least one --gin_file is required"
 [[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name '$NAME' must be lowercase letters, digits and dashes"
+[[ "$SLICES" =~ ^[1-9][0-9]*$ ]] || die "--num_slices must be a positive whole number, got '$SLICES'"
+# Multislice exists only through queued resources; its nodes are <name>-0, <name>-1, ...
+NODES=("$NAME")
+if ((SLICES > 1)); then
+  QUEUED=1
+  NODES=()
+  for ((i = 0; i < SLICES; i++)); do NODES+=("$NAME-$i"); done
+fi
 
 # The workers get `git archive HEAD`: what is not committed (a new my_run.gin, an edit) is not
 # there. Refuse rather than start a slice that runs other code or lacks a gin file.
@@ -107,7 +121,9 @@ delete() {
 
 # 1. The slice.
 if ((QUEUED)); then
-  run gcloud compute tpus queued-resources create "$NAME" --node-id="$NAME" "${LOCATION[@]}" \
+  NODE_FLAGS=(--node-id="$NAME")
+  ((SLICES > 1)) && NODE_FLAGS=(--node-count="$SLICES" --node-prefix="$NAME")
+  run gcloud compute tpus queued-resources create "$NAME" "${NODE_FLAGS[@]}" "${LOCATION[@]}" \
     --accelerator-type="$ACCELERATOR" --runtime-version="$RUNTIME" "${SPOT_FLAG[@]}"
   if ((DRY_RUN)); then
     run gcloud compute tpus queued-resources describe "$NAME" "${LOCATION[@]}" --format='value(state.state)'
@@ -127,15 +143,31 @@ fi
 # 2. The code, on every worker: this checkout's committed tree.
 TARBALL="${TMPDIR:-/tmp}/mtrain-$NAME.tar.gz"
 run git -C "$REPO" archive --format=tar.gz --output="$TARBALL" HEAD
-run gcloud compute tpus tpu-vm scp "$TARBALL" "$NAME":mtrain.tar.gz --worker=all "${LOCATION[@]}"
+for node in "${NODES[@]}"; do
+  run gcloud compute tpus tpu-vm scp "$TARBALL" "$node":mtrain.tar.gz --worker=all "${LOCATION[@]}"
+done
 # TPU VM images bring Python 3.10: uv (installed for the user) makes the environment with
 # Python 3.12, which it downloads, as MaxText's setup does.
 # shellcheck disable=SC2016  # $HOME is the worker's
 UV='$HOME/.local/bin/uv'
-run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" \
-  --command="rm -rf mtrain && mkdir mtrain && tar -xzf mtrain.tar.gz -C mtrain && python3 -m pip install --quiet --user uv && $UV venv --quiet --python 3.12 mtrain/.venv && $UV pip install --quiet --python mtrain/.venv/bin/python -e ./mtrain 'jax[tpu]'"
+for node in "${NODES[@]}"; do
+  run gcloud compute tpus tpu-vm ssh "$node" --worker=all "${LOCATION[@]}" \
+    --command="rm -rf mtrain && mkdir mtrain && tar -xzf mtrain.tar.gz -C mtrain && python3 -m pip install --quiet --user uv && $UV venv --quiet --python 3.12 mtrain/.venv && $UV pip install --quiet --python mtrain/.venv/bin/python -e ./mtrain 'jax[tpu]'"
+done
 
-# 3. The run: the same command on every worker; process 0 logs, the others only warn.
+# 3. The run: the same command on every worker of every slice, at once (the slices' runtime
+# joins them: queued resources set its MEGASCALE_* variables); process 0 logs, the others
+# only warn.
 MTRAIN=(.venv/bin/python -m mtrain "${GIN_ARGS[@]}" --model_dir="$MODEL_DIR")
-run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all "${LOCATION[@]}" \
-  --command="cd mtrain && $(quote "${MTRAIN[@]}")"
+PIDS=()
+for node in "${NODES[@]}"; do
+  if ((DRY_RUN || SLICES == 1)); then
+    run gcloud compute tpus tpu-vm ssh "$node" --worker=all "${LOCATION[@]}" \
+      --command="cd mtrain && $(quote "${MTRAIN[@]}")"
+  else
+    gcloud compute tpus tpu-vm ssh "$node" --worker=all "${LOCATION[@]}" \
+      --command="cd mtrain && $(quote "${MTRAIN[@]}")" &
+    PIDS+=("$!")
+  fi
+done
+for pid in ${PIDS[@]+"${PIDS[@]}"}; do wait "$pid"; done

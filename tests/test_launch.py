@@ -95,6 +95,25 @@ def test_tpu_queued_spot_v5e_with_keep():
     assert "--version=v2-alpha-tpuv5" in out.splitlines()[0]
 
 
+def test_tpu_multislice_makes_the_slices_and_runs_on_all():
+    """--num_slices=2: one queued resource of 2 nodes (multislice exists only so), the code
+    copied to and installed on each, the run started on every worker of both at once."""
+    code, out, err = launch("tpu.sh", *TPU, "--accelerator_type=v4-256", "--num_slices=2",
+                            "--dry_run")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("gcloud compute tpus queued-resources create lm5 "
+                               "--node-count=2 --node-prefix=lm5 ")
+    for node in ("lm5-0", "lm5-1"):
+        assert sum(f" {node}:mtrain.tar.gz " in line for line in lines) == 1
+        assert sum(line.startswith(f"gcloud compute tpus tpu-vm ssh {node} --worker=all")
+                   and "-m mtrain --gin_file=paper/lm_size_5.gin" in line for line in lines) == 1
+    assert lines[-1].startswith("gcloud compute tpus queued-resources delete lm5")
+    code, out, err = launch("tpu.sh", *TPU, "--accelerator_type=v4-8", "--num_slices=0",
+                            "--dry_run")
+    assert code == 2 and "--num_slices must be a positive whole number, got '0'" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--accelerator_type=v9-8"], "unknown --accelerator_type 'v9-8'"),
     (["--accelerator_type=v4-8", "--model_dir=/local/dir"], "--model_dir must be a gs:// path"),

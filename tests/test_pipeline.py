@@ -255,3 +255,21 @@ def test_with_several_hosts_the_stages_lie_across_them():
     stage = mesh.axis_names.index("stage")
     assert sorted(np.take(ids, 0, axis=stage).ravel()) == [0, 1, 2, 3]
     assert sorted(np.take(ids, 1, axis=stage).ravel()) == [4, 5, 6, 7]
+
+
+def test_slices_lie_along_the_outermost_dimension():
+    """TPU multislice: devices of 2 slices (their slice_index) make a grid whose outermost
+    dimension (the stages) spans the slices; one that does not divide into them is one
+    line; devices of one slice are left to jax.make_mesh."""
+    from types import SimpleNamespace
+
+    from mtrain.parallel.layout import sliced_grid
+
+    devices = [SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2,
+                               platform="cpu", device_kind="cpu", coords=None)
+               for i in range(8)]
+    grid = sliced_grid(devices, (2, 4), ("stage", "batch"))
+    assert [[d.id for d in row] for row in grid] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(LayoutError, match="'stage' of size 1 does not divide into them"):
+        sliced_grid(devices[:4] + devices[4:5], (1, 5), ("stage", "batch"))
+    assert sliced_grid(jax.devices(), (2, 4), ("stage", "batch")) is None

@@ -242,8 +242,10 @@ class Layout:
         outer = [self.rules.get("layers"), self.rules.get("batch")]
         rank = lambda i: outer.index(names[i]) if names[i] in outer else len(outer)  # noqa: E731
         order = sorted(range(len(names)), key=rank) if data_major else list(range(len(names)))
-        mesh = jax.make_mesh(tuple(sizes[i] for i in order), tuple(names[i] for i in order),
-                             axis_types=auto, devices=devices)
+        ordered = tuple(names[i] for i in order)
+        grid = sliced_grid(devices, tuple(sizes[i] for i in order), ordered)
+        mesh = Mesh(grid, ordered, axis_types=auto) if grid is not None else jax.make_mesh(
+            tuple(sizes[i] for i in order), ordered, axis_types=auto, devices=devices)
         if order == sorted(order):
             return mesh
         return Mesh(mesh.devices.transpose(np.argsort(order)), names, axis_types=auto)
@@ -270,6 +272,27 @@ class Layout:
             yield self
         finally:
             _ACTIVE.reset(token)
+
+
+def sliced_grid(devices: Sequence, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """The devices of several TPU slices (their `slice_index`: multislice) as a grid of
+    `sizes` whose outermost dimension spans the slices, which the data-centre network
+    joins, and the others lie within a slice on its interconnect (`mesh_utils`' hybrid
+    mesh); None for the devices of one slice. Raises `LayoutError` where the outermost
+    dimension does not divide into the slices."""
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices <= 1:
+        return None
+    if sizes[0] % slices:
+        raise LayoutError(
+            f"the devices are {slices} slices, joined by the data-centre network, which the "
+            f"mesh's outermost dimension spans: {names[0]!r} of size {sizes[0]} does not "
+            f"divide into them — change the mesh shape (with several processes the "
+            f"dimension that splits 'layers', else 'batch', is outermost)")
+    from jax.experimental import mesh_utils
+
+    return mesh_utils.create_hybrid_device_mesh(
+        (sizes[0] // slices, *sizes[1:]), (slices, *[1] * (len(sizes) - 1)), list(devices))
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar(
