@@ -135,7 +135,8 @@ def stage_losses(settings, mesh_shape, rules, config, steps=10):
                  PipelineConfig(schedule="circular", repeats=2, microbatches=4), 5,
                  marks=pytest.mark.slow),
     pytest.param(LLAMA, "stage:2", "layers:stage", GPIPE, 10, marks=pytest.mark.slow),
-    (MOE, "stage:2;batch:2;model:2", SPLIT + ";experts:batch", GPIPE, 3),
+    pytest.param(MOE, "stage:2;batch:2;model:2", SPLIT + ";experts:batch", GPIPE, 3,
+                 marks=pytest.mark.slow),
     pytest.param(MOE, "stage:2;batch:4", "layers:stage;batch:batch;experts:batch", CIRCULAR,
                  3, marks=pytest.mark.slow)])
 def test_stages_train_as_one_device(settings, mesh_shape, rules, config, steps):
@@ -239,6 +240,7 @@ def test_settings_that_cannot_pipeline_say_so():
             model.apply(params, ids, ids, ids, ids, ids, ids)
 
 
+@pytest.mark.slow  # (8 s; the fast tier's runs name the dimension stage)
 def test_the_mesh_dimension_may_have_any_name():
     """``layers:pp`` over a mesh dimension called pp, beside dp: the same losses (3 steps)."""
     reference, got, final = stage_losses(LLAMA, "pp:2;dp:4", "layers:pp;batch:dp", GPIPE, 3)
