@@ -150,6 +150,7 @@ def test_stages_train_as_one_device(settings, mesh_shape, rules, config, steps):
     np.testing.assert_allclose(got, reference, rtol=1e-5)
 
 
+@pytest.mark.slow  # (11 s)
 def test_the_experts_statistics_are_the_batchs():
     """Through 2 stages the experts' load-balancing loss (a mean over groups, each within a
     row) is the unsplit pass's; the router z-loss and dropped fraction are means over the
