@@ -34,12 +34,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from mtrain.errors import ConfigError
 from mtrain.parallel import layout as layout_lib
 
 SCHEDULES = ("gpipe", "circular")
+RUN_WEIGHTS = "pipeline_run_weights"  # (the checkpoint name of a run's weights)
 STACKED = "layers"  # the tensor dimension whose split makes the stages
 # The bubble a default microbatch count keeps the pipeline under.
 BUBBLE_GOAL = 0.2
@@ -156,8 +158,59 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
     microbatches' statistics, which is the whole batch's where they are means over equal
     parts of each microbatch: the experts' over groups of tokens within rows).
     `per_row`: arrays [b, ...] (masks, positions) each microbatch takes its rows of; `key`:
-    the dropout key (None: deterministic), one per stage and iteration folded from it."""
+    the dropout key (None: deterministic), one per stage, iteration and data shard.
+
+    Each stage runs as its own program (`jax.shard_map`, manual over the stage dimension;
+    the other dimensions stay XLA's). Where ``batch`` is split over a mesh dimension that
+    splits nothing else (no experts, no parameters: not FSDP), that dimension is manual
+    too: each shard runs the pipeline on its own rows, and the stages' weight gradients
+    are summed over the shards once, where the shard_map ends, not at each iteration where
+    XLA would reduce each microbatch's."""
     layout, mesh = layout_lib.active()
+    axis, s_count = stage_axis(), stages()
+    params, data = staged(params, config), _data_axis(layout)
+    n = s_count * config.chunks * jax.tree_util.tree_leaves(params)[0].shape[2]
+    rows = PartitionSpec(data)  # (P(None): every stage and device has all of them)
+
+    def local(params, x, per_row, key):
+        stage = jax.lax.axis_index(axis)
+        if key is not None:
+            key = jax.random.fold_in(key, stage)
+            key = key if data is None else jax.random.fold_in(key, jax.lax.axis_index(data))
+        out, stats = _stage(config, chunk, jax.tree_util.tree_map(lambda p: p[0], params), x,
+                            per_row, key, reductions, stage,
+                            1 if data else layout.ways("batch"))
+        if data is not None:
+            combine = {"sum": jax.lax.psum, "mean": jax.lax.pmean,  # (the most: a metric)
+                       "max": lambda v, a: jax.lax.pmax(jax.lax.stop_gradient(v), a)}
+            stats = jax.tree_util.tree_map_with_path(
+                lambda path, v: combine[reductions.kind(path[-1].key)](v, data), stats)
+        return out, jax.tree_util.tree_map(lambda v: v[None], stats)
+
+    out, stats = jax.shard_map(
+        local, mesh=mesh, in_specs=(PartitionSpec(axis), rows, rows, PartitionSpec()),
+        out_specs=(rows, PartitionSpec(axis)), axis_names={axis} | ({data} if data else set()),
+        check_vma=False)(params, x, per_row, key)
+    # [S, R, k, ...] -> the stack's [n, ...]: layer (r S + s) k + j
+    return out, jax.tree_util.tree_map(
+        lambda v: v.swapaxes(0, 1).reshape(n, *v.shape[3:]), stats)
+
+
+def _data_axis(layout) -> str | None:
+    """The mesh dimension that splits ``batch`` and nothing else (`run`), or None."""
+    data = layout.mesh_dim_for("batch")
+    if data is None or layout.ways("batch") <= 1:
+        return None
+    others = [t for t, m in [*layout.layout_rules, *layout.parameter_rules]
+              if m == data and t != "batch"]
+    return None if others else data
+
+
+def staged(params, config: PipelineConfig):
+    """A stack's parameters [n, ...] (stored in layer order, split over the stages) ->
+    [S, R, k, ...], stage s's run r the chunk r S + s: as they lie for GPipe, moved to
+    their stages for the circular schedule (`circular_order`)."""
+    mesh = layout_lib.active()[1]
     axis, s_count, r_count = stage_axis(), stages(), config.chunks
     n = jax.tree_util.tree_leaves(params)[0].shape[0]
     if n % (s_count * r_count):
@@ -166,72 +219,64 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
             f"{r_count} runs (pipeline.repeats): make the layers a multiple of "
             f"{s_count * r_count}")
     k = n // (s_count * r_count)
-    m_count = microbatch_count(config, x.shape[0], s_count, layout.ways("batch"))
 
-    def staged(p):  # [n, ...] -> [S, R, k, ...]: stage s, run r holds chunk r S + s
+    def one(p):
         if r_count == 1:
             return p.reshape(s_count, 1, k, *p.shape[1:])
         return circular_order(p, axis, mesh, s_count, r_count)
 
-    stage_params = jax.tree_util.tree_map(staged, params)
+    return jax.tree_util.tree_map(one, params)
+
+
+def _stage(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row, key,
+           reductions: Reductions, stage, data_ways: int) -> tuple[jax.Array, Any]:
+    """One stage's program (`run`, inside the shard_map): its runs' `params` [R, k, ...],
+    the rows at hand `x` (a data shard's, or all of them split `data_ways` ways), its index
+    `stage`; returns the stack's output (every stage's alike) and its runs' statistics
+    [R, k, ...]."""
+    axis, s_count, r_count = stage_axis(), stages(), config.chunks
+    m_count = microbatch_count(config, x.shape[0], s_count, data_ways)
     names = ("batch", "length", "d_model")[: x.ndim]
     micro = layout_lib.constrain(microbatched(x, m_count), (None, *names),
                                  "pipeline microbatches")
     rows = jax.tree_util.tree_map(lambda a: microbatched(jnp.asarray(a), m_count), per_row)
-    stage_ids = jnp.arange(s_count)
-
-    def stage(p, r, x, rows, key):
-        if r_count > 1:
-            p = jax.tree_util.tree_map(lambda q: jax.lax.dynamic_index_in_dim(q, r, 0, False), p)
-        else:
-            p = jax.tree_util.tree_map(lambda q: q[0], p)
-        return chunk(p, x, rows, key)
-
-    stepped = jax.vmap(stage, spmd_axis_name=axis)
+    ring = [(s, (s + 1) % s_count) for s in range(s_count)]
 
     def iteration(carry, t):
         state, held, totals = carry
-        step = t - stage_ids  # where each stage is: repeat r, microbatch m
+        step = t - stage  # where this stage is: repeat r, microbatch m
         valid = (step >= 0) & (step < r_count * m_count)
         m, r = step % m_count, jnp.clip(step // m_count, 0, r_count - 1)
         # stage 0 takes microbatch t % M: from the input in the first repeat, after it what
-        # came round from the last stage (each stage reads its own copy: no send)
-        entering = jnp.where(t < m_count, micro[t % m_count][None], held[:, t % m_count])
-        state = jnp.where((stage_ids == 0).reshape(-1, *[1] * x.ndim), entering, state)
-        state = layout_lib.constrain(state, (STACKED, *names), "pipeline stage inputs")
-        keys = None if key is None else jax.vmap(
-            lambda s: jax.random.fold_in(jax.random.fold_in(key, t), s))(stage_ids)
+        # came round from the last stage
+        entering = jnp.where(t < m_count, micro[t % m_count], held[t % m_count])
+        state = jnp.where(stage == 0, entering, state)
         here = jax.tree_util.tree_map(lambda a: a[m], rows)
-        out, stats = stepped(stage_params, r, state, here, keys)
-        state = shifted(layout_lib.constrain(out, (STACKED, *names), "pipeline stage outputs"),
-                        axis, mesh, s_count)
+        run_r = jax.tree_util.tree_map(
+            lambda q: q[0] if r_count == 1 else checkpoint_name(
+                jax.lax.dynamic_index_in_dim(q, r, 0, False), RUN_WEIGHTS), params)
+        out, stats = chunk(run_r, state, here,
+                           None if key is None else jax.random.fold_in(key, t))
+        state = jax.lax.ppermute(out, axis, ring)  # to the next stage, the last's to the first
         # what reached stage 0 is the last stage's microbatch (t - S + 1) % M: kept there
         last = (t - (s_count - 1)) % m_count
-        held = held.at[:, last].set(jnp.where(t >= s_count - 1, state, held[:, last]))
-        totals = _add(totals, stats, r, valid.astype(jnp.float32), valid, reductions)
-        return (state, held, totals), None
+        held = held.at[last].set(jnp.where(t >= s_count - 1, state, held[last]))
+        return (state, held, _add(totals, stats, r, valid, reductions)), None
 
-    out_shape = jax.eval_shape(stepped, stage_params, jnp.zeros(s_count, jnp.int32),
-                               jnp.zeros((s_count, *micro.shape[1:]), x.dtype),
-                               jax.tree_util.tree_map(lambda a: a[jnp.zeros(s_count, int)], rows),
-                               None if key is None else jnp.stack([key] * s_count))
-    totals = _zeros(out_shape[1], r_count, reductions), jnp.zeros((s_count, r_count))
-    held = layout_lib.constrain(jnp.zeros((s_count, *micro.shape), x.dtype),
-                                (STACKED, None, *names), "pipeline outputs")
-    carry = (jnp.zeros((s_count, *micro.shape[1:]), x.dtype), held, totals)
+    stats_shape = jax.eval_shape(
+        chunk, jax.tree_util.tree_map(lambda q: q[0], params), micro[0],
+        jax.tree_util.tree_map(lambda a: a[0], rows), key)[1]
+    carry = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro),
+             _zeros(stats_shape, r_count, reductions))
+    # (a run's weights, picked by the iteration, are picked again for the backward pass
+    # rather than kept once per iteration)
+    iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.
+                               save_anything_except_these_names(RUN_WEIGHTS))
     (_, held, totals), _ = jax.lax.scan(iteration, carry,
                                         jnp.arange(r_count * m_count + s_count - 1))
     # stage 0 holds every microbatch's output: sent to every stage once
-    return unbatched(held[0]), _finish(*totals, out_shape[1], n, reductions)
-
-
-def shifted(x: jax.Array, axis: str, mesh, s_count: int) -> jax.Array:
-    """Every stage's `x` [S, ...] (split over `axis`) to the next stage, the last's to the
-    first: one collective-permute (autodiff's: one back)."""
-    ring = [(s, (s + 1) % s_count) for s in range(s_count)]
-    return jax.shard_map(lambda y: jax.lax.ppermute(y, axis, ring), mesh=mesh,
-                         in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis),
-                         axis_names={axis}, check_vma=False)(x)
+    out = jax.lax.psum(jnp.where(stage == 0, held, jnp.zeros_like(held)), axis)
+    return unbatched(out), _finish(totals, stats_shape, m_count, reductions)
 
 
 def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) -> jax.Array:
@@ -260,42 +305,31 @@ def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) ->
 
 
 def _zeros(stats_shape, r_count: int, reductions: Reductions):
-    """Accumulators [S, R, k, ...] of each statistic (stats_shape's leaves are [S, k, ...])."""
+    """Accumulators [R, k, ...] of each statistic (stats_shape's leaves are [k, ...])."""
     def zero(path, leaf):
-        shape = (leaf.shape[0], r_count, *leaf.shape[1:])
         fill = -jnp.inf if reductions.kind(path[-1].key) == "max" else 0.0
-        return jnp.full(shape, fill, jnp.float32)
+        return jnp.full((r_count, *leaf.shape), fill, jnp.float32)
     return jax.tree_util.tree_map_with_path(zero, stats_shape)
 
 
-def _add(totals, stats, r, weight, valid, reductions: Reductions):
-    """Each stage's statistics of this iteration into its run r's accumulators, means
-    weighted by `weight` [S] (0 in the bubble, where `valid` is False)."""
-    sums, weights = totals
-    at = jax.vmap(lambda t, i: jax.lax.dynamic_index_in_dim(t, i, 0, False))
-    put = jax.vmap(lambda t, v, i: jax.lax.dynamic_update_index_in_dim(t, v, i, 0))
-
+def _add(totals, stats, r, valid, reductions: Reductions):
+    """This iteration's statistics into run r's accumulators (none in the bubble, where
+    `valid` is False)."""
     def one(path, total, new):
-        here, new = at(total, r), new.astype(jnp.float32)
-        shape = (-1, *[1] * (new.ndim - 1))
-        kind = reductions.kind(path[-1].key)
-        if kind == "max":
-            value = jnp.where(valid.reshape(shape), jnp.maximum(here, new), here)
+        here, new = jax.lax.dynamic_index_in_dim(total, r, 0, False), new.astype(jnp.float32)
+        if reductions.kind(path[-1].key) == "max":
+            value = jnp.where(valid, jnp.maximum(here, new), here)
         else:
-            value = here + jnp.where(valid.reshape(shape), new, 0.0) * (
-                weight.reshape(shape) if kind == "mean" else 1.0)
-        return put(total, value, r)
-
-    return (jax.tree_util.tree_map_with_path(one, sums, stats),
-            put(weights, at(weights, r) + weight, r))
+            value = here + jnp.where(valid, new, 0.0)
+        return jax.lax.dynamic_update_index_in_dim(total, value, r, 0)
+    return jax.tree_util.tree_map_with_path(one, totals, stats)
 
 
-def _finish(sums, weights, stats_shape, n: int, reductions: Reductions):
-    """Accumulators [S, R, k, ...] -> the stack's statistics [n, ...] in layer order, in
-    their own dtypes."""
+def _finish(totals, stats_shape, m_count: int, reductions: Reductions):
+    """Accumulators [R, k, ...] -> each run's statistics (a mean over its M microbatches,
+    each of which every run sees once), in their own dtypes."""
     def one(path, total, like):
         if reductions.kind(path[-1].key) == "mean":
-            total = total / jnp.maximum(weights, 1e-30).reshape(
-                *weights.shape, *[1] * (total.ndim - 2))
-        return total.swapaxes(0, 1).reshape(n, *total.shape[3:]).astype(like.dtype)
-    return jax.tree_util.tree_map_with_path(one, sums, stats_shape)
+            total = total / m_count
+        return total.astype(like.dtype)
+    return jax.tree_util.tree_map_with_path(one, totals, stats_shape)

@@ -313,11 +313,16 @@ def constrain(x: jax.Array, names: Sequence[str | None], tensor: str = "activati
     if active is None:
         return x
     layout, mesh = active
-    spec = layout.partition_spec(names, x.shape, tensor=tensor, parameter=parameter)
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.manual_axes:
-        # Inside a shard_map that is manual over some axes (mtrain.parallel.replica): constrain over
-        # the automatic ones, on the mesh as the shard_map sees it.
+    manual = context.manual_axes if not context.empty else ()
+    if manual:
+        # Inside a shard_map that is manual over some axes (mtrain.parallel.replica, a
+        # pipeline's data shards): the tensor is already this shard's along them; constrain
+        # over the automatic ones, on the mesh as the shard_map sees it.
+        rules = layout.parameter_map if parameter else layout.rules
+        names = tuple(None if rules.get(n) in manual else n for n in names)
+    spec = layout.partition_spec(names, x.shape, tensor=tensor, parameter=parameter)
+    if manual:
         if all(s is None for s in spec):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
