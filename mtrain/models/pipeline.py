@@ -12,19 +12,24 @@ bubble, the share of the stages' time they idle, is (S - 1) / (R M + S - 1) for 
 microbatches (GPipe's (S - 1) / (M + S - 1) at R = 1).
 
 Microbatch m (rows m, m + M, m + 2M, ...: each device keeps its own rows) reaches stage s
-in repeat r at iteration ``t = r M + m + s``: a stage works on one microbatch an iteration,
-then every stage's output moves to the next stage at once (one collective-permute over
-`stage`); the last stage's output, which reaches stage 0 so, is kept there and re-enters
-for the next repeat M - S + 1 iterations later (so circular needs M >= S); after the last
-iteration stage 0 holds the stack's output, which it sends to every stage. The backward pass is the loop's own (autodiff runs the iterations in reverse: all
-forwards, then all backwards, as GPipe), and each stage's layers are a scan of the same
-Blocks, so one step's result is the unsplit step's up to the order of float sums.
+in repeat r at iteration ``t = r M + m + s``. Each stage runs as its own program (a
+`jax.shard_map` manual over `stage`; the other mesh dimensions stay XLA's, or `batch`'s
+manual too where it splits nothing else, so that the weight gradients are summed over the
+data shards once, not per microbatch): an iteration it works on one microbatch, then
+sends its output to the next stage (one collective-permute); the last stage's output,
+which so reaches stage 0, is kept there and re-enters for the next repeat M - S + 1
+iterations later (so circular needs M >= S); after the last iteration stage 0 holds the
+stack's output, which it sends to every stage. Every stage computes every iteration (the
+bubble's on zeros, discarded: the compiled FLOPs include it). The backward pass is the
+loop's own (autodiff runs the iterations in reverse: all forwards, then all backwards, as
+GPipe), and each stage's layers are a scan of the same Blocks, so one step's result is
+the unsplit step's up to the order of float sums (and, with dropout, its random numbers).
 
 The parameters stay stored as every other layout stores them, one ``layers`` dimension in
 the stack's order (a checkpoint is read by any stage count). GPipe's chunks are those
 shards as they lie; circular's are not (stage s holds chunks s, S + s, ...), so its step
-first moves every layer to its stage (an all-to-all of the stack's parameters over
-`stage`, and of their gradients back), which `planner` counts.
+first moves each layer to its stage (R x R collective-permutes of the stack's parameters
+over `stage`, and of their gradients back: `circular_order`), which the plan counts.
 """
 
 from __future__ import annotations
