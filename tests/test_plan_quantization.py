@@ -194,6 +194,7 @@ def test_llama_1b_in_fp8_on_an_h100_pays_against_bf16(capsys):
     assert "quantization fp8 (tensorwise): fp8 at 1979 TFLOP/s against bf16's 989" in text
 
 
+@pytest.mark.slow  # (8 s: two plans compiled; the verdicts' own tests stay fast)
 def test_the_verdicts_bf16_step_is_the_bf16_plans(capsys):
     """The step the verdict weighs the quantized one against is what `--mode=plan` prints for
     the same run in bf16 on a TPU, whose time comes from the compiled program: the bf16

@@ -94,7 +94,8 @@ def wait_for_step(model_dir, step, proc, timeout=240):
 
 # --- checkpoints store logical arrays, not device shards --------------------------------
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("backend", [
+    "cpu", pytest.param("gpu", marks=pytest.mark.slow)])  # (9 s; cpu's the same path)
 def test_checkpoint_restores_across_meshes(tmp_path, caplog, monkeypatch, backend):
     """On CPU orbax copies each replicated array off the devices whole; elsewhere (its own
     default, run here behind an emulated 'gpu' backend) each replica writes a slice."""
