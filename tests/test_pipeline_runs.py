@@ -103,3 +103,16 @@ def test_two_processes_one_stage_each_train_as_one(data_dir, tmp_path):
     assert sorted(got) == sorted(expected) == list(range(1, 11))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+@pytest.mark.slow  # (about 30 s: two short runs)
+def test_gossip_replicas_each_run_their_stages(fresh_home, tmp_path):
+    """SGP's replicas (run.data_parallel='sgp', each data shard its own model, inside a
+    shard_map over batch) each run their pipeline over 2 stages: the losses of the same
+    gossip without stages (float32 sums in another order)."""
+    sgp = ["run.data_parallel='sgp'", "run.train_steps=10", "run.mesh_shape='stage:2;batch:4'"]
+    assert main(argv(tmp_path / "staged", *sgp, "run.layout_rules='layers:stage;batch:batch'")) \
+        == 0
+    assert main(argv(tmp_path / "flat", *sgp, "run.layout_rules='batch:batch'")) == 0
+    np.testing.assert_allclose(losses(tmp_path / "staged"), losses(tmp_path / "flat"),
+                               rtol=1e-5)

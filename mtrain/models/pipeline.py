@@ -173,7 +173,10 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
     XLA would reduce each microbatch's."""
     layout, mesh = layout_lib.active()
     axis, s_count = stage_axis(), stages()
-    params, data = staged(params, config), _data_axis(layout)
+    mesh, already = _context(mesh)  # (inside a replica's or SGP's shard_map: its rows)
+    params = staged(params, config)
+    data = None if already else _data_axis(layout)
+    data_ways = 1 if data or layout.mesh_dim_for("batch") in already else layout.ways("batch")
     n = s_count * config.chunks * jax.tree_util.tree_leaves(params)[0].shape[2]
     rows = PartitionSpec(data)  # (P(None): every stage and device has all of them)
 
@@ -183,8 +186,7 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
             key = jax.random.fold_in(key, stage)
             key = key if data is None else jax.random.fold_in(key, jax.lax.axis_index(data))
         out, stats = _stage(config, chunk, jax.tree_util.tree_map(lambda p: p[0], params), x,
-                            per_row, key, reductions, stage,
-                            1 if data else layout.ways("batch"))
+                            per_row, key, reductions, stage, data_ways)
         if data is not None:
             combine = {"sum": jax.lax.psum, "mean": jax.lax.pmean,  # (the most: a metric)
                        "max": lambda v, a: jax.lax.pmax(jax.lax.stop_gradient(v), a)}
@@ -201,6 +203,15 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
         lambda v: v.swapaxes(0, 1).reshape(n, *v.shape[3:]), stats)
 
 
+def _context(mesh):
+    """(the mesh a shard_map made here takes, the axes already manual): inside another
+    shard_map (a replica's, SGP's), the mesh as it sees it."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return mesh, frozenset()
+    return context, frozenset(context.manual_axes)
+
+
 def _data_axis(layout) -> str | None:
     """The mesh dimension that splits ``batch`` and nothing else (`run`), or None."""
     data = layout.mesh_dim_for("batch")
@@ -215,7 +226,7 @@ def staged(params, config: PipelineConfig):
     """A stack's parameters [n, ...] (stored in layer order, split over the stages) ->
     [S, R, k, ...], stage s's run r the chunk r S + s: as they lie for GPipe, moved to
     their stages for the circular schedule (`circular_order`)."""
-    mesh = layout_lib.active()[1]
+    mesh = _context(layout_lib.active()[1])[0]
     axis, s_count, r_count = stage_axis(), stages(), config.chunks
     n = jax.tree_util.tree_leaves(params)[0].shape[0]
     if n % (s_count * r_count):
