@@ -1,7 +1,7 @@
 """mtrain: Mesh-TensorFlow rebuilt on JAX/Flax."""
 
 __version__ = "0.1.0"
-MODES = ("train", "eval", "infer", "score", "plan", "import", "export")  # --mode / run.mode
+MODES = ("train", "eval", "infer", "score", "plan", "import", "export", "lm_eval")  # --mode / run.mode
 
 
 def python_too_old() -> str | None:

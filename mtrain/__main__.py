@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "simulated CPU devices and report memory, FLOPs, collectives and a "
                         "step-time estimate for --target, without data or accelerators; "
                         "import: make --model_dir from the Hugging Face model folder "
-                        "--input_dir; export: write its checkpoint as one, to --output_dir")
+                        "--input_dir; export: write its checkpoint as one, to --output_dir; "
+                        "lm_eval: lm-evaluation-harness's --tasks on the latest checkpoint")
     p.add_argument("--target", default="tpu-v3", metavar="NAME",
                    help="--mode=plan: the accelerator to estimate for: tpu-v2, tpu-v3, tpu-v4, "
                         "tpu-v5e, tpu-v5p, h100 or h200 (default tpu-v3)")
@@ -80,6 +81,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "joined by the data-centre network, which the first mesh dimension "
                         "spans (its size a multiple of N): collectives over it at --target's "
                         "DCN bandwidth (default 1)")
+    p.add_argument("--tasks", default=None, metavar="T1,T2",
+                   help="--mode=lm_eval: lm-eval's task or group names (hellaswag,arc_easy)")
+    p.add_argument("--include_path", default=None, metavar="DIR",
+                   help="--mode=lm_eval: a folder of task YAMLs of your own, besides lm-eval's")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="--mode=lm_eval: at most N documents a task (default: all)")
+    p.add_argument("--num_fewshot", type=int, default=None, metavar="K",
+                   help="--mode=lm_eval: K examples before each document (default: the task's)")
+    p.add_argument("--apply_chat_template", action="store_true",
+                   help="--mode=lm_eval: prompts through the model dir's chat template")
     p.add_argument("--input_file", default=None, metavar="FILE",
                    help="--mode=infer: sentences to translate (an LM: prompts), one per line; --mode=score: "
                         "lines to score (default: stdin)")
@@ -87,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--mode=infer: where the translations (continuations) go, one per line; --mode=score: "
                         "one JSON object per line (default: stdout; logs go to stderr)")
     p.add_argument("--output_dir", default=None, metavar="DIR",
-                   help="--mode=eval and --mode=score: where their metrics, TensorBoard events "
+                   help="--mode=eval, score and lm_eval: where their metrics, TensorBoard events "
                         "and decodes go (default: the model dir, where it can be written; a "
                         "model dir that cannot be written, shared or published, keeps none); "
                         "--mode=export: the Hugging Face folder to write (new)")
@@ -221,6 +232,13 @@ def main(argv=None) -> int:
             raise UserError("--adapter_dir goes with --mode=import")
         if args.mode == "import" and not args.model_dir:
             raise UserError("--mode=import needs --model_dir (a new directory to write)")
+        lm_eval_flags = (args.tasks, args.include_path, args.limit, args.num_fewshot)
+        if args.mode == "lm_eval" and not args.tasks:
+            raise UserError("--mode=lm_eval needs --tasks (lm-eval's task names, comma-separated)")
+        if args.mode != "lm_eval" and (any(f is not None for f in lm_eval_flags)
+                                       or args.apply_chat_template):
+            raise UserError("--tasks, --include_path, --limit, --num_fewshot and "
+                            "--apply_chat_template go with --mode=lm_eval")
         if args.mode == "export":
             if not (args.model_dir and args.output_dir):
                 raise UserError("--mode=export needs --model_dir and --output_dir (the "
@@ -314,11 +332,17 @@ def _run(args: argparse.Namespace) -> int:
         if args.mode in ("infer", "score"):
             kwargs.update(input_file=args.input_file, output_file=args.output_file)
         if args.output_dir is not None:
-            if args.mode not in ("eval", "score", "export"):
-                raise UserError("--output_dir goes with --mode=eval, score or export")
+            if args.mode not in ("eval", "score", "export", "lm_eval"):
+                raise UserError("--output_dir goes with --mode=eval, score, lm_eval or export")
             kwargs["output_dir"] = args.output_dir
         if imported:
             kwargs["imported"] = imported
+        if args.mode == "lm_eval":
+            from mtrain.modes.lm_eval import Tasks
+
+            kwargs["lm_eval_tasks"] = Tasks.parse(
+                args.tasks, include_path=args.include_path, limit=args.limit,
+                num_fewshot=args.num_fewshot, apply_chat_template=args.apply_chat_template)
         if args.mode == "export":
             kwargs["export_options"] = {"step": args.checkpoint_step, "dtype": args.dtype,
                                         "adapter": args.adapter}

@@ -42,6 +42,7 @@ from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import check_reachable
 from mtrain.modes import dispatch, meshes
 from mtrain.modes.experiment import Experiment, RunConfig
+from mtrain.modes.lm_eval import Tasks
 from mtrain.modes.dispatch import Request
 from mtrain.modes.plan import describe_model
 from mtrain.parallel import distributed
@@ -56,7 +57,7 @@ parse_config, CONFIGS_DIR = config.parse, config.CONFIGS_DIR  # for the CLI, tes
 NO_DATA = meshes.NO_DATA  # the modes that build the model without its data
 # The modes that read a checkpoint with the model dir's vocabulary and no training data:
 # they never build the data source (no dataset prepared, no vocabulary trained).
-READERS = ("infer", "score")
+READERS = ("infer", "score", "lm_eval")
 
 
 def run(restart: bool = False, **options):
@@ -171,6 +172,11 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
     if s.mode not in MODES:
         raise ConfigError(f"unknown mode {s.mode!r}; use one of {', '.join(MODES)}")
     task = tasks_lib.get_task(s.task)
+    if s.lm_eval_tasks and s.mode == "train":
+        Tasks.of_run(s)  # (checked before anything is built)
+    if task.kind == "translation" and (s.mode == "lm_eval" or s.lm_eval_tasks):
+        raise ConfigError("lm-evaluation-harness evaluates language models; this run's task "
+                          f"{task.name!r} is translation (an encoder-decoder)")
     if s.init_from:
         check_reachable(s.init_from, "run.init_from")
         if not epath.Path(s.init_from).is_dir():

@@ -165,6 +165,27 @@ class Vocabulary:
         other id is text, 0 too (Llama's unknown piece reads " ⁇ ")."""
         return self._sp.decode(ids_before_eos(ids, self.eos_id, self.pad_id, self.vocab_size))
 
+    def encode_published(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s ids as a Hugging Face tokenizer of this model makes them
+        (``tokenizer.encode``, as Llama's and Gemma's do): its BOS in front, if it has one and
+        `add_special_tokens`, and the text of a special piece read as that piece."""
+        bos = [self.bos_id] if add_special_tokens and self.bos_id is not None else []
+        return bos + self.encode_with_offsets(text, specials=True)[0]
+
+    def decode_published(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """`ids` as a Hugging Face tokenizer decodes them: no cut at EOS; the special pieces
+        written out as their text unless skipped; ids past the pieces give nothing."""
+        special, out, run = self._specials()[1], [], []
+        for i in (int(i) for i in ids if 0 <= int(i) < self.vocab_size):
+            if i in special:
+                out.append(self._sp.decode(run))
+                run = []
+                if not skip_special_tokens:
+                    out.append(self.piece(i))
+            else:
+                run.append(i)
+        return "".join(out) + self._sp.decode(run)
+
     def encode_batch(self, texts: list[str], add_eos: bool = False
                      ) -> tuple[np.ndarray, np.ndarray]:
         """Tokenises `texts` with one SentencePiece call: (flat int32 ids, int64 row splits),

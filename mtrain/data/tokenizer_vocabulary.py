@@ -98,6 +98,18 @@ class TokenizerVocabulary(Vocabulary):
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_published(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s ids as the published tokenizer makes them (Hugging Face's
+        ``tokenizer.encode``): with the special tokens its post-processor adds (Llama 3's
+        BOS in front; Qwen's nothing) unless `add_special_tokens` is False."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode_published(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """`ids` as the published tokenizer decodes them (``tokenizer.decode``): no cut at
+        EOS, special tokens written out unless skipped; ids past its pieces give nothing."""
+        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size],
+                                skip_special_tokens=skip_special_tokens)
+
     def encode_with_offsets(self, text: str, *, specials: bool = False
                             ) -> tuple[list[int], list[tuple[int, int]]]:
         """`encode`'s ids and each one's (start, end) character offsets in `text` (the

@@ -52,13 +52,13 @@ class Generator(BatchedDecoder):
                 f"run.seed {self.seed})")
 
     def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig,
-                 seed: int = 0):
+                 seed: int = 0, *, length: int = 0):
         if config.temperature < 0:
             raise ValueError(f"decoding.temperature must be >= 0, got {config.temperature}")
         if config.top_k < 0 or not 0.0 < config.top_p <= 1.0:
             raise ValueError(f"decoding.top_k must be >= 0 and decoding.top_p in (0, 1], got "
                              f"{config.top_k} and {config.top_p}")
-        super().__init__(trainer, vocab, config)
+        super().__init__(trainer, vocab, config, length=length)
         self.seed = seed
         self.replicated = replicated = NamedSharding(trainer.mesh, PartitionSpec())
         self._generate = jax.jit(

@@ -67,14 +67,16 @@ class BatchedDecoder:
         """How it decodes, for the log's first line (after a comma), or ''."""
         return ""
 
-    def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig):
+    def __init__(self, trainer: Trainer, vocab: Vocabulary, config: DecodingConfig, *,
+                 length: int = 0):
+        """`length`: the positions a row holds (0: the training sequence length)."""
         self.trainer, self.vocab, self.config = trainer, vocab, config
         # The ids the model may emit: its real vocabulary rows (`Trainer.classes`, 0: all),
         # never the padding mtrain adds to split them evenly over a mesh. A published
         # model's rows may outnumber its tokenizer's ids (Qwen's 512 for 496): Hugging
         # Face emits those too, and they decode to nothing.
         self.rows = trainer.classes or trainer.model.config.vocab_size
-        self.length = trainer.batch_shape[1]
+        self.length = length or trainer.batch_shape[1]
         self.batch_size = config.batch_size or trainer.batch_shape[0]
         if self.batch_size < 1:
             raise ValueError(f"decoding.batch_size must be positive, got {config.batch_size}")

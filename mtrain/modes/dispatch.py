@@ -16,6 +16,7 @@ from mtrain.modes import convert
 from mtrain.modes.evaluate import evaluate_checkpoint
 from mtrain.modes.experiment import Experiment
 from mtrain.modes.infer import check_output_file, infer
+from mtrain.modes.lm_eval import lm_eval_mode
 from mtrain.modes.plan import plan
 from mtrain.modes.score import score
 from mtrain.modes.train import train
@@ -34,6 +35,7 @@ class Request:
     imported: tuple | None = None  # (input dir, its settings, its vocabulary, adapter dir)
     export_options: dict = dataclasses.field(default_factory=dict)
     model_size: int = 0  # an export's vocabulary rows (vocabulary.model_size)
+    lm_eval_tasks: object = None  # --mode=lm_eval's `modes.lm_eval.Tasks`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,8 @@ MODES: dict[str, Mode] = {
     "score": Mode(lambda exp, r: score(exp, r.input_file, r.output_file, r.output_dir),
                   reads_checkpoint=True, writes_output_file=True),
     "plan": Mode(lambda exp, r: plan(exp, **r.plan_options)),
+    "lm_eval": Mode(lambda exp, r: lm_eval_mode(exp, r.lm_eval_tasks, r.output_dir),
+                    reads_checkpoint=True),
     "import": Mode(_import, needs_model_dir=True,
                    new_dir=lambda r, model_dir: (model_dir, "the model dir")),
     "export": Mode(lambda exp, r: convert.export_model(exp, r.output_dir,

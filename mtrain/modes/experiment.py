@@ -79,6 +79,12 @@ class RunConfig:
     gradient, no optimizer state (`training.freezing`). A model with LoRA adapters
     (``lora.rank``) trains its adapters alone unless `trainable` says otherwise.
 
+    Downstream evaluation during training: `lm_eval_tasks` (lm-evaluation-harness's task
+    names, comma-separated; `lm_eval_include_path` a folder of task YAMLs of one's own) run
+    on the parameters every `lm_eval_every` steps (0: at the end only), at most
+    `lm_eval_limit` documents a task; their metrics go to metrics.jsonl as
+    ``lm_eval/<task>/<metric>`` (`modes.lm_eval`).
+
     `model` and `optimizer` are gin references: ``model(config)`` of the ``transformer.*``
     settings builds the model (None: `@DecoderLM` for LM tasks, `@EncoderDecoder` for
     translation), ``optimizer(schedule)`` the optax optimizer (None: `@adafactor`), wrapped
@@ -114,6 +120,10 @@ class RunConfig:
     sgp_average_every: int = 0
     data_workers: int | None = None
     trainable: str | None = None
+    lm_eval_tasks: str | None = None
+    lm_eval_every: int = 0
+    lm_eval_include_path: str | None = None
+    lm_eval_limit: int | None = None
     model: Callable | None = None
     optimizer: Callable | None = None
 

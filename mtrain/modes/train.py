@@ -37,6 +37,7 @@ from mtrain.io.metrics import MetricsWriter
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import check_writable, write_atomically
 from mtrain.modes.experiment import Experiment
+from mtrain.modes.lm_eval import Tasks, during_training
 from mtrain.parallel import targets
 from mtrain.training import hooks
 from mtrain.models import parameters
@@ -107,6 +108,10 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
         lambda step, state: checkpoints.save(step, state, batches, exp.checkpoint_meta(), base),
         stepper, guard)
     schedule = [log_train, evaluation, saving] if exp.evaluates else [log_train, saving]
+    if config.lm_eval_tasks:  # downstream tasks, on the parameters as they train
+        downstream = during_training(exp, Tasks.of_run(config), writer.write)
+        schedule.insert(-1, hooks.Evaluate(config.lm_eval_every, downstream, stepper,
+                                           after_each=log_train.restart_clock))
     if not exp.evaluates:
         log.info("files.validation=0: no held-out data, this run evaluates nothing")
     if config.profile_steps:
