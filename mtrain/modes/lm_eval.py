@@ -16,6 +16,7 @@ run's batch size); rows ``transformer.max_length`` positions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from mtrain.errors import ConfigError, UserError
@@ -24,6 +25,19 @@ from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
 
 RESULTS_FILE = "lm_eval_results.json"
+
+
+@functools.cache
+def task_manager(include_path: str | None, names: tuple[str, ...] = ()):
+    """lm-eval's index of the tasks of `include_path`, where `names` are all there, else of
+    those and every task it ships (made once: reading all its YAMLs takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if all(name in own.all_tasks for name in names):
+            return own
+    return TaskManager(include_path=include_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +74,12 @@ class Tasks:
         include = options.get("include_path")
         if include and not os.path.isdir(include):
             raise ConfigError(f"--include_path {include} is not a directory of task YAMLs")
+        include = options["include_path"] = include and os.path.abspath(include)
+        unknown = [n for n in names if n not in task_manager(include, names).all_tasks]
+        if unknown:
+            raise ConfigError(f"lm-eval knows no task {', '.join(map(repr, unknown))}"
+                              + ("" if include else
+                                 " (a task of your own: --include_path=DIR of its YAML)"))
         return cls(names, **options)
 
 
@@ -78,19 +98,13 @@ def evaluate(model, tasks: Tasks) -> dict:
     """lm-eval's `simple_evaluate` of `tasks` with mtrain's model around `model` (a
     `harness.Model`): its whole output (``results``, ``configs``, ...)."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from mtrain.evaluation.harness import MtrainLM
 
-    manager = TaskManager(include_path=tasks.include_path)
-    unknown = [n for n in tasks.names if n not in manager.all_tasks]
-    if unknown:
-        raise ConfigError(f"lm-eval knows no task {', '.join(map(repr, unknown))}"
-                          + ("" if tasks.include_path else
-                             " (a task of your own: --include_path=DIR of its YAML)"))
     try:
         return lm_eval.simple_evaluate(
-            model=MtrainLM(model=model), tasks=list(tasks.names), task_manager=manager,
+            model=MtrainLM(model=model), tasks=list(tasks.names),
+            task_manager=task_manager(tasks.include_path, tasks.names),
             limit=tasks.limit, num_fewshot=tasks.num_fewshot,
             apply_chat_template=tasks.apply_chat_template, log_samples=False)
     except (FileNotFoundError, ValueError) as e:  # a task's data files, a bad template
@@ -122,6 +136,11 @@ def lm_eval_mode(exp, tasks: Tasks, output_dir: str | None = None) -> dict:
     from mtrain.training.start import restore_for_reading
 
     model_dir = ModelDir(exp.model_dir)
+    from mtrain.data.user_data import model_dir_template
+
+    if tasks.apply_chat_template and model_dir_template(exp.model_dir, exp.vocab) is None:
+        raise ConfigError(f"--apply_chat_template: {exp.model_dir} has no chat template (an "
+                          f"import keeps its folder's)")
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(exp.vocab))
     log.info("lm-eval: %s with the checkpoint of step %d", ", ".join(tasks.names), step)
@@ -205,6 +224,7 @@ def cli() -> None:
     import re
     import sys
 
+    os.environ.setdefault("LMEVAL_LOG_LEVEL", "WARNING")  # (its INFO lines: LMEVAL_LOG_LEVEL=INFO)
     devices = re.search(r"(?:^|,)cpu_devices=(\d+)", " ".join(sys.argv))
     if devices:  # (before anything starts jax)
         from mtrain.parallel.cpu_devices import simulate_cpu_devices
