@@ -342,7 +342,8 @@ def _run(args: argparse.Namespace) -> int:
 
             kwargs["lm_eval_tasks"] = Tasks.parse(
                 args.tasks, include_path=args.include_path, limit=args.limit,
-                num_fewshot=args.num_fewshot, apply_chat_template=args.apply_chat_template)
+                num_fewshot=args.num_fewshot, apply_chat_template=args.apply_chat_template,
+                batch_size=config_lib.decoding().batch_size)
         if args.mode == "export":
             kwargs["export_options"] = {"step": args.checkpoint_step, "dtype": args.dtype,
                                         "adapter": args.adapter}

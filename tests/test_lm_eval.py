@@ -163,8 +163,10 @@ def test_every_sample_as_lm_evals_hf_backend(imported, tasks_dir, result, mesh):
     name, chat = result.split("_")[0], result.endswith("_chat")
     if mesh:  # lm-eval's model_args, as its command line gives them
         rules = "batch:batch;d_ff:model;heads:model;vocab:model;kv_heads:model"
-        lm = MtrainLM(model_dir=str(imported / name), batch_size=8, mesh_shape=mesh,
-                      layout_rules=rules)
+        from mtrain.harness_cli import ModelArgsLM
+
+        lm = ModelArgsLM(model_dir=str(imported / name), batch_size=8, mesh_shape=mesh,
+                         layout_rules=rules)
     else:  # a loaded model (the import's one-device mesh: this process has 8 devices)
         exp, params, vocab = load(imported / name)
         lm = MtrainLM(model=Model(trainer=exp.trainer, params=params, vocab=vocab,

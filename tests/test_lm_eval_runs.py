@@ -21,6 +21,7 @@ pytest.importorskip("lm_eval")
 from mtrain.__main__ import main  # noqa: E402
 
 ORACLE = os.path.join(ORACLES, "lm_eval")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.skipif(not os.path.isdir(ORACLE), reason="no oracles"),
               pytest.mark.slow]
 RULES = "batch:batch;d_ff:model;heads:model;vocab:model;kv_heads:model"
@@ -101,8 +102,18 @@ def test_training_hook_mode_and_lm_evals_command_line(fresh_home, work, monkeypa
     last = records(out / "metrics.jsonl")
     assert len(last) == 2 and last[1]["lm_eval/kjv_next_verse/sample_len"] == 10
 
+    # The README's tasks, shipped in configs/lm_eval (made from the corpus: no data files).
+    shipped = work / "shipped"
+    assert main([*config, "--mode=lm_eval", "--tasks=bible_next_verse,bible_test_perplexity",
+                 f"--include_path={os.path.join(REPO, 'configs', 'lm_eval')}", "--limit=8",
+                 f"--output_dir={shipped}"]) == 0
+    (record,) = records(shipped / "metrics.jsonl")
+    assert record["lm_eval/bible_next_verse/sample_len"] == 8
+    assert 0 <= record["lm_eval/bible_next_verse/acc"] <= 1
+    assert record["lm_eval/bible_test_perplexity/word_perplexity"] > 1
+
     # lm-eval's own command line with mtrain's model.
-    from mtrain.modes.lm_eval import cli
+    from mtrain.harness_cli import cli
 
     args = f"model_dir={model},mesh_shape=batch:4;model:2,layout_rules={RULES}"
     monkeypatch.setattr(sys, "argv", [
@@ -153,7 +164,7 @@ def test_every_refusal_is_one_line_and_writes_nothing(work, capsys, monkeypatch)
     assert sorted(str(p.relative_to(model)) for p in model.rglob("*")) == before
     assert os.listdir(empty) == []
 
-    from mtrain.modes.lm_eval import cli
+    from mtrain.harness_cli import cli
 
     for model_args, fragment in ((f"model_dir={model},dropout=0.1", "takes no dropout"),
                                  (f"model_dir={work / 'nowhere'}", "is not a directory")):

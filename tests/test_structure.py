@@ -33,7 +33,8 @@ LAYERS = [
     ("evaluation", ("mtrain.evaluation",)),  # held-out metrics, BLEU, decoding, translation
     ("planning", ("mtrain.planning",)),  # --mode=plan's analysis of a compiled step
     ("modes", ("mtrain.modes",)),  # what each --mode does with a built experiment
-    ("edge", ("mtrain.config", "mtrain.run", "mtrain.__main__")),  # gin, the build, the CLI
+    ("edge", ("mtrain.config", "mtrain.run", "mtrain.__main__", "mtrain.harness_cli")),  # gin,
+    # the build, the command lines
 ]
 MODEL_DIR_OWNER = "mtrain.io.model_dir"
 MODEL_DIR_NAMES = ("checkpoints", "vocabulary.model", "config.gin", "metrics.jsonl",

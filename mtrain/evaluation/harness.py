@@ -2,12 +2,12 @@
 registered as ``mtrain``, which computes with a trained or imported model in the layout it
 was given, one device or many.
 
-    lm = MtrainLM(model_dir="runs/x", mesh_shape="batch:4;model:2")
+    lm = MtrainLM(model=Model(trainer=..., params=..., vocab=...))
     lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
 
-or ``lm_eval.simple_evaluate(model="mtrain", model_args="model_dir=runs/x")`` once
-`mtrain.evaluation.harness` is imported, or the command line of lm-eval through
-``mtrain-lm-eval`` (`mtrain.modes.lm_eval.cli`), or ``python -m mtrain --mode=lm_eval``.
+or from a model dir: ``python -m mtrain --mode=lm_eval`` (`modes.lm_eval`), lm-eval's own
+command line through ``mtrain-lm-eval`` and ``simple_evaluate(model="mtrain",
+model_args="model_dir=runs/x")`` once `mtrain.harness_cli` is imported.
 
 Every request is made into ids as the harness's own Hugging Face backend makes it
 (`harness_requests`): loglikelihood (batched and sorted by length: `harness_scoring`),
@@ -27,10 +27,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import lm_eval.models  # noqa: F401  (the built-in models first: see `register`)
+import lm_eval.models  # noqa: F401  (lm-eval's models registered before ours: harness_cli)
 import numpy as np
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import MODEL_REGISTRY, register_model
 from lm_eval.models.utils import (Collator, handle_stop_sequences, has_bos_prefix,
                                   normalize_gen_kwargs)
 from tqdm import tqdm
@@ -62,16 +61,11 @@ class Model:
 
 
 class MtrainLM(TemplateLM):
-    """lm-eval's model backed by mtrain (module doc). Made from a model dir with lm-eval's
-    model_args (`load`: model_dir, gin_file, gin_param, mesh_shape, layout_rules, batch_size,
-    max_length, seed, cpu_devices), or around a loaded `Model` (``MtrainLM(model=...)``)."""
+    """lm-eval's model backed by mtrain (module doc), around a loaded `Model`; from a model
+    dir with lm-eval's model_args: `mtrain.harness_cli.ModelArgsLM`."""
 
-    def __init__(self, model: Model | None = None, **model_args):
+    def __init__(self, model: Model):
         super().__init__()
-        if model is None:
-            from mtrain.modes.lm_eval import load  # (builds a run: the modes' business)
-
-            model = load(**model_args)
         self.model = model
         self.vocab = model.vocab
         self.scorer = Scorer(model.trainer, rows=model.rows, max_length=model.max_length)
@@ -197,16 +191,6 @@ class MtrainLM(TemplateLM):
             raise ConfigError("--apply_chat_template: the model dir has no chat template "
                               "(an import keeps its folder's; or train from one that has)")
         return self.model.template.render(chat_history, add_generation_prompt)[0]
-
-
-def register() -> None:
-    """``mtrain`` in lm-eval's registry (after its built-in models, which `get_model`
-    imports only while the registry is empty: hence ``import lm_eval.models`` above)."""
-    if NAME not in MODEL_REGISTRY:
-        register_model(NAME)(MtrainLM)
-
-
-register()
 
 
 def flat_metrics(results: dict) -> dict[str, float]:

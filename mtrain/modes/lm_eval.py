@@ -1,6 +1,5 @@
 """``--mode=lm_eval``: lm-evaluation-harness's tasks on the model dir's newest checkpoint
-(`evaluation.harness`), and the same from lm-eval's own command line (`cli`, installed as
-``mtrain-lm-eval``) and from a training run (``run.lm_eval_tasks``: `during_training`).
+(`evaluation.harness`), and from a training run (``run.lm_eval_tasks``: `during_training`).
 
     python -m mtrain --gin_file=runs/x/config.gin --model_dir=runs/x --mode=lm_eval \\
         --tasks=hellaswag,arc_easy [--include_path=DIR] [--limit=N] [--num_fewshot=K] \\
@@ -10,7 +9,8 @@ The task metrics go to the log, to ``metrics.jsonl`` and TensorBoard as
 ``lm_eval/<task>/<metric>`` at the checkpoint's step, and lm-eval's results (its config,
 versions, n-samples: what it writes with ``--output_path``) to ``lm_eval_results.json``, in
 ``--output_dir`` else the model dir. Batches hold ``decoding.batch_size`` requests (0: the
-run's batch size); rows ``transformer.max_length`` positions.
+run's batch size); rows ``transformer.max_length`` positions. lm-eval's own command line
+and its model_args are the edge's (`mtrain.harness_cli`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import os
 
-from mtrain.errors import ConfigError, UserError
+from mtrain.errors import ConfigError
 from mtrain.io.metrics import MetricsWriter, log
 from mtrain.io.model_dir import ModelDir
 from mtrain.io.textfiles import write_atomically
@@ -44,13 +44,15 @@ def task_manager(include_path: str | None, names: tuple[str, ...] = ()):
 class Tasks:
     """What to evaluate: lm-eval's task (or group) names, a folder of task YAMLs besides
     its own, at most `limit` documents a task (None: all), `num_fewshot` examples (None: the
-    task's), and whether prompts go through the chat template."""
+    task's), whether prompts go through the chat template, and how many requests a batch
+    holds (0: the run's batch size; ``--mode=lm_eval``: decoding.batch_size)."""
 
     names: tuple[str, ...]
     include_path: str | None = None
     limit: int | None = None
     num_fewshot: int | None = None
     apply_chat_template: bool = False
+    batch_size: int = 0
 
     @classmethod
     def parse(cls, names: str | tuple | list, **options) -> "Tasks":
@@ -112,11 +114,10 @@ def evaluate(model, tasks: Tasks) -> dict:
                           f"{' '.join(str(e).split())}") from None
 
 
-def harness_model(exp, params, *, max_length: int | None = None, rows: int | None = None):
+def harness_model(exp, params, *, max_length: int | None = None, rows: int = 0):
     """The `harness.Model` of a built experiment and its parameters: the model dir's chat
-    template, batches of decoding.batch_size (else the run's batch size) requests, rows of
-    transformer.max_length positions (`max_length` overrides both)."""
-    from mtrain import config
+    template, batches of `rows` requests (0: the run's batch size), rows of `max_length`
+    positions (default transformer.max_length, the most)."""
     from mtrain.data.user_data import model_dir_template
     from mtrain.evaluation.harness import Model
 
@@ -126,7 +127,7 @@ def harness_model(exp, params, *, max_length: int | None = None, rows: int | Non
                           f"(transformer.max_length)")
     return Model(trainer=exp.trainer, params=params, vocab=exp.vocab,
                  template=model_dir_template(exp.model_dir, exp.vocab) if exp.model_dir else None,
-                 rows=rows or config.decoding().batch_size or exp.batch_size,
+                 rows=rows or exp.batch_size,
                  max_length=max_length or longest, seed=exp.config.seed)
 
 
@@ -144,7 +145,7 @@ def lm_eval_mode(exp, tasks: Tasks, output_dir: str | None = None) -> dict:
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(exp.vocab))
     log.info("lm-eval: %s with the checkpoint of step %d", ", ".join(tasks.names), step)
-    out = evaluate(harness_model(exp, state.params), tasks)
+    out = evaluate(harness_model(exp, state.params, rows=tasks.batch_size), tasks)
     metrics = flat_metrics(out["results"])
     directory = model_dir.outputs(output_dir, "lm-eval's results are")
     writer = MetricsWriter(directory)
@@ -169,75 +170,3 @@ def during_training(exp, tasks: Tasks, write):
         return metrics
 
     return run
-
-
-def load(model_dir: str | None = None, gin_file: str | None = None, gin_param: str = "",
-         mesh_shape: str | None = None, layout_rules: str | None = None,
-         batch_size: int | str | None = None, max_length: int | None = None,
-         seed: int | None = None, cpu_devices: int | None = None, max_batch_size=None,
-         device=None, **unknown):
-    """A `harness.Model` from lm-eval's model_args: the newest checkpoint of `model_dir`
-    with its config.gin (or `gin_file`) and `gin_param` bindings (``;``-separated, as
-    lm-eval splits model_args at commas), in `mesh_shape` and `layout_rules` (default: the
-    run's); `batch_size` requests a batch (lm-eval's ``--batch_size``; 'auto': the run's),
-    `max_length` positions; `cpu_devices` simulated devices (before jax starts). lm-eval's
-    `device` and `max_batch_size` are Hugging Face's: jax places the model itself."""
-    from mtrain import run as run_lib
-
-    if unknown:
-        raise UserError(f"mtrain's lm-eval model takes no {', '.join(sorted(unknown))}; its "
-                        f"model_args: model_dir, gin_file, gin_param, mesh_shape, "
-                        f"layout_rules, max_length, seed, cpu_devices")
-    if not model_dir:
-        raise UserError("mtrain's lm-eval model needs model_args=model_dir=DIR (a trained or "
-                        "imported model dir)")
-    if cpu_devices:
-        from mtrain.parallel.cpu_devices import simulate_cpu_devices
-
-        simulate_cpu_devices(int(cpu_devices))
-    if not os.path.isdir(model_dir):
-        raise UserError(f"model_dir {model_dir} is not a directory (a trained or imported "
-                        f"model dir)")
-    gin_file = gin_file or ModelDir(model_dir).config
-    if not os.path.isfile(gin_file):
-        raise UserError(f"{model_dir} has no {os.path.basename(gin_file)}: give gin_file=")
-    run_lib.parse_config([gin_file], [p for p in str(gin_param).split(";") if p.strip()])
-    overrides = {k: v for k, v in (("mesh_shape", mesh_shape), ("layout_rules", layout_rules),
-                                   ("seed", seed)) if v is not None}
-    exp = run_lib.build(mode="lm_eval", model_dir=model_dir, **overrides)
-    from mtrain.io.reading import require_checkpoints
-    from mtrain.training.start import restore_for_reading
-
-    require_checkpoints(ModelDir(model_dir).checkpoints, "train or import first")
-    state, _ = restore_for_reading(ModelDir(model_dir).checkpoints,
-                                   exp.trainer.sharded_abstract_state(), exp.reader_meta(exp.vocab))
-    rows = None if batch_size in (None, "auto") or str(batch_size).startswith("auto") \
-        else int(batch_size)
-    return harness_model(exp, state.params, max_length=max_length and int(max_length),
-                         rows=rows)
-
-
-def cli() -> None:
-    """``mtrain-lm-eval``: lm-eval's own command line (every flag as lm-eval parses it)
-    with mtrain's model registered: ``mtrain-lm-eval --model mtrain --model_args
-    model_dir=runs/x --tasks ...``. A user error is one line on stderr and exit 2."""
-    import re
-    import sys
-
-    os.environ.setdefault("LMEVAL_LOG_LEVEL", "WARNING")  # (its INFO lines: LMEVAL_LOG_LEVEL=INFO)
-    devices = re.search(r"(?:^|,)cpu_devices=(\d+)", " ".join(sys.argv))
-    if devices:  # (before anything starts jax)
-        from mtrain.parallel.cpu_devices import simulate_cpu_devices
-
-        simulate_cpu_devices(int(devices.group(1)))
-    from lm_eval.__main__ import cli_evaluate
-
-    from mtrain.evaluation import harness  # noqa: F401  (registers "mtrain")
-    from mtrain.io.metrics import setup_logging
-
-    setup_logging()
-    try:
-        cli_evaluate()
-    except UserError as e:
-        print(f"mtrain-lm-eval: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
