@@ -39,17 +39,22 @@ def load(model_dir: str | None = None, gin_file: str | None = None, gin_param: s
          mesh_shape: str | None = None, layout_rules: str | None = None,
          batch_size: int | str | None = None, max_length: int | None = None,
          seed: int | None = None, cpu_devices: int | None = None, max_batch_size=None,
-         device=None, **unknown):
+         device=None, pretrained: str | None = None, **unknown):
     """A `harness.Model` from lm-eval's model_args: the newest checkpoint of `model_dir`
     with its config.gin (or `gin_file`) and `gin_param` bindings (``;``-separated, as
     lm-eval splits model_args at commas), in `mesh_shape` and `layout_rules` (default: the
     run's); `batch_size` requests a batch (lm-eval's ``--batch_size``; 'auto': the run's),
-    `max_length` positions; `cpu_devices` simulated devices (before jax starts). lm-eval's
-    `device` and `max_batch_size` are Hugging Face's: jax places the model itself."""
+    `max_length` positions; `cpu_devices` simulated devices (before jax starts).
+    `pretrained` (the hf backend's name, which lm-eval names its output folder after) is
+    `model_dir` too. lm-eval's `device` and `max_batch_size` are Hugging Face's: jax places
+    the model itself."""
     if unknown:
         raise UserError(f"mtrain's lm-eval model takes no {', '.join(sorted(unknown))}; its "
-                        f"model_args: model_dir, gin_file, gin_param, mesh_shape, "
+                        f"model_args: model_dir (or pretrained), gin_file, gin_param, mesh_shape, "
                         f"layout_rules, max_length, seed, cpu_devices")
+    if model_dir and pretrained and model_dir != pretrained:
+        raise UserError(f"model_dir={model_dir} and pretrained={pretrained} name two model dirs")
+    model_dir = model_dir or pretrained
     if not model_dir:
         raise UserError("mtrain's lm-eval model needs model_args=model_dir=DIR (a trained or "
                         "imported model dir)")
@@ -79,7 +84,8 @@ def load(model_dir: str | None = None, gin_file: str | None = None, gin_param: s
 def cli() -> None:
     """``mtrain-lm-eval``: lm-eval's own command line (every flag as lm-eval parses it)
     with mtrain's model registered: ``mtrain-lm-eval --model mtrain --model_args
-    model_dir=runs/x --tasks ...``. A user error is one line on stderr and exit 2."""
+    model_dir=runs/x --tasks ...``. A user error, or a dataset the Hub could not give, is one
+    line on stderr and exit 2; lm-eval's INFO lines show with LMEVAL_LOG_LEVEL=INFO."""
     import re
     import sys
 
@@ -96,7 +102,7 @@ def cli() -> None:
     setup_logging()
     try:
         cli_evaluate()
-    except UserError as e:
+    except (UserError, OSError) as e:  # OSError: a dataset the Hub could not give, a disk
         print(f"mtrain-lm-eval: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 

@@ -172,6 +172,7 @@ def test_every_sample_as_lm_evals_hf_backend(imported, tasks_dir, result, mesh):
         lm = MtrainLM(model=Model(trainer=exp.trainer, params=params, vocab=vocab,
                                   template=model_dir_template(str(imported / name), vocab),
                                   rows=8, max_length=512))
+    assert lm.prefix_token_id == {"llama3": 507, "qwen2": 493}[name]  # (the model's start_id)
     assert lm.scorer.trainer.mesh.size == (8 if mesh else 1)
     assert lm.scorer.trainer.layout.ways("batch") == (4 if mesh else 1)
     out = lm_eval.simple_evaluate(

@@ -115,7 +115,7 @@ def test_training_hook_mode_and_lm_evals_command_line(fresh_home, work, monkeypa
     # lm-eval's own command line with mtrain's model.
     from mtrain.harness_cli import cli
 
-    args = f"model_dir={model},mesh_shape=batch:4;model:2,layout_rules={RULES}"
+    args = f"pretrained={model},mesh_shape=batch:4;model:2,layout_rules={RULES}"
     monkeypatch.setattr(sys, "argv", [
         "mtrain-lm-eval", "--model", "mtrain", "--model_args", args, "--batch_size", "8",
         "--tasks", "kjv_psalms_rolling", "--include_path", "tasks", "--output_path",
@@ -123,6 +123,7 @@ def test_training_hook_mode_and_lm_evals_command_line(fresh_home, work, monkeypa
     cli()
     (written,) = [os.path.join(d, f) for d, _, files in os.walk(work / "harness") for f in files
                   if f.startswith("results_")]
+    assert os.path.basename(os.path.dirname(written)).endswith("model")  # (named after it)
     with open(written) as f:
         assert_metrics(json.load(f)["results"], want, ["kjv_psalms_rolling"], prefix="")
     assert "kjv_psalms_rolling" in capsys.readouterr().out  # (its table)

@@ -81,7 +81,11 @@ class MtrainLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        return requests_lib.prefix_id(self.vocab)
+        """What an empty context and a document's first window read first: the token the
+        model reads before every sequence (`TransformerConfig.start_id`: an import's BOS,
+        else its EOS, as lm-eval's hf backend reads them; mtrain's own models' 0)."""
+        start = getattr(self.model.trainer.model.config, "start_id", None)
+        return requests_lib.prefix_id(self.vocab) if start is None else start
 
     @property
     def max_length(self) -> int:
