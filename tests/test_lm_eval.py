@@ -180,3 +180,33 @@ def test_every_sample_as_lm_evals_hf_backend(imported, tasks_dir, result, mesh):
             include_path=str(tasks_dir)), log_samples=True, apply_chat_template=chat,
         bootstrap_iters=0)
     check_against_oracle(out, result)
+
+
+@pytest.mark.slow
+def test_sampled_generations_are_the_seeds_and_stop_at_the_stop_strings(imported):
+    """generate_until with do_sample: the same seed gives the same texts (the k-th batch's
+    key is fold_in(seed, k)), another seed others, greedy others still; every text is cut
+    before its stop strings; requests of two kinds of kwargs go in their own batches."""
+    from lm_eval.api.instance import Instance
+
+    from mtrain.evaluation.harness import Model, MtrainLM
+
+    exp, params, vocab = load(imported / "qwen2")
+    prompts = ["In the beginning God created", "And God said, Let there be", "Genesis 1:3",
+               "The LORD is my shepherd"]
+    sampled = {"until": ["th", "\n"], "max_gen_toks": 12, "do_sample": True, "temperature": 1.0}
+    greedy = {"until": ["th", "\n"], "max_gen_toks": 12, "do_sample": False}
+
+    def generate(seed, kwargs_of=lambda i: sampled):
+        lm = MtrainLM(model=Model(trainer=exp.trainer, params=params, vocab=vocab, rows=4,
+                                  max_length=512, seed=seed))
+        return lm.generate_until([
+            Instance(request_type="generate_until", doc={}, arguments=(p, kwargs_of(i)),
+                     idx=i) for i, p in enumerate(prompts)], disable_tqdm=True)
+
+    first, again, other = generate(0), generate(0), generate(1)
+    assert first == again and first != other
+    mixed = generate(0, lambda i: sampled if i % 2 else greedy)
+    assert mixed != first and mixed[0] == generate(0, lambda i: greedy)[0]
+    for text in first + other + mixed:
+        assert "th" not in text and "\n" not in text
