@@ -210,3 +210,30 @@ def test_sampled_generations_are_the_seeds_and_stop_at_the_stop_strings(imported
     assert mixed != first and mixed[0] == generate(0, lambda i: greedy)[0]
     for text in first + other + mixed:
         assert "th" not in text and "\n" not in text
+
+
+@pytest.mark.slow
+def test_length_buckets_and_the_cpu_cap_score_the_same(imported):
+    """Rows padded to four lengths a doubling, and split into calls of fewer rows where a
+    call would hold more attention scores than `scores_per_call` (the CPU's cap): the same
+    sums and greedy flags as one call a batch (float32 sums of the same terms: 1e-4)."""
+    import random
+
+    from mtrain.evaluation.harness_requests import Row
+    from mtrain.evaluation.harness_scoring import Scorer
+
+    exp, params, _ = load(imported / "qwen2")
+    whole = Scorer(exp.trainer, rows=8, max_length=512)
+    capped = Scorer(exp.trainer, rows=8, max_length=512, scores_per_call=2 * 128 ** 2)
+    assert [whole.bucket(n) for n in (3, 17, 64, 65, 129, 500, 512)] == [
+        16, 24, 64, 80, 160, 512, 512]
+    assert (capped.per_call(64), capped.per_call(128), capped.per_call(512)) == (8, 2, 1)
+    rng = random.Random(0)
+    rows = []
+    for n in (5, 40, 70, 130, 300, 511, 20, 90, 250, 512, 33):
+        ids = [rng.randrange(496) for _ in range(n + 1)]
+        rows.append(Row.of(ids[:n // 2 + 1], ids[n // 2 + 1:], 512))
+    got, want = capped(params, rows), whole(params, rows)
+    assert [g for _, g in got] == [g for _, g in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert abs(a - b) <= 1e-4 + 2.4e-7 * abs(b)

@@ -6,9 +6,14 @@ targets, and whether every one of them is the model's most likely id.
     [(log_likelihood, is_greedy), ...] = scorer(params, [Row(...), ...])
 
 Rows go `rows` at a time (padded up to a multiple of the ``batch`` split), sorted longest
-first (lm-eval's `Collator`, as its backends batch) and padded to a length bucket: the
-smallest power of two (at least 16) that holds the batch's longest, at most `max_length`,
-so that a task compiles a few programs, not one per request. The batch is laid out as a
+first (lm-eval's `Collator`, as its backends batch) and padded to a length bucket: four a
+doubling (48, 56, 64, 80, 96, ...; at least 16, at most `max_length`), so that a task
+compiles a few programs, not one per request, and pads a row by a quarter at most.
+`scores_per_call` caps the attention scores a call computes per ``batch`` shard (rows x
+length^2; None: no cap): a batch of long rows goes in several calls of fewer rows. The
+einsum attention of a CPU holds them all at once, and past a few MiB it runs at the speed
+of fresh memory pages (`MtrainLM` sets the cap on CPU; the flash kernels of a GPU or TPU
+hold none). The batch is laid out as a
 training batch is (``batch`` split, ``length`` split with context parallelism's order), the
 parameters stay where the layout keeps them, and the log-softmax runs over every row of
 the model's vocabulary that it may emit (`Trainer.classes`: a published model's padding
@@ -37,10 +42,12 @@ SHORTEST = 16  # the smallest length bucket
 class Scorer:
     """Log-likelihoods of `Row`s with the model and layout of `trainer` (module doc)."""
 
-    def __init__(self, trainer: Trainer, *, rows: int, max_length: int):
+    def __init__(self, trainer: Trainer, *, rows: int, max_length: int,
+                 scores_per_call: int | None = None):
         self.trainer, self.max_length = trainer, max_length
-        ways = trainer.layout.ways("batch")
+        self.ways = ways = trainer.layout.ways("batch")
         self.rows = -(-max(rows, 1) // ways) * ways  # (padded rows score nothing)
+        self.scores_per_call = scores_per_call
         self.classes = trainer.classes or trainer.model.config.vocab_size
         self._score = jax.jit(self._score_fn, out_shardings=NamedSharding(trainer.mesh,
                                                                            PartitionSpec()))
@@ -59,13 +66,22 @@ class Scorer:
         """The length a batch whose longest row is `longest` is padded to (module doc); a
         multiple of what context parallelism's order needs where ``length`` is split."""
         multiple = 2 * self.trainer.layout.ways("length")
-        length = max(SHORTEST, 1 << (max(longest, 1) - 1).bit_length())
+        longest = max(longest, SHORTEST)
+        step = max(8, 1 << (longest.bit_length() - 3))  # (a quarter of the octave)
+        length = -(-longest // step) * step
         length = -(-length // multiple) * multiple
         return length if length <= self.max_length else self.max_length
 
-    def batch(self, rows: Sequence[Row]) -> dict[str, np.ndarray]:
-        """The host batch of `rows` ([self.rows, bucket]; the rows past them empty)."""
-        shape = (self.rows, self.bucket(max(len(r) for r in rows)))
+    def per_call(self, length: int) -> int:
+        """The rows a call of rows of `length` takes (`scores_per_call`)."""
+        if self.scores_per_call is None:
+            return self.rows
+        return min(self.rows, max(1, self.scores_per_call // length ** 2) * self.ways)
+
+    def batch(self, rows: Sequence[Row], length: int) -> dict[str, np.ndarray]:
+        """The host batch of `rows` padded to `length` ([`per_call`, length]; the rows past
+        them empty: every call of a length has one shape)."""
+        shape = (self.per_call(length), length)
         out = {k: np.zeros(shape, np.int32) for k in ("targets", "targets_segment_ids",
                                                       READ_INPUTS, LOSS_WEIGHTS)}
         for i, row in enumerate(rows):
@@ -91,6 +107,11 @@ class Scorer:
         order = Collator(list(rows), sort_fn=lambda row: (-len(row), row.inputs))
         out = []
         for chunk in order.get_batched(n=self.rows):
-            sums, greedy = jax.device_get(self._score(params, self._place(self.batch(chunk))))
-            out += [(float(s), bool(g)) for s, g in zip(sums[:len(chunk)], greedy)]
+            length = self.bucket(max(len(r) for r in chunk))
+            step = self.per_call(length)
+            for first in range(0, len(chunk), step):
+                part = chunk[first:first + step]
+                sums, greedy = jax.device_get(self._score(
+                    params, self._place(self.batch(part, length))))
+                out += [(float(s), bool(g)) for s, g in zip(sums[:len(part)], greedy)]
         return order.get_original(out)
