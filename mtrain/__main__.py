@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--mode=lm_eval: K examples before each document (default: the task's)")
     p.add_argument("--apply_chat_template", action="store_true",
                    help="--mode=lm_eval: prompts through the model dir's chat template")
+    p.add_argument("--log_samples", action="store_true",
+                   help="--mode=lm_eval: every document's requests and responses, as JSON lines")
     p.add_argument("--input_file", default=None, metavar="FILE",
                    help="--mode=infer: sentences to translate (an LM: prompts), one per line; --mode=score: "
                         "lines to score (default: stdin)")
@@ -236,9 +238,9 @@ def main(argv=None) -> int:
         if args.mode == "lm_eval" and not args.tasks:
             raise UserError("--mode=lm_eval needs --tasks (lm-eval's task names, comma-separated)")
         if args.mode != "lm_eval" and (any(f is not None for f in lm_eval_flags)
-                                       or args.apply_chat_template):
-            raise UserError("--tasks, --include_path, --limit, --num_fewshot and "
-                            "--apply_chat_template go with --mode=lm_eval")
+                                       or args.apply_chat_template or args.log_samples):
+            raise UserError("--tasks, --include_path, --limit, --num_fewshot, "
+                            "--apply_chat_template and --log_samples go with --mode=lm_eval")
         if args.mode == "export":
             if not (args.model_dir and args.output_dir):
                 raise UserError("--mode=export needs --model_dir and --output_dir (the "
@@ -343,7 +345,7 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["lm_eval_tasks"] = Tasks.parse(
                 args.tasks, include_path=args.include_path, limit=args.limit,
                 num_fewshot=args.num_fewshot, apply_chat_template=args.apply_chat_template,
-                batch_size=config_lib.decoding().batch_size)
+                batch_size=config_lib.decoding().batch_size, log_samples=args.log_samples)
         if args.mode == "export":
             kwargs["export_options"] = {"step": args.checkpoint_step, "dtype": args.dtype,
                                         "adapter": args.adapter}

@@ -90,7 +90,9 @@ def test_training_hook_mode_and_lm_evals_command_line(fresh_home, work, monkeypa
     out = work / "measured"
     command = [*config, "--mode=lm_eval", "--tasks=kjv_next_verse,kjv_exodus_last_word",
                "--include_path=tasks", f"--output_dir={out}"]
-    assert main(command) == 0
+    assert main([*command, "--log_samples"]) == 0
+    samples = records(out / "lm_eval_samples_kjv_next_verse.jsonl")
+    assert len(samples) == 40 and len(samples[0]["resps"]) == 8  # (4 choices, 4 unconditional)
     first = records(out / "metrics.jsonl")
     assert len(first) == 1 and first[0]["step"] == 2
     assert_metrics(first[0], want, ["kjv_next_verse", "kjv_exodus_last_word"])

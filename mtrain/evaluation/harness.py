@@ -218,6 +218,6 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return out
 
 
-def dumps(results: dict) -> str:
-    """lm-eval's results as JSON (what is not JSON as its text)."""
-    return json.dumps(results, indent=2, default=str, ensure_ascii=False)
+def dumps(results: dict, indent: int | None = 2) -> str:
+    """lm-eval's results (or a sample) as JSON (what is not JSON as its text)."""
+    return json.dumps(results, indent=indent, default=str, ensure_ascii=False)

@@ -42,6 +42,7 @@ CONFIG = "config.gin"
 CHAT_TEMPLATE = "chat_template.jinja"
 HUGGINGFACE = "huggingface.json"
 METRICS = "metrics.jsonl"
+LM_EVAL_RESULTS = "lm_eval_results.json"  # --mode=lm_eval's, beside metrics.jsonl
 DECODES = "decodes"
 PROFILE = "profile"
 LOCK = "mtrain.lock"
@@ -136,3 +137,8 @@ def decodes_file(directory: str, split: str, step: int) -> str:
 
 def metrics_file(directory: str) -> str:
     return os.path.join(directory, METRICS)
+
+
+def lm_eval_file(directory: str, task: str | None = None) -> str:
+    """--mode=lm_eval's results (lm-eval's, whole), or with `task` its logged samples."""
+    return os.path.join(directory, f"lm_eval_samples_{task}.jsonl" if task else LM_EVAL_RESULTS)

@@ -21,10 +21,9 @@ import os
 
 from mtrain.errors import ConfigError
 from mtrain.io.metrics import MetricsWriter, log
-from mtrain.io.model_dir import ModelDir
+from mtrain.io.model_dir import ModelDir, lm_eval_file
 from mtrain.io.textfiles import write_atomically
 
-RESULTS_FILE = "lm_eval_results.json"
 
 
 @functools.cache
@@ -53,6 +52,7 @@ class Tasks:
     num_fewshot: int | None = None
     apply_chat_template: bool = False
     batch_size: int = 0
+    log_samples: bool = False
 
     @classmethod
     def parse(cls, names: str | tuple | list, **options) -> "Tasks":
@@ -108,7 +108,7 @@ def evaluate(model, tasks: Tasks) -> dict:
             model=MtrainLM(model=model), tasks=list(tasks.names),
             task_manager=task_manager(tasks.include_path, tasks.names),
             limit=tasks.limit, num_fewshot=tasks.num_fewshot,
-            apply_chat_template=tasks.apply_chat_template, log_samples=False)
+            apply_chat_template=tasks.apply_chat_template, log_samples=tasks.log_samples)
     except (FileNotFoundError, ValueError) as e:  # a task's data files, a bad template
         raise ConfigError(f"lm-eval could not run {', '.join(tasks.names)}: "
                           f"{' '.join(str(e).split())}") from None
@@ -152,8 +152,11 @@ def lm_eval_mode(exp, tasks: Tasks, output_dir: str | None = None) -> dict:
     writer.write(step, metrics)
     writer.close()
     if directory and writer.enabled:
-        write_atomically(os.path.join(directory, RESULTS_FILE), dumps(
+        write_atomically(lm_eval_file(directory), dumps(
             {k: v for k, v in out.items() if k != "samples"}))
+        for task, samples in out.get("samples", {}).items():  # (--log_samples)
+            write_atomically(lm_eval_file(directory, task), "".join(
+                dumps(s, indent=None) + "\n" for s in samples))
     return metrics
 
 
