@@ -581,7 +581,7 @@ BAD_INPUTS = [
     (["--model_dir={readme}/run"], "cannot write the model dir"),
     (["--mode=infer", "--output_file={tmp}/no/out.txt"], "the directory {tmp}/no does not exist"),
     (["--mode=score", "--input_file={readme}", "--output_file={readme}"], "--output_file {readme} is the --input_file: writing it would replace the lines being read"),
-    (["--output_dir={tmp}/out"], "--output_dir goes with --mode=eval, score or export"),
+    (["--output_dir={tmp}/out"], "--output_dir goes with --mode=eval, score, lm_eval or export"),
     (["--model_dir={readme}"], "the model dir {readme} is a file, not a directory"),
     (["--mode=eval", "--model_dir={readme}"], "the model dir {readme} is a file, not a directory"),
     (["--mode=eval"], "holds only checkpoints that were set aside (2.damaged); restore a good copy", only_damaged),

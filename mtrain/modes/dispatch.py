@@ -64,8 +64,6 @@ MODES: dict[str, Mode] = {
     "score": Mode(lambda exp, r: score(exp, r.input_file, r.output_file, r.output_dir),
                   reads_checkpoint=True, writes_output_file=True),
     "plan": Mode(lambda exp, r: plan(exp, **r.plan_options)),
-    "lm_eval": Mode(lambda exp, r: lm_eval_mode(exp, r.lm_eval_tasks, r.output_dir),
-                    reads_checkpoint=True),
     "import": Mode(_import, needs_model_dir=True,
                    new_dir=lambda r, model_dir: (model_dir, "the model dir")),
     "export": Mode(lambda exp, r: convert.export_model(exp, r.output_dir,
@@ -73,6 +71,8 @@ MODES: dict[str, Mode] = {
                                                        **r.export_options),
                    needs_model_dir=True, reads_checkpoint=True,
                    new_dir=lambda r, model_dir: (r.output_dir, "--output_dir")),
+    "lm_eval": Mode(lambda exp, r: lm_eval_mode(exp, r.lm_eval_tasks, r.output_dir),
+                    reads_checkpoint=True),
 }
 
 
