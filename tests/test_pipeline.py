@@ -113,13 +113,24 @@ def losses_of(trainer, state, steps):
     return out, state
 
 
+_ONE_DEVICE = {}  # (settings, steps) -> (parameters, losses): the cases share them
+
+
+def one_device_losses(settings, steps):
+    """(the initial parameters, the losses of `steps` steps) of the model `settings` on one
+    device, trained once for every case that asks (a pipeline config changes neither)."""
+    key = (repr(sorted(settings.items())), steps)
+    if key not in _ONE_DEVICE:
+        one = make_trainer(TransformerConfig(**settings))
+        state = one.init_state()
+        _ONE_DEVICE[key] = jax.device_get(state.params), losses_of(one, state, steps)[0]
+    return _ONE_DEVICE[key]
+
+
 def stage_losses(settings, mesh_shape, rules, config, steps=10):
     """(the one-device losses of `steps` steps, those with `mesh_shape`/`rules` and the
     pipeline `config`, the split run's final state) from the same parameters."""
-    one = make_trainer(TransformerConfig(**settings))
-    state = one.init_state()
-    params = jax.device_get(state.params)
-    reference, _ = losses_of(one, state, steps)
+    params, reference = one_device_losses(settings, steps)
     split = make_trainer(TransformerConfig(**settings, pipeline=config), mesh_shape, rules)
     got, final = losses_of(split, split.start_from(params), steps)
     return reference, got, final

@@ -11,7 +11,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from mtrain.errors import ConfigError
 from mtrain.models import layers, pipeline, positions
 from mtrain.models.feedforward import DenseReluDense, clamp_of
 from mtrain.models.latent_attention import LatentAttention
@@ -231,9 +230,7 @@ def layer_stack(c, x, mask, deterministic: bool, decode_index=None, positions=No
     ``layers`` (over stages), the scans of `module` (the model) run as a pipeline
     (`pipelined_stack`), but while the model is made or decodes a token at a time."""
     if pipeline.stages() > 1 and not c.scan_layers:
-        raise ConfigError("a layout rule splits 'layers' (pipeline stages), which needs "
-                          "transformer.scan_layers=True: only a scanned stack has a layers "
-                          "dimension to split")
+        raise pipeline.unscanned_refused()
     if c.scan_layers:
         if pipeline.stages() > 1 and decode_index is None and not module.is_initializing():
             return pipelined_stack(module, c, x, mask, deterministic, positions, bias)
@@ -254,21 +251,14 @@ def check_stages(c, stages: int, rows: int, data_ways: int = 1,
     if stages <= 1:
         return
     if encoder_decoder:
-        raise ConfigError("the encoder-decoder runs no pipeline: a layout rule splits "
-                          "'layers' over stages; split it over batch, heads, d_ff instead")
+        raise pipeline.encoder_decoder_refused()
     if not c.scan_layers:
-        raise ConfigError("a layout rule splits 'layers' (pipeline stages), which needs "
-                          "transformer.scan_layers=True: only a scanned stack has a layers "
-                          "dimension to split")
+        raise pipeline.unscanned_refused()
     chunks = c.pipeline.chunks
     for _, count, dense in scan_parts(c, c.num_layers):
         steps = count // (dense_period(c) if dense else period(c))
         if steps % (stages * chunks):
-            raise ConfigError(
-                f"a stack of {steps} scanned layers does not split into {stages} stages x "
-                f"{chunks} runs (pipeline.repeats): make the layers a multiple of "
-                f"{stages * chunks}" + (f" (scanned in groups of {period(c)})"
-                                        if period(c) > 1 and not dense else ""))
+            raise pipeline.split_refused(steps, stages, chunks, 1 if dense else period(c))
     pipeline.microbatch_count(c.pipeline, rows, stages, data_ways)
 
 

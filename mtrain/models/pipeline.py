@@ -100,6 +100,30 @@ def bubble(stages: int, microbatches: int, chunks: int = 1) -> float:
     return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
+# The refusals of stages, each worded once: the run's check before anything is made
+# (`blocks.check_stages`) and the model's own where it meets a layout nothing checked.
+def encoder_decoder_refused() -> ConfigError:
+    """The encoder-decoder's stack split over stages (it runs no pipeline)."""
+    return ConfigError("the encoder-decoder runs no pipeline: a layout rule splits "
+                       "'layers' over stages; split it over batch, heads, d_ff instead")
+
+
+def unscanned_refused() -> ConfigError:
+    """An unscanned stack (``layer_{i}`` Blocks, no ``layers`` dimension) split over stages."""
+    return ConfigError("a layout rule splits 'layers' (pipeline stages), which needs "
+                       "transformer.scan_layers=True: only a scanned stack has a layers "
+                       "dimension to split")
+
+
+def split_refused(steps: int, stages: int, runs: int, group: int = 1) -> ConfigError:
+    """A scan of `steps` layers (or groups of `group` layers) that the `stages` x `runs`
+    (R) chunks do not divide."""
+    return ConfigError(
+        f"a stack of {steps} scanned layers does not split into {stages} stages x {runs} "
+        f"runs (pipeline.repeats): make the layers a multiple of {stages * runs}"
+        + (f" (scanned in groups of {group})" if group > 1 else ""))
+
+
 def microbatch_count(config: PipelineConfig, rows: int, stages: int, data_ways: int = 1) -> int:
     """M for a batch of `rows` over `stages` stages whose ``batch`` is split `data_ways`
     ways inside a stage: `config.microbatches`, or the fewest that keep the `bubble` under
@@ -230,10 +254,7 @@ def staged(params, config: PipelineConfig):
     axis, s_count, r_count = stage_axis(), stages(), config.chunks
     n = jax.tree_util.tree_leaves(params)[0].shape[0]
     if n % (s_count * r_count):
-        raise ConfigError(
-            f"a stack of {n} scanned layers does not split into {s_count} stages x "
-            f"{r_count} runs (pipeline.repeats): make the layers a multiple of "
-            f"{s_count * r_count}")
+        raise split_refused(n, s_count, r_count)
     k = n // (s_count * r_count)
 
     def one(p):

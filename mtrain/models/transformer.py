@@ -318,8 +318,7 @@ class EncoderDecoder(_PackingAware, nn.Module):
     def encode(self, inputs, inputs_segment_ids, inputs_positions, deterministic: bool = True):
         """[b, m] packed inputs -> encoder outputs [b, m, d_model]."""
         if pipeline.stages() > 1:
-            raise ConfigError("the encoder-decoder runs no pipeline: a layout rule splits "
-                              "'layers' over stages; split it over batch, heads, d_ff instead")
+            raise pipeline.encoder_decoder_refused()
         x = self._embed(inputs, self.encoder_positions, inputs_positions, deterministic)
         mask = attention.AttentionMask.of_self(inputs_segment_ids, causal=False)
         x = run_layers(self.encoder, x, mask, deterministic, None, None, None, inputs_positions,
