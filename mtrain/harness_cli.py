@@ -90,6 +90,7 @@ def cli() -> None:
     import sys
 
     os.environ.setdefault("LMEVAL_LOG_LEVEL", "WARNING")  # (its INFO lines: LMEVAL_LOG_LEVEL=INFO)
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # (no fork of jax's threads: `modes.lm_eval`)
     devices = re.search(r"(?:^|,)cpu_devices=(\d+)", " ".join(sys.argv))
     if devices:  # (before anything starts jax)
         from mtrain.parallel.cpu_devices import simulate_cpu_devices

@@ -103,6 +103,9 @@ def evaluate(model, tasks: Tasks) -> dict:
 
     from mtrain.evaluation.harness import MtrainLM
 
+    # lm-eval bootstraps a perplexity's stderr in a pool of forked processes, which a
+    # process running jax's threads must not fork: in this process instead.
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
     try:
         return lm_eval.simple_evaluate(
             model=MtrainLM(model=model), tasks=list(tasks.names),
