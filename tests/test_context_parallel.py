@@ -8,6 +8,8 @@ Tolerance 2e-5 absolute on O(1) float32 outputs and gradients: the online softma
 blocks' shares in another order than one softmax (float32 rounding of sums of <= 64 terms).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,6 +229,32 @@ def test_without_a_layout_it_is_plain_attention():
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-5)
 
 
+def train_lm(mode, mesh, rules):
+    """The test trainer's LM (packed rows, rotary positions, grouped heads) 3 steps:
+    (losses, the last batch's scores, the trainer)."""
+    import dataclasses
+
+    from test_trainer import CONFIG, make_trainer, packed_batches
+
+    config = dataclasses.replace(CONFIG, dropout_rate=0.0, position_encoding="rotary",
+                                 num_kv_heads=2, context_parallel=mode)
+    trainer = make_trainer(mesh, rules, config=config)
+    state, losses = trainer.init_state(), []
+    for batch in packed_batches(3):
+        placed = trainer.place_batch(batch)
+        state, metrics = trainer.train_step(state, placed)
+        losses.append(float(metrics["loss"]))
+    scores = trainer.token_log_likelihoods(state.params, trainer.place_batch(batch))
+    return losses, np.asarray(scores), trainer
+
+
+@functools.cache
+def one_device_lm():
+    """`train_lm` on one device, once for every mode (a mode matters only where ``length``
+    is split: `context.local_attention`)."""
+    return train_lm(context.MODES[0], "", "")[:2]
+
+
 @pytest.mark.parametrize("mesh, mode", [
     pytest.param("batch:1;model:8", "gather", marks=pytest.mark.slow),
     pytest.param("batch:1;model:8", "ring", marks=pytest.mark.slow),
@@ -235,26 +263,8 @@ def test_without_a_layout_it_is_plain_attention():
 def test_training_with_length_split_is_training_on_one_device(mesh, mode):
     """The language model's training losses and its scores (in the rows' own order) with
     ``length`` split equal one device's: packed rows, rotary positions, grouped heads."""
-    import dataclasses
-
-    from test_trainer import CONFIG, make_trainer, packed_batches
-
-    config = dataclasses.replace(CONFIG, dropout_rate=0.0, position_encoding="rotary",
-                                 num_kv_heads=2, context_parallel=mode)
-    rules = "batch:batch;length:model"
-
-    def run(mesh, rules):
-        trainer = make_trainer(mesh, rules, config=config)
-        state, losses = trainer.init_state(), []
-        for batch in packed_batches(3):
-            placed = trainer.place_batch(batch)
-            state, metrics = trainer.train_step(state, placed)
-            losses.append(float(metrics["loss"]))
-        scores = trainer.token_log_likelihoods(state.params, trainer.place_batch(batch))
-        return losses, np.asarray(scores), trainer
-
-    want, want_scores, _ = run("", "")
-    got, got_scores, trainer = run(mesh, rules)
+    want, want_scores = one_device_lm()
+    got, got_scores, trainer = train_lm(mode, mesh, "batch:batch;length:model")
     assert trainer.length_order is not None
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(got_scores, want_scores, atol=1e-4)
@@ -263,12 +273,13 @@ def test_training_with_length_split_is_training_on_one_device(mesh, mode):
 @pytest.mark.slow
 def test_a_run_with_length_split_trains_resumes_and_refuses_what_cannot_split(tmp_path, capsys):
     """Through the command line: ``length`` split over its own mesh dimension beside
-    ``batch`` and ``model``, 2 steps, then resumed to 4 (the same losses as 4 at once), and
-    generation from it under the same layout; a
-    sequence that does not cut into 2n chunks and ``length`` with ``d_ff`` on one mesh
-    dimension are one line each, nothing written."""
+    ``batch`` and ``model``, 4 steps, then (the checkpoint of step 4 lost) resumed from step
+    2 to 4 with the same losses, and generation from it under the same layout; a sequence
+    that does not cut into 2n chunks and ``length`` with ``d_ff`` on one mesh dimension are
+    one line each, nothing written."""
     import json
     import os
+    import shutil
 
     from tiny_config import TINY
 
@@ -287,9 +298,12 @@ def test_a_run_with_length_split_trains_resumes_and_refuses_what_cannot_split(tm
             return [r["train/loss"] for r in map(json.loads, f) if "train/loss" in r]
 
     assert main(argv(tmp_path / "once", "run.train_steps=4")) == 0
-    assert main(argv(tmp_path / "twice", "run.train_steps=2")) == 0
-    assert main(argv(tmp_path / "twice", "run.train_steps=4")) == 0
-    assert losses(tmp_path / "twice")[-2:] == losses(tmp_path / "once")[-2:]
+    once = losses(tmp_path / "once")
+    shutil.rmtree(tmp_path / "once" / "checkpoints" / "4")  # (as if stopped after step 2)
+    capsys.readouterr()
+    assert main(argv(tmp_path / "once", "run.train_steps=4")) == 0
+    assert "resuming from the checkpoint of step 2" in capsys.readouterr().err
+    assert losses(tmp_path / "once")[-2:] == once[-2:]
     # generation decodes a position a step: ``length`` splits nowhere there; a prompt
     # longer than the row keeps its end, and says so
     long = " ".join(["And God said, Let there be light: and there was light."] * 6)
@@ -465,12 +479,9 @@ def test_the_flash_path_with_length_split_8_ways_needs_a_quarter_of_the_memory()
     assert collectives["collective-permute"]["count"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", context.MODES)
-def test_a_t5_encoder_decoder_with_length_split_trains_as_on_one_device(mode):
-    """T5's relative position bias in both stacks, ``length`` split 4 ways beside ``batch``
-    (the encoder's and the decoder's self-attention split, their rows in order): the losses
-    and parameters of one device."""
+def train_t5(mode, mesh_shape, rules):
+    """T5 (relative position bias in both stacks) 3 steps of Adafactor on packed pairs:
+    (losses, parameters)."""
     import dataclasses
 
     from test_encoder_decoder import B as ROWS, CONFIG as T5, L as LENGTH, packed_pairs
@@ -481,21 +492,32 @@ def test_a_t5_encoder_decoder_with_length_split_trains_as_on_one_device(mode):
 
     config = dataclasses.replace(T5, dropout_rate=0.0, position_encoding="relative_bias",
                                  context_parallel=mode)
+    layout = Layout(mesh_shape, rules)
+    trainer = Trainer(model=EncoderDecoder(config), optimizer=optimizer.adafactor(1e-2),
+                      layout=layout, mesh=layout.make_mesh(jax.devices()[:layout.size]),
+                      batch_size=ROWS, sequence_length=LENGTH, seed=1)
+    assert trainer.length_order is None
+    state, losses = trainer.init_state(), []
+    for batch in packed_pairs(3):
+        state, metrics = trainer.train_step(state, trainer.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
 
-    def train(mesh_shape, rules):
-        layout = Layout(mesh_shape, rules)
-        trainer = Trainer(model=EncoderDecoder(config), optimizer=optimizer.adafactor(1e-2),
-                          layout=layout, mesh=layout.make_mesh(jax.devices()[:layout.size]),
-                          batch_size=ROWS, sequence_length=LENGTH, seed=1)
-        assert trainer.length_order is None
-        state, losses = trainer.init_state(), []
-        for batch in packed_pairs(3):
-            state, metrics = trainer.train_step(state, trainer.place_batch(batch))
-            losses.append(float(metrics["loss"]))
-        return losses, jax.device_get(state.params)
 
-    want, want_params = train("", "")
-    got, params = train("batch:2;model:4", "batch:batch;length:model")
+@functools.cache
+def one_device_t5():
+    """`train_t5` on one device, once for every mode (see `one_device_lm`)."""
+    return train_t5(context.MODES[0], "", "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", context.MODES)
+def test_a_t5_encoder_decoder_with_length_split_trains_as_on_one_device(mode):
+    """T5's relative position bias in both stacks, ``length`` split 4 ways beside ``batch``
+    (the encoder's and the decoder's self-attention split, their rows in order): the losses
+    and parameters of one device."""
+    want, want_params = one_device_t5()
+    got, params = train_t5(mode, "batch:2;model:4", "batch:batch;length:model")
     np.testing.assert_allclose(got, want, rtol=1e-5)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                            params, want_params)

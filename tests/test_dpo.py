@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -198,26 +199,30 @@ def test_dpo_raises_the_reward_accuracy_on_every_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_fine_tuning_dpo_resumes_against_its_starting_copy(tmp_path):
+def test_full_fine_tuning_dpo_resumes_against_its_starting_copy(tmp_path, capsys):
     """Without adapters the reference is a frozen copy of the parameters the run started
-    from: the first loss is log 2 (policy = reference), and a run stopped at step 2 and
-    resumed reloads that copy from the import, ending as an unbroken run."""
-    losses = {}
-    for name, stops in (("unbroken", (4,)), ("resumed", (2, 4))):
-        model_dir = tmp_path / name / "m"
-        import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
-        for steps in stops:
-            assert main(dpo_flags(model_dir, tmp_path / name,
-                                  f"--gin_param=run.train_steps={steps}",
-                                  "--gin_param=run.checkpoint_every=2",
-                                  "--gin_param=run.trainable='layer_1/.*'",
-                                  "--gin_param=run.optimizer=@adamw",
-                                  "--gin_param=learning_rate_schedule.constant=0.01",
-                                  "--gin_param=learning_rate_schedule.warmup_steps=1")) == 0
-        losses[name] = [m["train/loss"] for m in metrics(model_dir) if "train/loss" in m]
-    assert losses["unbroken"][0] == pytest.approx(math.log(2), abs=1e-6)
-    assert losses["unbroken"][-1] < losses["unbroken"][0]
-    assert losses["resumed"] == losses["unbroken"]
+    from: the first loss is log 2 (policy = reference), and the run resumed from its
+    checkpoint of step 2 (that of step 4 lost, as if stopped after step 2) reloads that
+    copy from the import, taking steps 3 and 4 as the unbroken run did."""
+    model_dir = tmp_path / "m"
+    import_folder(os.path.join(ORACLES, "llama_gqa"), model_dir)
+    flags = dpo_flags(model_dir, tmp_path, "--gin_param=run.train_steps=4",
+                      "--gin_param=run.checkpoint_every=2",
+                      "--gin_param=run.trainable='layer_1/.*'",
+                      "--gin_param=run.optimizer=@adamw",
+                      "--gin_param=learning_rate_schedule.constant=0.01",
+                      "--gin_param=learning_rate_schedule.warmup_steps=1")
+    assert main(flags) == 0
+    unbroken = [m for m in metrics(model_dir) if "train/loss" in m]
+    assert [m["step"] for m in unbroken] == [1, 2, 3, 4]
+    assert unbroken[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert unbroken[-1]["train/loss"] < unbroken[0]["train/loss"]
+    shutil.rmtree(model_dir / "checkpoints" / "4")
+    capsys.readouterr()
+    assert main(flags) == 0
+    assert "resuming from the checkpoint of step 2" in capsys.readouterr().err
+    resumed = [m for m in metrics(model_dir) if "train/loss" in m]
+    assert [m["train/loss"] for m in resumed] == [m["train/loss"] for m in unbroken]
 
 
 @pytest.mark.parametrize("line, message", [

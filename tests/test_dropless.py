@@ -270,15 +270,15 @@ def test_the_26b_plan_counts_the_matmuls_dropless_runs():
     assert p["communication_seconds"] * bandwidth == pytest.approx(sent)
 
 
-@pytest.mark.slow  # (about a minute each: a fresh HOME's data, then every mode)
-@pytest.mark.parametrize("kernel", ["megablox", "tokamax"])
-def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monkeypatch, capsys,
-                                                                  kernel):
+@pytest.mark.slow  # (about two minutes: a fresh HOME's data, then every mode with each kernel)
+def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monkeypatch, capsys):
     """`experiments/moe_tiny_lm.gin` dropless with what a TPU runs (the Megablox kernel, in
-    Pallas's interpreter here) or a GPU (tokamax's, its reference implementation here
+    Pallas's interpreter here) and a GPU (tokamax's, its reference implementation here
     through the same call), and the ragged all-to-all (as XLA:CPU emulates it) from an
-    empty HOME: train, the same command again, a resume that switches to capacity dispatch,
-    eval, infer, score (the scores of the CPU's kernel and padded all-to-all) and plan."""
+    empty HOME: train with Megablox, resume with tokamax's, then switch to capacity
+    dispatch; then with each kernel eval, infer, score (the scores of the CPU's kernel and
+    padded all-to-all) and plan. (One model dir for both kernels: each run of it compiles
+    for 10-30 s. The same command again, nothing left to train: test_model_family_runs.)"""
     import json
 
     from mtrain.__main__ import main
@@ -287,30 +287,44 @@ def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monk
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MTRAIN_DATA_DIR", raising=False)
     model_dir = tmp_path / "moe"
-    accelerator = ["--gin_param=moe.dispatch='dropless'",
-                   f"--gin_param=moe.grouped_kernel='{kernel}'",
-                   "--gin_param=moe.ragged_all_to_all=True"]
+
+    def accelerator(kernel):
+        return ["--gin_param=moe.dispatch='dropless'",
+                f"--gin_param=moe.grouped_kernel='{kernel}'",
+                "--gin_param=moe.ragged_all_to_all=True"]
+
+    def dropped():
+        lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+        return [r["train/dropped_fraction"] for r in map(json.loads, lines) if "train/loss" in r]
+
     argv = ["--gin_file=experiments/moe_tiny_lm.gin", f"--model_dir={model_dir}",
             "--gin_param=vocabulary.size=512", "--gin_param=run.sequence_length=64",
             "--gin_param=run.eval_every=0", "--gin_param=run.checkpoint_every=2",
             "--gin_param=run.log_every=1", "--gin_param=decoding.max_decode_length=4",
             "--gin_param=learning_rate_schedule.warmup_steps=1",
             "--gin_param=learning_rate_schedule.decay_steps=10"]
-    assert main(argv + accelerator + ["--gin_param=run.train_steps=2"]) == 0
-    records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["train/dropped_fraction"] for r in records if "train/loss" in r] == [0.0, 0.0]
+    assert main(argv + accelerator("megablox") + ["--gin_param=run.train_steps=2"]) == 0
+    assert dropped() == [0.0, 0.0]
     capsys.readouterr()
-    assert main(argv + accelerator + ["--gin_param=run.train_steps=2"]) == 0
+    assert main(argv + accelerator("tokamax") + ["--gin_param=run.train_steps=3"]) == 0
     assert "resuming from the checkpoint of step 2" in capsys.readouterr().err
-    assert main(argv + ["--gin_param=run.train_steps=3"]) == 0  # capacity from here on
-    assert "resuming from the checkpoint of step 2" in capsys.readouterr().err
-    assert main(argv + accelerator + ["--gin_param=run.train_steps=3", "--mode=eval"]) == 0
-    common_modes(capsys, argv + accelerator + ["--gin_param=run.train_steps=3"], tmp_path,
-                 ["And God said, Let there be light.", "Amen."], "lm")
-    ours = (tmp_path / "scores.jsonl").read_text().splitlines()
-    assert main(argv + ["--gin_param=run.train_steps=3", "--gin_param=moe.dispatch='dropless'",
-                        "--mode=score", f"--input_file={tmp_path / 'score.txt'}",
-                        f"--output_file={tmp_path / 'cpu.jsonl'}"]) == 0
-    theirs = (tmp_path / "cpu.jsonl").read_text().splitlines()
-    np.testing.assert_allclose([json.loads(x)["log_likelihood"] for x in ours],
-                               [json.loads(x)["log_likelihood"] for x in theirs], rtol=1e-5)
+    assert dropped() == [0.0, 0.0, 0.0]
+    assert main(argv + ["--gin_param=run.train_steps=4"]) == 0  # capacity from here on
+    assert "resuming from the checkpoint of step 3" in capsys.readouterr().err
+
+    trained = argv + ["--gin_param=run.train_steps=4"]
+    scores = {}
+    for kernel in ("megablox", "tokamax"):
+        assert main(trained + accelerator(kernel) + ["--mode=eval"]) == 0
+        (tmp_path / kernel).mkdir()
+        common_modes(capsys, trained + accelerator(kernel), tmp_path / kernel,
+                     ["And God said, Let there be light.", "Amen."], "lm")
+        scores[kernel] = (tmp_path / kernel / "scores.jsonl").read_text().splitlines()
+    assert main(trained + ["--gin_param=moe.dispatch='dropless'", "--mode=score",
+                           f"--input_file={tmp_path / 'tokamax' / 'score.txt'}",
+                           f"--output_file={tmp_path / 'cpu.jsonl'}"]) == 0
+    theirs = [json.loads(x)["log_likelihood"]
+              for x in (tmp_path / "cpu.jsonl").read_text().splitlines()]
+    for kernel, ours in scores.items():
+        np.testing.assert_allclose([json.loads(x)["log_likelihood"] for x in ours], theirs,
+                                   rtol=1e-5, err_msg=kernel)

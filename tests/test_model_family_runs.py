@@ -13,6 +13,7 @@ schedule of the Llama preset it builds on).
 
 import json
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -36,7 +37,8 @@ def refused(capsys, argv, model_dir, setting):
 
 
 def common_modes(capsys, argv, tmp_path, prompts, kind):
-    """infer, score and plan on a trained model dir; returns the infer output lines."""
+    """infer, score and plan on a trained model dir; returns (the infer output lines, the
+    JSON plan)."""
     (tmp_path / "in.txt").write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
     out = tmp_path / "out.txt"
     assert main(argv + ["--mode=infer", f"--input_file={tmp_path / 'in.txt'}",
@@ -54,7 +56,7 @@ def common_modes(capsys, argv, tmp_path, prompts, kind):
     assert main(argv + ["--mode=plan", "--format=json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["analytic_parameters"] > 0
-    return lines
+    return lines, plan
 
 
 def test_llama_tiny_lm(fresh_home, tmp_path, capsys):
@@ -82,7 +84,7 @@ def test_llama_tiny_lm(fresh_home, tmp_path, capsys):
     verses = [v.en.split() for v in bible_split_verses("train")[::97][:48]]
     verses = [v for v in verses if len(v) > 6][:32]
     prompts = [" ".join(v[:5]) for v in verses]
-    continued = common_modes(capsys, argv, tmp_path, prompts, "lm")
+    continued, _ = common_modes(capsys, argv, tmp_path, prompts, "lm")
     hits = sum(bool(c.split()) and re.sub(r"\W", "", c.split()[0]) == re.sub(r"\W", "", v[5])
                for c, v in zip(continued, verses))
     print(f"greedy next word equals the text's: {hits} of {len(verses)}")
@@ -102,18 +104,18 @@ def test_llama_tiny_lm(fresh_home, tmp_path, capsys):
 
 
 def test_t5_1_1_tiny_enfr(fresh_home, tmp_path, capsys):
+    """(Its run resumed: test_user_paths's of the same task, layout and optimizer with the
+    original Transformer, experiments/wmt14_enfr_tiny.gin; a resume compiles for ~20 s.)"""
     model_dir = tmp_path / "t5"
     argv = ["--gin_file=experiments/t5_1_1_tiny_enfr.gin", f"--model_dir={model_dir}",
             "--gin_param=vocabulary.size=1024", "--gin_param=run.eval_every=0",
             "--gin_param=run.checkpoint_every=2", "--gin_param=run.log_every=2",
             "--gin_param=decoding.max_decode_length=8", "--gin_param=decoding.beam_size=2"]
-    assert main(argv + ["--gin_param=run.train_steps=4"]) == 0
+    trained = argv + ["--gin_param=run.train_steps=4"]
+    assert main(trained) == 0
     err = capsys.readouterr().err
     assert "preparing wmt14_translate/fr-en:1.0.0" in err
     assert "relative position bias (attention einsum" in err
-    assert main(argv + ["--gin_param=run.train_steps=6"]) == 0
-    assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
-    trained = argv + ["--gin_param=run.train_steps=6"]
     refused(capsys, trained + ["--gin_param=transformer.mlp_activations=('relu',)"], model_dir,
             "mlp_activations=['gelu', 'linear'] there, ['relu'] here")
     refused(capsys, trained + ["--gin_param=transformer.num_kv_heads=2"], model_dir,
@@ -124,17 +126,20 @@ def test_t5_1_1_tiny_enfr(fresh_home, tmp_path, capsys):
 
 def test_moe_tiny_lm(fresh_home, tmp_path, capsys):
     """`experiments/moe_tiny_lm.gin` (experts split over `batch`) from an empty HOME: it
-    trains and logs its experts' losses and load, the same command again resumes, a resumed
-    run continues bit for bit (with two Grain workers where the first run had none) (AdamW's state and the cosine schedule's decay_steps
-    included), another `num_experts` is refused, the checkpoint is restored
-    under another layout (experts over `model`: the same scores), and eval and plan run."""
+    trains and logs its experts' losses and load; its checkpoint of step 6 lost, it resumes
+    from step 4's and continues bit for bit (with two Grain workers where the first run had
+    none; AdamW's state and the cosine schedule's decay_steps included); another
+    `num_experts` is refused, the checkpoint is restored under another layout (experts over
+    `model`: the same scores), and eval and plan run. (The same command again, nothing left
+    to train: the Llama's above; this experiment's dropless kernels: test_dropless.)"""
     model_dir = tmp_path / "moe"
     argv = ["--gin_file=experiments/moe_tiny_lm.gin", "--gin_param=vocabulary.size=512",
             "--gin_param=run.sequence_length=64", "--gin_param=run.eval_every=0",
             "--gin_param=run.checkpoint_every=2", "--gin_param=run.log_every=2",
             "--gin_param=learning_rate_schedule.warmup_steps=2",
             "--gin_param=learning_rate_schedule.decay_steps=10"]  # (not of run.train_steps)
-    assert main(argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=4"]) == 0
+    trained = argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=6"]
+    assert main(trained) == 0
     err = capsys.readouterr().err
     assert "preparing lm1b:1.1.0" in err and "8 experts (d_ff 256, top-2) every 2 layers" in err
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
@@ -142,14 +147,11 @@ def test_moe_tiny_lm(fresh_home, tmp_path, capsys):
     assert logged and all(0 <= r["train/dropped_fraction"] < 1 and r["train/router_z_loss"] > 0
                           and 1 / 8 <= r["train/busiest_expert_share"] <= 1 for r in logged)
     assert all(r["train/loss"] > r["train/cross_entropy"] for r in logged)
-    trained = argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=6"]
-    assert main(argv + [f"--model_dir={model_dir}", "--gin_param=run.train_steps=4"]) == 0
-    assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
+    straight = saved_state(model_dir, 6)
+    shutil.rmtree(model_dir / "checkpoints" / "6")  # (as if stopped after step 4)
     assert main(trained + ["--gin_param=run.data_workers=2"]) == 0  # (none before)
-    straight = tmp_path / "straight"
-    assert main(argv + [f"--model_dir={straight}", "--gin_param=run.train_steps=6"]) == 0
-    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(model_dir, 6),
-                           saved_state(straight, 6))
+    assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
+    jax.tree_util.tree_map(np.testing.assert_array_equal, saved_state(model_dir, 6), straight)
     refused(capsys, trained + ["--gin_param=moe.num_experts=4"], model_dir,
             "moe.num_experts=8 there, 4 here")
 

@@ -5,6 +5,8 @@ the settings checked in one line. The command line's journey (fp8 trains llama_t
 bf16 does, checkpoints keep float32, resume bit for bit, every mode) is
 test_quantization_runs.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,11 +204,20 @@ def test_layouts_change_no_loss(scaling, mesh_shape, rules, parameter_rules):
     one quantum of one element of a sum: the layout-invariance tests' 1e-5 holds the loss).
     Parameters stay float32."""
     c = config("fp8", scaling, activation_dtype="float32")
-    one, params = losses(c, steps=0)
-    reference, trained = losses(c, params=params)
+    params, reference, dtypes = one_device_fp8(scaling)
     got, _ = losses(c, mesh_shape, rules, parameter_rules, params=params)
     np.testing.assert_allclose(got, reference, rtol=1e-5)
-    assert {x.dtype for x in jax.tree_util.tree_leaves(trained)} == {np.dtype(np.float32)}
+    assert dtypes == {np.dtype(np.float32)}
+
+
+@functools.cache
+def one_device_fp8(scaling):
+    """(the initial parameters, the losses of 2 steps, the trained parameters' dtypes) of
+    `test_layouts_change_no_loss`'s model on one device, once for every layout."""
+    c = config("fp8", scaling, activation_dtype="float32")
+    _, params = losses(c, steps=0)
+    reference, trained = losses(c, params=params)
+    return params, reference, {x.dtype for x in jax.tree_util.tree_leaves(trained)}
 
 
 def test_settings_are_checked_in_one_line():
