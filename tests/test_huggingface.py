@@ -55,6 +55,20 @@ def logits_of(family, model_dir, *gin_params):
     return np.asarray(out)[:2]
 
 
+def resumes_bit_for_bit(capsys, argv, model_dir, *, newest: int, back_to: int) -> dict:
+    """The parameters of `model_dir` after its run `argv`; that run, with checkpoint
+    `newest` lost, run again must resume from `back_to` and end with the same ones."""
+    straight = params_of(model_dir)
+    shutil.rmtree(model_dir / "checkpoints" / str(newest))
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert f"resuming from the checkpoint of step {back_to}" in capsys.readouterr().err
+    resumed = params_of(model_dir)
+    assert sorted(resumed) == sorted(straight)
+    assert all(np.array_equal(straight[k], resumed[k]) for k in straight)
+    return straight
+
+
 def copy_folder(family, target, weights: dict | None = None, files: int = 1, dtype=None):
     """A copy of an oracle folder (config, tokenizer) with `weights` (default: its own),
     as `files` safetensors shards with an index, of `dtype` (default: as they are)."""
@@ -324,14 +338,7 @@ def test_fine_tuning_an_import_lowers_the_loss_resumes_and_exports(tmp_path, dat
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     # (measured: 6.75 -> 6.42; the batches alone move it by about 0.05)
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.15, losses
-    straight = params_of(model_dir)
-    shutil.rmtree(model_dir / "checkpoints" / "8")
-    capsys.readouterr()
-    assert main(argv) == 0
-    assert "resuming from the checkpoint of step 4" in capsys.readouterr().err
-    resumed = params_of(model_dir)
-    assert sorted(resumed) == sorted(straight)
-    assert all(np.array_equal(straight[k], resumed[k]) for k in straight)
+    straight = resumes_bit_for_bit(capsys, argv, model_dir, newest=8, back_to=4)
     assert main(["--mode=export", f"--model_dir={model_dir}",
                  f"--output_dir={tmp_path / 'hf'}"]) == 0
     tensors = safetensors.load_file(tmp_path / "hf" / "model.safetensors")

@@ -117,10 +117,11 @@ def evaluate(model, tasks: Tasks) -> dict:
                           f"{' '.join(str(e).split())}") from None
 
 
-def harness_model(exp, params, *, max_length: int | None = None, rows: int = 0):
+def harness_model(exp, params, *, max_length: int | None = None, rows: int = 0,
+                  template=None):
     """The `harness.Model` of a built experiment and its parameters: the model dir's chat
     template, batches of `rows` requests (0: the run's batch size), rows of `max_length`
-    positions (default transformer.max_length, the most)."""
+    positions (default transformer.max_length, the most); `template` if read already."""
     from mtrain.data.user_data import model_dir_template
     from mtrain.evaluation.harness import Model
 
@@ -129,7 +130,8 @@ def harness_model(exp, params, *, max_length: int | None = None, rows: int = 0):
         raise ConfigError(f"max_length={max_length} must be in 2..{longest} "
                           f"(transformer.max_length)")
     return Model(trainer=exp.trainer, params=params, vocab=exp.vocab,
-                 template=model_dir_template(exp.model_dir, exp.vocab) if exp.model_dir else None,
+                 template=template or (model_dir_template(exp.model_dir, exp.vocab)
+                                       if exp.model_dir else None),
                  rows=rows or exp.batch_size,
                  max_length=max_length or longest, seed=exp.config.seed)
 
@@ -142,13 +144,15 @@ def lm_eval_mode(exp, tasks: Tasks, output_dir: str | None = None) -> dict:
     model_dir = ModelDir(exp.model_dir)
     from mtrain.data.user_data import model_dir_template
 
-    if tasks.apply_chat_template and model_dir_template(exp.model_dir, exp.vocab) is None:
+    template = model_dir_template(exp.model_dir, exp.vocab)
+    if tasks.apply_chat_template and template is None:
         raise ConfigError(f"--apply_chat_template: {exp.model_dir} has no chat template (an "
                           f"import keeps its folder's)")
     state, step = restore_for_reading(model_dir.checkpoints, exp.trainer.sharded_abstract_state(),
                                       exp.reader_meta(exp.vocab))
     log.info("lm-eval: %s with the checkpoint of step %d", ", ".join(tasks.names), step)
-    out = evaluate(harness_model(exp, state.params, rows=tasks.batch_size), tasks)
+    out = evaluate(harness_model(exp, state.params, rows=tasks.batch_size, template=template),
+                   tasks)
     metrics = flat_metrics(out["results"])
     directory = model_dir.outputs(output_dir, "lm-eval's results are")
     writer = MetricsWriter(directory)
