@@ -14,9 +14,12 @@ files use, and the run (`mtrain.run`) builds everything through them:
     rope_scaling.*            RopeScaling (rotary frequencies stretched: Llama 3.1's, linear)
     loss.*                    LossConfig
     dpo.*                     DpoConfig (a task of preference pairs)
+    grpo.*                    GrpoConfig (a task of prompts or rollouts); its rewards
+                              @answer_after(), @matches() (`evaluation.rewards`) or your own
     decoding.*                DecodingConfig
     adafactor.*               optimizer.adafactor (the default run.optimizer)
     adamw.*                   optimizer.adamw (``run.optimizer = @adamw``)
+    sgd.*                     optimizer.sgd (``run.optimizer = @sgd``)
     learning_rate_schedule.*  optimizer.learning_rate_schedule
     task.*, files.*, tfds_data.*, bible.*   the data a task names (``run.task = @task()``:
                               `data.tasks`, `data.prepared.Files`)
@@ -41,6 +44,7 @@ from mtrain.data import tasks as tasks_lib
 from mtrain.data.prepared import Files
 from mtrain.data.vocabulary import VocabularyConfig
 from mtrain.errors import ConfigError
+from mtrain.evaluation import rewards as rewards_lib
 from mtrain.evaluation.translation import DecodingConfig
 from mtrain.huggingface import adapters, families, origin
 from mtrain.huggingface.vocabulary import folder_vocabulary
@@ -54,6 +58,7 @@ from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConf
 from mtrain.modes.experiment import RunConfig
 from mtrain.training import optimizer
 from mtrain.training.dpo import DpoConfig
+from mtrain.training.grpo import GrpoConfig
 from mtrain.training.losses import LossConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -70,9 +75,13 @@ pipeline = gin.external_configurable(PipelineConfig, "pipeline")
 rope_scaling = gin.external_configurable(RopeScaling, "rope_scaling")
 loss = gin.external_configurable(LossConfig, "loss")
 dpo = gin.external_configurable(DpoConfig, "dpo")
+grpo = gin.external_configurable(GrpoConfig, "grpo")
+answer_after = gin.external_configurable(rewards_lib.answer_after, "answer_after")
+matches = gin.external_configurable(rewards_lib.matches, "matches")
 decoding = gin.external_configurable(DecodingConfig, "decoding")
 adafactor = gin.external_configurable(optimizer.adafactor, "adafactor")
 adamw = gin.external_configurable(optimizer.adamw, "adamw")
+sgd = gin.external_configurable(optimizer.sgd, "sgd")
 learning_rate_schedule = gin.external_configurable(optimizer.learning_rate_schedule,
                                                    "learning_rate_schedule")
 task = gin.external_configurable(tasks_lib.task, "task")
@@ -106,8 +115,9 @@ def parse(gin_files: list[str], gin_params: list[str]) -> None:
 TYPED = {"run": RunConfig, "vocabulary": VocabularyConfig, "transformer": TransformerConfig,
          "moe": MoEConfig, "lora": LoraConfig, "pipeline": PipelineConfig,
          "rope_scaling": RopeScaling, "loss": LossConfig,
-         "dpo": DpoConfig, "decoding": DecodingConfig, "adafactor": optimizer.adafactor,
-         "adamw": optimizer.adamw, "learning_rate_schedule": optimizer.learning_rate_schedule,
+         "dpo": DpoConfig, "grpo": GrpoConfig, "decoding": DecodingConfig,
+         "adafactor": optimizer.adafactor, "adamw": optimizer.adamw, "sgd": optimizer.sgd,
+         "learning_rate_schedule": optimizer.learning_rate_schedule,
          "files": Files}
 
 

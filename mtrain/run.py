@@ -30,11 +30,13 @@ from etils import epath
 
 from mtrain import MODES, config
 from mtrain.data import tasks as tasks_lib
-from mtrain.data import user_data
+from mtrain.data import prompts, user_data
+from mtrain.data.chat import ChatTemplate
 from mtrain.data.vocabulary import DEFAULT_SIZE, load_vocabulary
 from mtrain.errors import ConfigError
 from mtrain.evaluation.translation import Translator
 from mtrain.evaluation.generation import Generator
+from mtrain.evaluation.rollouts import GrpoStepper
 from mtrain.training import freezing
 from mtrain.io.lock import check_data_dir, preparing_data
 from mtrain.io.metrics import log
@@ -49,6 +51,7 @@ from mtrain.parallel import distributed
 from mtrain.models.blocks import check_stages
 from mtrain.parallel.layout import Layout, LayoutError
 from mtrain.training.dpo import Preference
+from mtrain.training.grpo import Grpo
 from mtrain.training.language_modeling import LanguageModeling
 from mtrain.training.sgp import SGPTrainer
 from mtrain.training.trainer import Trainer
@@ -130,6 +133,10 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
             raise ConfigError(f"the vocabulary has {vocab.vocab_size} pieces, where "
                               f"{planned} were asked for (vocabulary.size)")
         try:
+            if task.reinforcement and settings.mode == "train":
+                stepper = GrpoStepper(trainer=trainer, vocab=vocab, config=config.grpo(),
+                                      seed=settings.seed, template=_template(settings, task,
+                                                                             vocab))
             if task.kind == "translation":
                 translator = Translator(trainer, vocab, config.decoding())
             elif settings.mode == "infer":
@@ -213,16 +220,17 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
         check_stages(model_config, layout.ways("layers"), s.batch_size // s.num_microbatches,
                      layout.ways("batch"), encoder_decoder=task.kind == "translation")
     trainable = freezing.trainable(s.trainable, model_config.lora is not None)
-    objective = Preference(config.dpo()) if task.preference else LanguageModeling(config.loss())
+    objective = (Preference(config.dpo()) if task.preference else
+                 Grpo(config.grpo()) if task.reinforcement else LanguageModeling(config.loss()))
     trainer = Trainer(model=model, optimizer=opt, objective=objective, layout=layout, mesh=mesh,
                       batch_size=s.batch_size, sequence_length=s.sequence_length, seed=s.seed,
                       num_microbatches=s.num_microbatches, trainable=trainable)
     stepper = trainer
     if s.data_parallel == "sgp":
-        if trainer.partial or task.preference:
+        if trainer.partial or task.preference or task.reinforcement:
             raise ConfigError("run.data_parallel='sgp' trains every parameter on a token "
                               "loss: it takes no frozen ones (run.trainable, LoRA), no "
-                              "balancing bias (moe.choice_bias) nor DPO")
+                              "balancing bias (moe.choice_bias), DPO nor GRPO")
         try:
             stepper = SGPTrainer(trainer, overlap=s.sgp_overlap,
                                  average_every=s.sgp_average_every)
@@ -251,6 +259,15 @@ def _data(s: RunConfig, task: tasks_lib.Task, vocab_config, recorded: str | None
 
 def _prepare(s: RunConfig, task: tasks_lib.Task, vocab_config, data_dir: str,
              recorded: str | None, unrecorded: str | None):
+    if task.reinforcement:  # prompts or rollouts, read whole (`data.prompts`)
+        if not recorded and not vocab_config.path:
+            raise ConfigError("GRPO improves a model that exists: import one (--mode=import) "
+                              "into the model dir, or start from a run's (run.init_from)")
+        (spec,) = task.data.values()
+        source = prompts.PromptSource(prompts.read(spec, config.grpo().num_generations),
+                                      spec.format)
+        return source, vocab_config.choose(recorded, "", lambda: (), "", where=s.model_dir,
+                                           unrecorded=unrecorded)
     if task.data is not None:  # a user's files
         return user_data.prepare_run(task, vocab_config, data_dir, recorded=recorded,
                                      unrecorded=unrecorded, model_dir=s.model_dir,
@@ -264,6 +281,16 @@ def _prepare(s: RunConfig, task: tasks_lib.Task, vocab_config, data_dir: str,
                                 f"the {task.name} training split", where=s.model_dir,
                                 unrecorded=unrecorded)
     return source, vocab
+
+
+def _template(s: RunConfig, task: tasks_lib.Task, vocab) -> ChatTemplate | None:
+    """The chat template a GRPO run renders conversations with: files.chat_template, else
+    the model dir's (an import keeps its folder's), else that of run.init_from."""
+    (spec,) = task.data.values()
+    if spec.chat_template:
+        return user_data.template_file(spec.chat_template, vocab)
+    return next((t for t in (user_data.model_dir_template(d, vocab)
+                             for d in (s.model_dir, s.init_from) if d) if t is not None), None)
 
 
 def _reader_vocabulary(s: RunConfig, vocab_config, recorded: str | None):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from mtrain.data import sources
+from mtrain.data import prompts, sources
 from mtrain.data.prepared import Files
 from mtrain.errors import ConfigError
 
@@ -49,6 +49,11 @@ class Task:
     def preference(self) -> bool:
         """Whether the task's examples are preference pairs (trained with DPO)."""
         return any(f.format == "preference" for f in (self.data or {}).values())
+
+    @property
+    def reinforcement(self) -> bool:
+        """Whether the task's examples are prompts or rollouts (trained with GRPO)."""
+        return any(f.format in prompts.FORMATS for f in (self.data or {}).values())
 
     def source(self, data_dir: str, data_source: str | None = None) -> sources.TextSource:
         if self.data is not None:
@@ -167,6 +172,9 @@ def task(data, name: str | None = None, mixture: dict[str, float] | None = None,
     kinds = {"translation" if f.format == "translation" else "lm" for f in named.values()}
     if len(kinds) > 1:
         raise ConfigError("a mixture mixes translation pairs with language-model formats")
+    if any(f.format in prompts.FORMATS for f in named.values()) and len(named) > 1:
+        raise ConfigError("GRPO reads one file set of prompts or rollouts (task.data = "
+                          "@files()), not a mixture")
     if len({f.format == "preference" for f in named.values()}) > 1:
         raise ConfigError("a mixture mixes preference pairs (DPO) with examples of another "
                           "format")

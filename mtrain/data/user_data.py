@@ -95,14 +95,15 @@ def texts(task, limit: int = 1_000_000) -> Iterator[str]:
                 yield from [text] if len(text) <= 1000 else formats.chunks(text, 1000)
 
 
-def _template(path: str, vocab) -> ChatTemplate:
+def template_file(path: str, vocab) -> ChatTemplate:
+    """The chat template in the jinja file `path`."""
     return ChatTemplate(epath.Path(path).read_text(), vocab, name=path)
 
 
 def model_dir_template(model_dir: str, vocab) -> ChatTemplate | None:
     """The chat template of `model_dir` (an import keeps its folder's), if it has one."""
     path = ModelDir(model_dir).chat_template
-    return _template(path, vocab) if epath.Path(path).exists() else None
+    return template_file(path, vocab) if epath.Path(path).exists() else None
 
 
 def prepare_task(task, vocab, data_dir: str, template=None,
@@ -113,7 +114,7 @@ def prepare_task(task, vocab, data_dir: str, template=None,
     texts are cut: `formats.piece_size`)."""
     sources = {}
     for name, spec in task.data.items():
-        own = _template(spec.chat_template, vocab) if spec.chat_template else template
+        own = template_file(spec.chat_template, vocab) if spec.chat_template else template
         if spec.format == "chat" and own is None:
             raise DataError("files.format='chat' needs a chat template: import a model that "
                             "has one (--mode=import keeps it in the model dir), or name a "

@@ -138,7 +138,7 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
     ``min(prompt_length + max_decode_len, length)`` ids cut after the first EOS of the
     continuation (the 0s after that are no tokens). Greedy for `temperature` 0, else sampled
     from softmax(logits / temperature) after `filter_logits`, each row with the key
-    ``fold_in(rng, position)``. The model reads `start_id` first
+    ``fold_in(rng, position)`` (`rng` one key, or [batch] keys: one a row). The model reads `start_id` first
     (`TransformerConfig.start_id`; or [batch] ids, one per row: a prompt read as it is, its
     first id read first). `eos_id`: an id, or [batch, k] ids each of which ends its row
     (a chat's end of turn and EOS).
@@ -175,7 +175,8 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
             token = jnp.argmax(logits, axis=-1)
         else:
             logits = filter_logits(logits / temperature, top_k, top_p)
-            keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, position)
+            keys = jax.vmap(jax.random.fold_in, (None if rng.ndim == 0 else 0, 0))(
+                rng, position)
             token = jax.vmap(jax.random.categorical)(keys, logits)
         prompted = position < prompt_lengths
         fed = prompts[rows, jnp.minimum(position, length - 1)]

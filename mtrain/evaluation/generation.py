@@ -139,16 +139,17 @@ class Generator(BatchedDecoder):
 
     def continuations(self, params, ids: np.ndarray, lengths: list[int],
                       starts: np.ndarray | None = None, stops: np.ndarray | None = None,
-                      number: int = 0) -> list[list[int]]:
+                      number: int = 0, keys: jax.Array | None = None) -> list[list[int]]:
         """The ids of each prompt's continuation (`ids` [batch_size, length] holding the
         prompts of `lengths`; `starts` and `stops` as `encode_batch` makes them, by default
         the model's start id and EOS), up to and including the id that ended it if one came.
-        `number`: the batch's, which seeds its sampling (``fold_in(PRNGKey(seed), number)``)."""
+        `number`: the batch's, which seeds its sampling (``fold_in(PRNGKey(seed), number)``);
+        or `keys`, [batch_size] keys, one a row (rows with one prompt sample apart)."""
         if starts is None or stops is None:
             starts, stops = self._text_rows()
         prompted = (np.arange(self.length)[None, :] < np.array(
             lengths + [0] * (self.batch_size - len(lengths)))[:, None]).astype(np.int32)
-        rng = jax.random.fold_in(jax.random.key(self.seed), number)
+        rng = jax.random.fold_in(jax.random.key(self.seed), number) if keys is None else keys
         out = np.asarray(jax.device_get(self._generate(
             params, self.place(ids), self.place(prompted), self._replicated(starts),
             self._replicated(stops), rng, self.prefill_length(lengths))))

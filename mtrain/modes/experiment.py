@@ -14,6 +14,7 @@ import jax
 import optax
 from etils import epy
 
+from mtrain.data import prompts
 from mtrain.data import tasks as tasks_lib
 from mtrain.data.streams import DataSource
 from mtrain.data.vocabulary import Vocabulary
@@ -187,6 +188,12 @@ class Experiment:
 
     def _batches(self, split: str, train: bool):
         """This process's rows of each global batch (`Trainer.local_rows`)."""
+        if isinstance(self.source, prompts.PromptSource):  # GRPO's (`data.prompts`)
+            per_step = self.stepper.prompts_per_step
+            return prompts.PromptBatches(
+                self.source, per_step=per_step, share=(0, per_step),
+                iterations=self.stepper.config.num_iterations, seed=self.config.seed,
+                shuffle=self.source.format == "prompts")
         start, stop = self.trainer.local_rows()
         return pipeline.batches(self.source, self.vocab, split, pipeline.BatchSettings(
             sequence_length=self.sequence_length, batch_size=self.batch_size,

@@ -90,6 +90,7 @@ class Objective:
 
     token_metrics: bool = False
     loss_chunks: int = 1
+    float_keys: tuple[str, ...] = ()  # the batch keys it adds that hold floats, not ids
     setting: Setting  # (once bound)
 
     def bind(self, setting: Setting) -> "Objective":

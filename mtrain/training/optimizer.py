@@ -119,6 +119,15 @@ def adamw(
     return optax.chain(optax.clip_by_global_norm(clip_norm), decay)
 
 
+def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None,
+        nesterov: bool = False, clip_norm: float | None = None) -> optax.GradientTransformation:
+    """Plain stochastic gradient descent (optax's; torch's ``SGD`` without weight decay),
+    after clipping to global norm `clip_norm` (None: none): what reference numbers of one
+    update are compared with."""
+    step = optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
+    return step if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), step)
+
+
 def adafactor(
     learning_rate: optax.ScalarOrSchedule,
     decay_rate: float = 0.8,

@@ -239,8 +239,11 @@ class Trainer:
         if batch is not None:
             return jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-        ids = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
-        return PlacedBatch({name: ids for name in self.objective.batch_keys(self.model.features)})
+        floats = self.objective.float_keys
+        return PlacedBatch({name: jax.ShapeDtypeStruct(
+            self.batch_shape, jnp.float32 if name in floats else jnp.int32,
+            sharding=self.batch_sharding) for name in self.objective.batch_keys(
+                self.model.features)})
 
     def with_layout(self, layout: Layout) -> "Trainer":
         """The same model, optimizer, objective, batch, seed and settings on another layout
