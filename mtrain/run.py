@@ -136,7 +136,8 @@ def build(settings: RunConfig | None = None, restart: bool = False, **overrides)
             if task.reinforcement and settings.mode == "train":
                 stepper = GrpoStepper(trainer=trainer, vocab=vocab, config=config.grpo(),
                                       seed=settings.seed, template=_template(settings, task,
-                                                                             vocab))
+                                                                             vocab),
+                                      reads_rollouts=source.format == "rollouts")
             if task.kind == "translation":
                 translator = Translator(trainer, vocab, config.decoding())
             elif settings.mode == "infer":

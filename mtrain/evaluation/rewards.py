@@ -6,9 +6,11 @@ extra fields: an answer, a test) and the texts of the group's completions (decod
 the id that ended them, as TRL's ``skip_special_tokens``), one number per completion
 (None: no opinion, counted as 0 as TRL's NaN-summing does). gin:
 
-    grpo.rewards = [@answer_after(), @my_rewards.length_penalty]
+    grpo.rewards = [@answer_after(), 'my_rewards.length_penalty']
     answer_after.marker = '####'
     grpo.reward_weights = [1.0, 0.1]
+
+(a function by its name, `resolve`: ``'module.function'`` or ``'path/file.py:function'``).
 
 A reward that raises, or returns anything but one number per completion, stops the run in
 one line that names it and the example (`RewardError`).
@@ -17,17 +19,54 @@ one line that names it and the example (`RewardError`).
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import math
+import os
 import re
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from mtrain.errors import DataError
+from mtrain.errors import ConfigError, DataError
 
 
 class RewardError(DataError):
     """A reward function failed on an example."""
+
+
+def resolve(reward) -> Callable:
+    """A reward of ``grpo.rewards``: a callable (a gin reference), or the name of one,
+    ``'module.function'`` (imported; the working directory is on the path) or
+    ``'path/to/file.py:function'``; a `ConfigError` in one line where it cannot be had."""
+    if callable(reward):
+        return reward
+    if not isinstance(reward, str) or not reward.strip():
+        raise ConfigError(f"grpo.rewards: {reward!r} is neither a function nor its name")
+    try:
+        if ":" in reward:
+            path, name = reward.rsplit(":", 1)
+            spec = importlib.util.spec_from_file_location(
+                os.path.splitext(os.path.basename(path))[0], path)
+            if spec is None or not os.path.isfile(path):
+                raise FileNotFoundError(f"no file {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module_name, _, name = reward.rpartition(".")
+            if not module_name:
+                raise ImportError("name it as module.function or path/file.py:function")
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+        function = getattr(module, name)
+    except Exception as e:  # the user's module: whatever it raises, said in one line
+        raise ConfigError(f"grpo.rewards: cannot load {reward!r}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())}") from None
+    if not callable(function):
+        raise ConfigError(f"grpo.rewards: {reward!r} is not a function")
+    return function
 
 
 def name_of(function: Callable) -> str:

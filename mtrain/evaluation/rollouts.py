@@ -103,10 +103,12 @@ def rows(prompts: list[list[int]], completions: list[list[int]], advantages: np.
 
 class GrpoStepper:
     """The training loop's stepper of a GRPO run (module doc), around `trainer` (whose
-    objective is `grpo.Grpo`)."""
+    objective is `grpo.Grpo`); `reads_rollouts`: its records hold their completions and
+    rewards (``files.format='rollouts'``), else its rewards score what it samples."""
 
     def __init__(self, *, trainer: Trainer, vocab: Vocabulary, config: grpo.GrpoConfig,
-                 seed: int = 0, template: ChatTemplate | None = None):
+                 seed: int = 0, template: ChatTemplate | None = None,
+                 reads_rollouts: bool = False):
         self.trainer, self.vocab, self.config, self.seed = trainer, vocab, config, seed
         self.template = template
         rows_, length = trainer.batch_shape
@@ -125,7 +127,11 @@ class GrpoStepper:
         self.generator = Generator(trainer, vocab, DecodingConfig(
             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
             max_decode_length=config.max_completion_length, prefill=True), seed)
-        self.names = [rewards_lib.name_of(f) for f in config.rewards]
+        self.rewards = [rewards_lib.resolve(f) for f in config.rewards]
+        if not self.rewards and not reads_rollouts:
+            raise ConfigError("files.format='prompts' samples completions for grpo.rewards to "
+                              "score: name at least one (grpo.rewards = [@matches()], ...)")
+        self.names = [rewards_lib.name_of(f) for f in self.rewards]
         self.last_start = None
 
     def describe(self) -> str:
@@ -185,7 +191,7 @@ class GrpoStepper:
                                                zip(prompts, stops)], step.generation)
             texts = [self.text(x, s) for x, s in zip(completions, stops)]
             total, per = rewards_lib.score(
-                c.rewards, c.weights, step.records,
+                self.rewards, c.weights, step.records,
                 [texts[g * group:(g + 1) * group] for g in range(len(step.records))])
         ended = np.array([bool(x) and x[-1] in (s, self.vocab.eos_id)
                           for x, s in zip(completions, stops)])

@@ -64,19 +64,21 @@ def resume(checkpoints: Checkpoints, trainer, meta: dict, iterator):
 def restore_for_reading(directory: str, abstract_state, meta: dict, step: int | None = None,
                         missing: str = "train first (--mode=train)",
                         advice: str = "use the settings of the run that trained it (its "
-                                      "config.gin)"):
+                                      "config.gin)", zero_adapters: bool = True):
     """(state, step) of checkpoint `step` (default: the newest that can be read) in
     `directory`, into the shardings of `abstract_state`, without the input position: for
     eval, score, infer, export and init_from. Reads only (a damaged checkpoint is skipped,
     not moved aside); `missing` says what to do when `directory` holds no checkpoint,
     `advice` what to do about one of another model. An import's adapters, where it has
-    none, are zeros (the base's function); its optimizer state stays abstract."""
+    none, are zeros (the base's function), or left out (not `zero_adapters`: the caller's
+    fresh ones take their place); its optimizer state stays abstract."""
     require_checkpoints(directory, missing)
     checkpoints = Checkpoints(directory, read_only=True)
     try:
         got = checkpoints.read(step, abstract_state, meta, advice=advice)
         params = _with_base(checkpoints, got, abstract_state.params, meta)
-        params = _complete(got, checkpoints.directory, params, abstract_state.params, _zeros)
+        params = _complete(got, checkpoints.directory, params, abstract_state.params,
+                           _zeros if zero_adapters else None)
         return got.state.replace(params=params), got.step
     finally:
         checkpoints.close()
@@ -114,8 +116,10 @@ def init_from(directory: str, abstract_state, meta: dict, step: int | None = Non
     kwargs = dict(missing="run.init_from must name the model dir of a run",
                   advice="run.init_from starts from a run of the same model: give this run "
                          "that run's model settings (its config.gin)")
-    try:  # (the whole state read and verified, as a reader does)
-        state, step = restore_for_reading(where, abstract_state, meta, step, **kwargs)
+    try:  # (the whole state read and verified, as a reader does; adapters it has not are
+        # left to the run's fresh ones: zero A and B would never train)
+        state, step = restore_for_reading(where, abstract_state, meta, step,
+                                          zero_adapters=False, **kwargs)
         return state.params, step, where
     except IncompatibleRun:  # another task, optimizer or adapters: its parameters alone
         params, step = params_of(where, abstract_state.params, meta, step, **kwargs)

@@ -1,0 +1,100 @@
+"""GRPO runs as a user starts them (``files.format='prompts'``, rewards named in gin): a
+task RL visibly solves on CPU in seconds, full and LoRA, and what a killed run resumes.
+
+The task: `llama_gqa` (the oracle's tiny Llama, its logits O(1) and nearly flat: a
+completion ends with the piece "the" about once in 500) continues the first three words of
+320 verses of the shipped Bible by at most 6 pieces; the reward (the built-in `matches`) is
+1 where the completion ends with "the". From almost never, the policy learns to end every
+completion so (full fine-tuning) or nearly every one (LoRA: its adapters cannot move the
+frozen output layer's logits past the final norm's reach: measured plateaus at 0.94 at
+temperature 0.7), within 150 steps of 4 prompts x 16 completions.
+"""
+
+import json
+import lzma
+import os
+
+import numpy as np
+import pytest
+
+from test_huggingface import resumes_bit_for_bit
+from test_oracles import ORACLES
+
+from mtrain.__main__ import main
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")]
+CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                      "bible_kjv_lsg.tsv.xz")
+
+
+def verse_openings(path, every: int = 97) -> None:
+    """A prompts file: the first three words of every `every`-th English verse."""
+    with lzma.open(CORPUS, "rt", encoding="utf-8") as f, open(path, "w") as out:
+        for number, line in enumerate(f):
+            if number and number % every == 0:
+                words = line.rstrip("\n").split("\t")[3].split()
+                out.write(json.dumps({"prompt": " ".join(words[:3])}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_runs")
+    assert main(["--mode=import", f"--input_dir={ORACLES}/llama_gqa",
+                 f"--model_dir={root / 'llama'}"]) == 0
+    verse_openings(root / "prompts.jsonl")
+    return root
+
+
+def rl_flags(root, model_dir, steps: int, *params: str) -> list[str]:
+    settings = [
+        f"run.init_from='{root / 'llama'}'", "run.task=@task()", "task.data=@files()",
+        f"files.train='{root / 'prompts.jsonl'}'", "files.format='prompts'",
+        "run.mesh_shape='batch:4;model:2'",
+        "run.layout_rules='batch:batch;d_ff:model;heads:model;kv_heads:model;vocab:model'",
+        "run.batch_size=64", "run.sequence_length=24", f"run.train_steps={steps}",
+        "run.log_every=10", "run.checkpoint_every=50", f"run.data_dir='{root / 'data'}'",
+        "run.optimizer=@adamw", "adamw.weight_decay=0.0",
+        "learning_rate_schedule.shape='constant'", "learning_rate_schedule.warmup_steps=1",
+        "grpo.num_generations=16", "grpo.max_completion_length=6", "grpo.temperature=0.7",
+        "grpo.rewards=[@matches()]", r"matches.pattern='the\s*$'", *params]
+    return [f"--gin_file={root / 'llama'}/config.gin", f"--model_dir={model_dir}",
+            *[f"--gin_param={p}" for p in settings]]
+
+
+def rewards(model_dir) -> dict[int, float]:
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["train/reward"] for r in map(json.loads, f)}
+
+
+@pytest.mark.parametrize("kind, params, reached", [
+    ("full", ["learning_rate_schedule.constant=3e-3"], 0.97),
+    ("lora", ["learning_rate_schedule.constant=1e-2", "lora.rank=8"], 0.85),
+])
+def test_grpo_learns_to_end_completions_with_a_word_and_resumes(policy, tmp_path, capsys,
+                                                               kind, params, reached):
+    """The mean reward of the first 10 steps is under 0.02 and of the last 10 above
+    `reached` (measured: 1.00 full, 0.94 LoRA); with its newest checkpoint lost, the run
+    resumes from step 100 and takes steps 101-150 again exactly: the same rewards and the
+    same parameters."""
+    argv = rl_flags(policy, tmp_path / kind, 150, *params)
+    assert main(argv) == 0
+    got = rewards(tmp_path / kind)
+    assert got[10] < 0.02 and got[150] > reached, got
+    assert all(0.0 <= r <= 1.0 for r in got.values())
+    resumes_bit_for_bit(capsys, argv, tmp_path / kind, newest=150, back_to=100)
+    assert rewards(tmp_path / kind) == got
+
+
+def test_a_generation_trained_on_twice_resumes_between_its_steps(policy, tmp_path, capsys):
+    """grpo.num_iterations=2: step 2 trains on step 1's completions again; a run that
+    resumes from the checkpoint of step 1 (which saves them) takes step 2 exactly."""
+    argv = rl_flags(policy, tmp_path / "m", 2, "learning_rate_schedule.constant=3e-3",
+                    "grpo.num_iterations=2", "run.checkpoint_every=1", "run.log_every=1",
+                    "grpo.beta=0.04")
+    assert main(argv) == 0
+    got = rewards(tmp_path / "m")
+    assert got[1] == got[2]  # (step 2's rewards are step 1's completions')
+    resumes_bit_for_bit(capsys, argv, tmp_path / "m", newest=2, back_to=1)
+    assert rewards(tmp_path / "m") == got
+    assert np.isfinite(list(got.values())).all()
