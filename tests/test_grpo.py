@@ -18,6 +18,7 @@ difference of two float32 weights (two spacings of the weight), the clip ratios 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,9 @@ from safetensors.numpy import load_file
 from test_oracles import ORACLES
 
 from mtrain.__main__ import main
+from mtrain.data.prompts import PromptRecord
+from mtrain.errors import ConfigError
+from mtrain.evaluation import rewards
 from mtrain.training import grpo
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")
@@ -191,3 +195,179 @@ def test_rollouts_from_a_file_take_trls_steps(imported, tmp_path, run, layout):
             far = np.abs(got - d[key]) > 1e-5 * np.abs(d[key]).max() + rounding
             assert not far.any(), (s, name, np.abs(got - d[key]).max())
         before = after
+
+
+# ---- rewards (`evaluation.rewards`) ----
+
+def record(**fields):
+    return PromptRecord(where="prompts.jsonl:7", record=fields, prompt="q")
+
+
+def test_the_built_in_rewards():
+    gsm = rewards.answer_after()
+    assert rewards.answer_after(marker="")({"answer": "God"}, [" God.", "Moses"]) == [1.0, 0.0]
+    assert gsm({"answer": "1,234"}, ["so #### 1234.", "#### 1234 and more", "1234", "## 1234",
+                                     "#### 12 #### 1,234"]) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    ends = rewards.matches(pattern=r"light\W*$")
+    assert ends({}, ["let there be light.", "light of day", ""]) == [1.0, 0.0, 0.0]
+    whole = rewards.matches(pattern=r"<think>.*</think>.*", whole=True)
+    assert whole({}, ["<think>a\nb</think> 4", "4 <think></think>"]) == [1.0, 0.0]
+    total, per = rewards.score([ends, lambda r, c: [0.5] * len(c)], [1.0, 2.0],
+                               [record(), record()], [["light", "dark"], ["x", "light!"]])
+    np.testing.assert_array_equal(total, [2.0, 1.0, 1.0, 2.0])
+    assert per.shape == (2, 4) and rewards.name_of(ends) == "matches"
+
+
+def broken(record, completions):
+    raise ZeroDivisionError("division by zero")
+
+
+@pytest.mark.parametrize("function, message", [
+    (broken, r"reward broken raised ZeroDivisionError on prompts.jsonl:7: division by zero"),
+    (lambda r, c: [1.0], r"returned 1 values for prompts.jsonl:7; it must return one number "
+                         r"per completion \(2\)"),
+    (lambda r, c: ["yes", "no"], r"returned 'yes' for prompts.jsonl:7"),
+    (lambda r, c: [float("nan"), 0.0], r"returned nan for prompts.jsonl:7"),
+    (lambda r, c: 1.0, r"returned float for prompts.jsonl:7"),
+    (rewards.answer_after(), r"reward answer_after raised KeyError on prompts.jsonl:7: "
+                             r"\"the record has no 'answer' field\""),
+])
+def test_a_reward_that_fails_names_itself_and_the_example(function, message):
+    with pytest.raises(rewards.RewardError, match=message) as e:
+        rewards.score([function], [1.0], [record(question="q")], [["a", "b"]])
+    assert "\n" not in str(e.value)
+
+
+def test_rewards_are_named_as_functions_or_files(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(record, completions):\n    return [float(len(c) < 5) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    by_module = rewards.resolve("my_rewards.short")
+    by_file = rewards.resolve(f"{tmp_path / 'my_rewards.py'}:short")
+    assert by_module({}, ["abc", "abcdef"]) == by_file({}, ["abc", "abcdef"]) == [1.0, 0.0]
+    for name, why in (("my_rewards.long", "AttributeError"), ("nowhere.f", "ModuleNotFound"),
+                      ("short", "module.function"), ("/no/such.py:f", "FileNotFound")):
+        with pytest.raises(ConfigError, match=f"grpo.rewards: cannot load '{name}': .*{why}"):
+            rewards.resolve(name)
+
+
+# ---- prompts and rollouts as the user's files bring them ----
+
+def flags_for(imported, tmp_path, train, fmt="prompts", *params):
+    d = oracle("full_default_beta0.04_mu2")
+    return [f"--gin_file={imported / 'full'}/config.gin", *grpo_flags(
+        d, tmp_path / "m", train, tmp_path / "data", f"run.init_from='{imported / 'full'}'",
+        f"files.format='{fmt}'", "grpo.rewards=[@matches()]", "matches.pattern='a'",
+        *SPLIT, *params)]
+
+
+@pytest.mark.parametrize("fmt, lines, params, message", [
+    ("prompts", ['{"prompt": "In the"}', '["not", "an object"]'], [],
+     r"prompts.jsonl line 2: not a JSON object"),
+    ("prompts", ['{"question": "In the"}'], [],
+     r"prompts.jsonl:1: a prompts record is a JSON object with a 'prompt' field"),
+    ("prompts", ['{"prompt": 7}'], [], r"prompts.jsonl:1: a prompt must be a text"),
+    ("rollouts", ['{"prompt": "a", "completions": ["b"], "rewards": [1]}'], [],
+     r"prompts.jsonl:1: 1 completions and 1 rewards; grpo.num_generations is 4"),
+    ("rollouts", ['{"prompt": "a", "completions": ["b", "c", "d", "e"], '
+                  '"rewards": [1, 0, 1, "x"]}'], [],
+     r"prompts.jsonl:1: each reward must be a finite number"),
+    ("prompts", ['{"prompt": "In the"}'], ["grpo.loss='ppo'"],
+     r"grpo.loss='ppo'; use one of dapo, grpo, dr_grpo"),
+    ("prompts", ['{"prompt": "In the"}'], ["grpo.num_generations=1"],
+     r"grpo.num_generations must be at least 2"),
+    ("prompts", ['{"prompt": "In the"}'], ["grpo.num_generations=5"],
+     r"run.batch_size=16 is not a whole number of groups of grpo.num_generations=5"),
+    ("prompts", ['{"prompt": "In the"}'], ["grpo.max_completion_length=32"],
+     r"grpo.max_completion_length=32 leaves no room for a prompt"),
+    ("prompts", ['{"prompt": "In the"}'], ["grpo.rewards=[]"],
+     r"name at least one \(grpo.rewards"),
+    ("prompts", ['{"prompt": "In the"}'], ["grpo.rewards=['nowhere.f']"],
+     r"grpo.rewards: cannot load 'nowhere.f'"),
+    ("prompts", ['{"prompt": "In the"}'], ["matches.pattern='('"],
+     r"matches.pattern='\(' is not a regular expression"),
+])
+def test_bad_prompts_and_settings_are_one_line(imported, tmp_path, capsys, fmt, lines,
+                                               params, message):
+    """Each stops the run in one line on stderr, non-zero, before a step is saved."""
+    train = tmp_path / "prompts.jsonl"
+    train.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(flags_for(imported, tmp_path, train, fmt, *params)) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) <= 3 and re.search(message, err[-1]), err
+    assert not (tmp_path / "m" / "checkpoints" / "1").exists()
+
+
+def test_grpo_needs_a_model_to_improve(tmp_path, capsys):
+    train = tmp_path / "prompts.jsonl"
+    train.write_text('{"prompt": "In the"}\n')
+    assert main(["--gin_file=configs/models/lm_tiny.gin", f"--model_dir={tmp_path / 'm'}",
+                 "--gin_param=run.task=@task()", "--gin_param=task.data=@files()",
+                 f"--gin_param=files.train='{train}'", "--gin_param=files.format='prompts'",
+                 f"--gin_param=run.data_dir='{tmp_path / 'data'}'",
+                 "--gin_param=grpo.rewards=[@matches()]", "--gin_param=run.batch_size=8",
+                 "--gin_param=run.mesh_shape='batch:8'",
+                 "--gin_param=run.layout_rules='batch:batch'"]) != 0
+    assert "GRPO improves a model that exists" in capsys.readouterr().err
+
+
+def test_a_reward_that_raises_in_training_stops_the_run_in_one_line(imported, tmp_path,
+                                                                     capsys):
+    """A user's reward that fails on the first step's completions: one error line naming it
+    and the example, no traceback, a non-zero exit, no checkpoint of a step."""
+    (tmp_path / "flaky.py").write_text("def reward(record, completions):\n"
+                                       "    return [1 / 0 for _ in completions]\n")
+    train = tmp_path / "prompts.jsonl"
+    train.write_text('{"prompt": "In the", "answer": 3}\n')
+    capsys.readouterr()
+    assert main(flags_for(imported, tmp_path, train, "prompts",
+                          f"grpo.rewards=['{tmp_path / 'flaky.py'}:reward']")) != 0
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert re.search(r"reward reward raised ZeroDivisionError on .*prompts.jsonl:1: division "
+                     r"by zero", errors[0])
+    assert not (tmp_path / "m" / "checkpoints" / "1").exists()
+
+
+def test_conversations_are_prompted_by_the_chat_template(tmp_path, capsys):
+    """TRL's conversational prompts on an import with a chat template (Qwen2.5's ChatML):
+    each is rendered with its generation prompt and its completions end at the end of turn;
+    a run trained in the import's own model dir takes its steps and logs TRL's metrics, and
+    the same command again has nothing left to train."""
+    from mtrain import run as run_lib
+    from mtrain.data.user_data import model_dir_template
+
+    model_dir = tmp_path / "qwen"
+    assert main(["--mode=import", f"--input_dir={ORACLES}/qwen2",
+                 f"--model_dir={model_dir}"]) == 0
+    train = tmp_path / "chats.jsonl"
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Who said: let there be light?"}]
+    train.write_text(json.dumps({"prompt": messages, "answer": "God"}) + "\n")
+    params = ["run.task=@task()", "task.data=@files()", f"files.train='{train}'",
+              "files.format='prompts'", "run.batch_size=8", "run.sequence_length=64",
+              "run.train_steps=2", "run.log_every=1", f"run.data_dir='{tmp_path / 'data'}'",
+              "grpo.num_generations=4", "grpo.max_completion_length=8",
+              "grpo.rewards=[@answer_after()]", "answer_after.marker=''", *SPLIT]
+    run_lib.parse_config([str(model_dir / "config.gin")], params)
+    exp = run_lib.build(mode="train", model_dir=str(model_dir))
+    template = model_dir_template(str(model_dir), exp.vocab)
+    ids, stop = exp.stepper.prompt_ids(exp.source.records[0])
+    assert ids == template.prompt(messages) and stop == template.end_of_turn
+    assert exp.stepper.text([*exp.vocab.encode("God"), stop], stop) == "God"
+    argv = [f"--gin_file={model_dir}/config.gin", f"--model_dir={model_dir}",
+            *[f"--gin_param={p}" for p in params]]
+    assert main(argv) == 0
+    with open(model_dir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("reward", "reward_std", "rewards/answer_after/mean", "kl", "entropy",
+                "clip_ratio/region_mean", "completions/mean_length",
+                "completions/clipped_ratio", "frac_reward_zero_std", "generation_share"):
+        assert np.isfinite(records[-1][f"train/{key}"]), key
+    assert 1 <= records[-1]["train/completions/mean_length"] <= 8
+    capsys.readouterr()
+    assert main(argv) == 0  # (the same command: its checkpoint is at run.train_steps)
+    assert "nothing to train" in capsys.readouterr().err

@@ -78,7 +78,7 @@ def name_of(function: Callable) -> str:
 class answer_after:  # noqa: N801 (named as gin and the logs call it)
     """1 where the text after the last `marker` of a completion (stripped; a number's
     commas and a trailing period dropped) equals the record's `field`, else 0: GSM8K's
-    ``#### 42``."""
+    ``#### 42``; with `marker` '' the whole completion is compared."""
 
     marker: str = "####"
     field: str = "answer"
@@ -96,6 +96,8 @@ class answer_after:  # noqa: N801 (named as gin and the logs call it)
         if self.field not in record:
             raise KeyError(f"the record has no {self.field!r} field")
         want = self._normal(str(record[self.field]))
+        if not self.marker:  # the whole completion is the answer
+            return [float(self._normal(c) == want) for c in completions]
         return [float(self.marker in c and self._normal(c.rsplit(self.marker, 1)[1]) == want)
                 for c in completions]
 
@@ -108,6 +110,13 @@ class matches:  # noqa: N801
 
     pattern: str = ""
     whole: bool = False
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"matches.pattern={self.pattern!r} is not a regular expression: "
+                              f"{e}") from None
 
     @property
     def __name__(self) -> str:
