@@ -57,8 +57,8 @@ class GrpoConfig:
     the ratio's clipping `epsilon` and `epsilon_high` (DAPO's asymmetric upper bound; None:
     `epsilon`), `scale_rewards` ('group': advantages over the group's std; 'none': not
     scaled, Dr. GRPO), `disable_dropout`. Rewards: `rewards`, functions
-    ``f(record, completions) -> floats`` (`evaluation.rewards`), summed with `reward_weights`
-    (None: 1 each)."""
+    ``f(record, completions) -> floats`` or their names (`evaluation.rewards.resolve`),
+    summed with `reward_weights` (None: 1 each). The defaults are TRL 1.16's."""
 
     num_generations: int = 8
     max_completion_length: int = 256
