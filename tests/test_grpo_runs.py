@@ -13,11 +13,15 @@ temperature 0.7), within 150 steps of 4 prompts x 16 completions.
 import json
 import lzma
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from conftest import no_compilation_cache
 from test_huggingface import resumes_bit_for_bit
+from test_multiprocess import free_port
 from test_oracles import ORACLES
 
 from mtrain.__main__ import main
@@ -98,3 +102,34 @@ def test_a_generation_trained_on_twice_resumes_between_its_steps(policy, tmp_pat
     resumes_bit_for_bit(capsys, argv, tmp_path / "m", newest=2, back_to=1)
     assert rewards(tmp_path / "m") == got
     assert np.isfinite(list(got.values())).all()
+
+
+def test_two_processes_sample_and_step_as_one(policy, tmp_path):
+    """2 processes x 4 devices (each feeding its half of the batch: whole groups) take the
+    steps of 1 process x 8: the same completions (each row's key is a function of the step
+    and the row, not of the process), so the same rewards, and losses equal but for the
+    order of float32 sums in the collectives (1e-5, as test_multiprocess measures)."""
+    argv = rl_flags(policy, tmp_path / "one", 3, "learning_rate_schedule.constant=3e-3",
+                    "run.log_every=1", "matches.pattern='e'")
+    assert main(argv) == 0
+    address = f"localhost:{free_port()}"
+    two = [a.replace(str(tmp_path / "one"), str(tmp_path / "two")) for a in argv]
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "mtrain", *two, "--cpu_devices=4",
+         f"--coordinator_address={address}", "--num_processes=2", "--distributed_timeout=60",
+         f"--process_id={i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    with open(tmp_path / "one" / "metrics.jsonl") as f:
+        one = [json.loads(line) for line in f]
+    with open(tmp_path / "two" / "metrics.jsonl") as f:
+        two_ = [json.loads(line) for line in f]
+    assert [r["step"] for r in two_] == [1, 2, 3]
+    assert 0 < one[0]["train/reward"] < 1
+    for a, b in zip(one, two_):
+        assert a["train/reward"] == b["train/reward"]
+        assert a["train/completions/mean_length"] == b["train/completions/mean_length"]
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-5)
