@@ -221,8 +221,9 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
         check_stages(model_config, layout.ways("layers"), s.batch_size // s.num_microbatches,
                      layout.ways("batch"), encoder_decoder=task.kind == "translation")
     trainable = freezing.trainable(s.trainable, model_config.lora is not None)
-    objective = (Preference(config.dpo()) if task.preference else
-                 Grpo(config.grpo()) if task.reinforcement else LanguageModeling(config.loss()))
+    objective = (Preference(config.dpo()) if task.preference else  # (GRPO's: what it trains;
+                 Grpo(config.grpo()) if task.reinforcement and s.mode in ("train", "plan")
+                 else LanguageModeling(config.loss()))  # its readers score as an LM does)
     trainer = Trainer(model=model, optimizer=opt, objective=objective, layout=layout, mesh=mesh,
                       batch_size=s.batch_size, sequence_length=s.sequence_length, seed=s.seed,
                       num_microbatches=s.num_microbatches, trainable=trainable)

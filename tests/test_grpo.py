@@ -371,3 +371,47 @@ def test_conversations_are_prompted_by_the_chat_template(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0  # (the same command: its checkpoint is at run.train_steps)
     assert "nothing to train" in capsys.readouterr().err
+
+
+def test_prompt_files_as_users_write_them(tmp_path):
+    """Text lines, JSON Lines with the prompt under another field (files.columns), ids and
+    conversations; every other field kept for the rewards; rollouts with texts or ids.
+    The iterator's prompts are a function of the step: shuffled by the seed each epoch,
+    each generation's for `num_iterations` steps, and a restored iterator goes on as the
+    saved one would have."""
+    from mtrain.data import prompts
+    from mtrain.data.prepared import Files
+
+    (tmp_path / "a.txt").write_text("In the beginning\n\nAnd God said\n")
+    lines = [{"question": "Who?", "answer": "God"}, {"question": [1, 5, 9]},
+             {"question": [{"role": "user", "content": "Hi"}], "id": 3}]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = prompts.read(Files(train=str(tmp_path / "a.txt"), format="prompts"), 2)
+    assert [r.prompt for r in text] == ["In the beginning", "And God said"]
+    assert text[1].where.endswith("a.txt:3")
+    records = prompts.read(Files(train=str(tmp_path / "b.jsonl"), format="prompts",
+                                 columns={"prompt": "question"}), 2)
+    assert [r.prompt for r in records] == [r["question"] for r in lines]
+    assert records[0].record["answer"] == "God" and records[2].record["id"] == 3
+    (tmp_path / "r.jsonl").write_text(json.dumps(
+        {"prompt": "a", "completions": ["b", [7, 2]], "rewards": [1, 0.5]}) + "\n")
+    rollout, = prompts.read(Files(train=str(tmp_path / "r.jsonl"), format="rollouts"), 2)
+    assert rollout.completions == ("b", [7, 2]) and rollout.rewards == (1.0, 0.5)
+
+    source = prompts.PromptSource(text + records, "prompts")
+    batches = prompts.PromptBatches(source, per_step=2, iterations=2, seed=1, shuffle=True)
+    steps = [next(batches) for _ in range(6)]
+    assert [s.generation for s in steps] == [0, 0, 1, 1, 2, 2]
+    assert [s.fresh for s in steps] == [True, False] * 3
+    assert steps[0].records == steps[1].records
+    epoch = steps[0].records + steps[2].records + steps[4].records[:1]
+    assert len({r.where for r in epoch}) == 5  # (an epoch: a permutation of the 5)
+    again = prompts.PromptBatches(source, per_step=2, iterations=2, seed=1, shuffle=True)
+    batches.position = 3
+    batches.pending = {"x": np.arange(3)}
+    batches.save(tmp_path / "state")
+    again.restore(tmp_path / "state")
+    resumed = next(again)
+    assert (resumed.number, resumed.fresh) == (3, False)
+    assert resumed.records == steps[3].records
+    np.testing.assert_array_equal(resumed.pending["x"], np.arange(3))

@@ -17,7 +17,7 @@ reward's, whatever they hold):
 `PromptBatches` is a GRPO run's input iterator: step k (from 0) is of generation
 k // num_iterations, whose prompts are records g x P ... g x P + P - 1 of the run's order
 (P = batch_size / num_generations prompts a step; prompts shuffled by ``run.seed`` each
-epoch, rollouts in file order), each process taking its rows' groups. Its position is a
+epoch, rollouts in file order), read by every process. Its position is a
 function of the step; what it saves besides is the rollout that later steps of a
 generation train on again (`Pending`), so that a resumed run takes exactly those steps.
 """
@@ -147,8 +147,8 @@ class PromptSource:
 @dataclasses.dataclass
 class StepPrompts:
     """What the iterator gives step `number` (from 0): the generation it is of, whether it
-    is that generation's first step (`fresh`: sample, or read the rollouts), this process's
-    `records`, and the `pending` rollout (of that generation) where it is not fresh."""
+    is that generation's first step (`fresh`: sample, or read the rollouts), its `records`,
+    and the `pending` rollout (of that generation) where it is not fresh."""
 
     number: int
     generation: int
@@ -166,12 +166,13 @@ class StepPrompts:
 
 
 class PromptBatches:
-    """The input iterator of a GRPO run (module doc): `per_step` prompts a step, of which
-    this process takes `share` = (first, count); `iterations` steps a generation."""
+    """The input iterator of a GRPO run (module doc): `per_step` prompts a step (every
+    process reads them all: the generator samples the global batch, each process keeping
+    its rows' groups), `iterations` steps a generation."""
 
-    def __init__(self, source: PromptSource, *, per_step: int, share: tuple[int, int],
-                 iterations: int, seed: int, shuffle: bool):
-        self.source, self.per_step, self.share = source, per_step, share
+    def __init__(self, source: PromptSource, *, per_step: int, iterations: int, seed: int,
+                 shuffle: bool):
+        self.source, self.per_step = source, per_step
         self.iterations, self.seed, self.shuffle = iterations, seed, shuffle
         self.position = 0  # steps taken
         # (`StepPrompts.keep`: a `rollouts.Rollout`; restored, the dict of its `arrays()`)
@@ -184,12 +185,10 @@ class PromptBatches:
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
     def records_of(self, generation: int) -> list[PromptRecord]:
-        """This process's records of `generation`."""
+        """The records of `generation`."""
         n = len(self.source.records)
-        first, count = self.share
         out = []
-        for index in range(generation * self.per_step + first,
-                           generation * self.per_step + first + count):
+        for index in range(generation * self.per_step, (generation + 1) * self.per_step):
             epoch, at = divmod(index, n)
             out.append(self.source.records[int(self._order(epoch)[at])])
         return out
@@ -222,8 +221,8 @@ class PromptBatches:
             np.savez(buffer, **(pending.arrays() if hasattr(pending, "arrays") else pending))
             epath.Path(prefix + ".npz").write_bytes(buffer.getvalue())
         write_atomically(prefix + ".json", json.dumps(
-            {"position": self.position, "pending": self.pending is not None,
-             "share": list(self.share)}, sort_keys=True))
+            {"position": self.position, "pending": self.pending is not None},
+            sort_keys=True))
         return prefix
 
     def restore(self, directory) -> None:

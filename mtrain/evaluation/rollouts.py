@@ -131,7 +131,8 @@ class GrpoStepper:
         if not self.rewards and not reads_rollouts:
             raise ConfigError("files.format='prompts' samples completions for grpo.rewards to "
                               "score: name at least one (grpo.rewards = [@matches()], ...)")
-        self.names = [rewards_lib.name_of(f) for f in self.rewards]
+        # (a rollouts file's rewards are each completion's total: no function's own)
+        self.names = [] if reads_rollouts else [rewards_lib.name_of(f) for f in self.rewards]
         self.last_start = None
 
     def describe(self) -> str:
@@ -157,6 +158,13 @@ class GrpoStepper:
             return self.template.prompt(prompt, where=record.where), self.template.end_of_turn
         return list(prompt), eos
 
+    def as_read(self, ids: list[int]) -> list[int]:
+        """A prompt's ids as the generator reads them: its first id, then (a prompt too long
+        for the row) the last `Generator.kept` of the others, which leave room for the
+        completion; the rows the update reads are the same."""
+        kept = self.generator.kept
+        return ids if len(ids) - 1 <= kept else [ids[0]] + ids[1:][-kept:]
+
     def completion_ids(self, completion, stop: int) -> list[int]:
         """A rollout file's completion: ids as given; a text encoded and ended by `stop`."""
         return list(completion) if isinstance(completion, list) else (
@@ -178,7 +186,7 @@ class GrpoStepper:
         """The generation's `Rollout` of `step`'s records (module doc, 1)."""
         c, group = self.config, self.config.num_generations
         tick = time.perf_counter()
-        read = [self.prompt_ids(r) for r in step.records]
+        read = [(self.as_read(p), stop) for p, stop in map(self.prompt_ids, step.records)]
         prompts = [p for p, _ in read for _ in range(group)]
         stops = [s for _, s in read for _ in range(group)]
         if step.records[0].completions is not None:  # rollouts from a file

@@ -189,9 +189,8 @@ class Experiment:
     def _batches(self, split: str, train: bool):
         """This process's rows of each global batch (`Trainer.local_rows`)."""
         if isinstance(self.source, prompts.PromptSource):  # GRPO's (`data.prompts`)
-            per_step = self.stepper.prompts_per_step
             return prompts.PromptBatches(
-                self.source, per_step=per_step, share=(0, per_step),
+                self.source, per_step=self.stepper.prompts_per_step,
                 iterations=self.stepper.config.num_iterations, seed=self.config.seed,
                 shuffle=self.source.format == "prompts")
         start, stop = self.trainer.local_rows()
