@@ -116,6 +116,12 @@ class Reference:
         self.shardings = () if self.is_base else (param_shardings,)
         self.copy = None
 
+    @classmethod
+    def of(cls, setting) -> "Reference":
+        """The reference of the trainer an objective is bound to (its `Setting`)."""
+        return cls(setting.model, setting.abstract_params, setting.trainable,
+                   setting.param_shardings)
+
     @property
     def needs_copy(self) -> bool:
         return not self.is_base
@@ -149,8 +155,7 @@ class Preference(Objective):
     def bind(self, setting: Setting) -> "Preference":
         bound = Preference(self.config)
         bound.setting = setting
-        bound.reference = Reference(setting.model, setting.abstract_params, setting.trainable,
-                                    setting.param_shardings)
+        bound.reference = Reference.of(setting)
         return bound
 
     def batch_keys(self, features) -> list[str]:

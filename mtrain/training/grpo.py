@@ -190,8 +190,7 @@ class Grpo(Objective):
     def bind(self, setting: Setting) -> "Grpo":
         bound = Grpo(self.config)
         bound.setting = setting
-        bound.reference = Reference(setting.model, setting.abstract_params, setting.trainable,
-                                    setting.param_shardings)
+        bound.reference = Reference.of(setting)
         return bound
 
     float_keys = (ADVANTAGES, OLD_LOGPS)
