@@ -371,6 +371,9 @@ def test_conversations_are_prompted_by_the_chat_template(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0  # (the same command: its checkpoint is at run.train_steps)
     assert "nothing to train" in capsys.readouterr().err
+    assert main(["--mode=eval", *argv]) != 0  # (its rewards are logged as it trains)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a GRPO run evaluates its rewards as it trains" in err[0], err
 
 
 def test_prompt_files_as_users_write_them(tmp_path):
