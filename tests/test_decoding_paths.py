@@ -31,9 +31,10 @@ PATHS = {  # name -> (transformer settings, whether the GPU is emulated for it)
 LAYOUTS = {False: ("", ""), True: ("batch:2;model:4", "batch:batch;d_ff:model;heads:model")}
 
 
-def decode(vocab, settings, scanned, beam_size):
-    """The translations of SENTENCES (a padded second batch too) with `settings`; the same
-    parameters for every setting of one structure (seed 5)."""
+def decode(vocab, settings, scanned, beam_sizes=(1, 3)):
+    """beam size -> the translations of SENTENCES (a padded second batch too) with
+    `settings`; the same parameters for every setting of one structure (seed 5), initialized
+    once for every beam size."""
     config = dataclasses.replace(CONFIG, vocab_size=384, dropout_rate=0.0, scan_layers=scanned,
                                  **settings)
     layout = Layout(*LAYOUTS[scanned])
@@ -41,24 +42,25 @@ def decode(vocab, settings, scanned, beam_size):
     opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10))
     trainer = Trainer(model=EncoderDecoder(config), optimizer=opt, layout=layout, mesh=mesh,
                       batch_size=4, sequence_length=L, seed=5)
-    translator = Translator(trainer, vocab, DecodingConfig(beam_size=beam_size,
-                                                           max_decode_length=10))
     params = trainer.init_state().params
-    return translator(params, SENTENCES)
+    translators = {beam: Translator(trainer, vocab, DecodingConfig(beam_size=beam,
+                                                                   max_decode_length=10))
+                   for beam in beam_sizes}
+    return {beam: translate(params, SENTENCES) for beam, translate in translators.items()}
 
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["unrolled, one device",
                                                         "scanned, batch:2;model:4"])
 @pytest.mark.slow
 def test_every_attention_path_decodes_the_einsum_path_tokens(joint_vocab, monkeypatch, scanned):
-    expected = {beam: decode(joint_vocab, {"attention": "einsum"}, scanned, beam)
-                for beam in (1, 3)}
+    expected = decode(joint_vocab, {"attention": "einsum"}, scanned)
     assert all(any(expected[beam]) for beam in expected)
     for name, (settings, on_gpu) in PATHS.items():
         with monkeypatch.context() as m:
             if on_gpu:
                 calls = triton_interpreted(m)
+            got = decode(joint_vocab, settings, scanned)
             for beam in (1, 3):
-                assert decode(joint_vocab, settings, scanned, beam) == expected[beam], (name, beam)
+                assert got[beam] == expected[beam], (name, beam)
             if on_gpu:
                 assert calls and set(calls) == {"triton"}, calls  # the encoder's

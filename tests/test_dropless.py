@@ -299,6 +299,7 @@ def test_the_accelerator_kernels_run_every_mode_from_a_fresh_home(tmp_path, monk
 
     argv = ["--gin_file=experiments/moe_tiny_lm.gin", f"--model_dir={model_dir}",
             "--gin_param=vocabulary.size=512", "--gin_param=run.sequence_length=64",
+            "--gin_param=run.batch_size=8",  # (the kernels' paths, not their tokens' count)
             "--gin_param=run.eval_every=0", "--gin_param=run.checkpoint_every=2",
             "--gin_param=run.log_every=1", "--gin_param=decoding.max_decode_length=4",
             "--gin_param=learning_rate_schedule.warmup_steps=1",

@@ -109,6 +109,7 @@ def test_t5_1_1_tiny_enfr(fresh_home, tmp_path, capsys):
     model_dir = tmp_path / "t5"
     argv = ["--gin_file=experiments/t5_1_1_tiny_enfr.gin", f"--model_dir={model_dir}",
             "--gin_param=vocabulary.size=1024", "--gin_param=run.eval_every=0",
+            "--gin_param=run.batch_size=8", "--gin_param=run.sequence_length=64",
             "--gin_param=run.checkpoint_every=2", "--gin_param=run.log_every=2",
             "--gin_param=decoding.max_decode_length=8", "--gin_param=decoding.beam_size=2"]
     trained = argv + ["--gin_param=run.train_steps=4"]

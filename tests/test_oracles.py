@@ -77,9 +77,11 @@ def lm_logits(model, params, ids):
 def test_decoder_only_logits_are_hugging_faces(imported, family):
     exp, params, _ = load(imported[family])
     model, expected = exp.trainer.model, oracle(family)
-    np.testing.assert_allclose(lm_logits(model, {"params": params}, expected["input_ids"]),
+    # (jitted: one compile of the call, not each op dispatched alone)
+    logits = jax.jit(lambda params, ids: lm_logits(model, {"params": params}, ids))
+    np.testing.assert_allclose(logits(params, expected["input_ids"]),
                                expected["logits"], atol=ATOL, rtol=0)
-    np.testing.assert_allclose(lm_logits(model, {"params": params}, expected["long_input_ids"]),
+    np.testing.assert_allclose(logits(params, expected["long_input_ids"]),
                                expected["long_logits"], atol=ATOL, rtol=0)
 
 
@@ -96,8 +98,8 @@ def test_imported_experts_are_dropless_on_every_kernel(imported, family, setting
     assert "moe.dispatch = 'dropless'" in (imported[family] / "config.gin").read_text()
     expected = oracle(family)
     exp, params, _ = load(imported[family], setting)
-    np.testing.assert_allclose(lm_logits(exp.trainer.model, {"params": params},
-                                         expected["input_ids"]),
+    logits = jax.jit(lambda params, ids: lm_logits(exp.trainer.model, {"params": params}, ids))
+    np.testing.assert_allclose(logits(params, expected["input_ids"]),
                                expected["logits"], atol=ATOL, rtol=0)
 
 
@@ -118,10 +120,12 @@ def test_decoder_only_greedy_tokens_are_hugging_faces(imported, family):
         attention = cache[f"layer_{i}"]["self_attention"]
         keys = attention["cached_latent" if model.config.latent_attention else "cached_key"]
         assert keys.shape[1] == (window or total), (i, keys.shape)
+    # (jitted once: the same decode_step, a token at a time, without dispatching each op)
+    step = jax.jit(lambda params, cache, token: model.apply(
+        {**params, "cache": cache}, token, method=DecoderLM.decode_step, mutable=["cache"]))
     ids = prompt[:1]
     for i in range(total - 1):
-        logits, variables = model.apply({**params, "cache": cache}, jnp.asarray([[ids[i]]]),
-                                        method=DecoderLM.decode_step, mutable=["cache"])
+        logits, variables = step(params, cache, jnp.asarray([[ids[i]]]))
         cache = variables["cache"]
         ids.append(prompt[i + 1] if i + 1 < len(prompt) else int(jnp.argmax(logits[0])))
     assert ids == list(expected["greedy_ids"])
