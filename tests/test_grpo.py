@@ -144,7 +144,7 @@ def hf_name(name: str, lora: bool) -> str:
     return name.replace(".default", "") if lora else name
 
 
-FAST = {("full_default_beta0.04_mu2", "one_device"), ("lora_default_beta0.04_mu2", "split")}
+FAST = {("full_default_beta0.04_mu2", "split")}  # (in the fast tier: clipping, KL, 8 devices)
 
 
 @pytest.mark.parametrize("run, layout", [
@@ -261,31 +261,37 @@ def flags_for(imported, tmp_path, train, fmt="prompts", *params):
         *SPLIT, *params)]
 
 
+def slow(*case):
+    return pytest.param(*case, marks=pytest.mark.slow)
+
+
+ONE_PROMPT = ['{"prompt": "In the"}']
+
+
 @pytest.mark.parametrize("fmt, lines, params, message", [
     ("prompts", ['{"prompt": "In the"}', '["not", "an object"]'], [],
      r"prompts.jsonl line 2: not a JSON object"),
-    ("prompts", ['{"question": "In the"}'], [],
-     r"prompts.jsonl:1: a prompts record is a JSON object with a 'prompt' field"),
-    ("prompts", ['{"prompt": 7}'], [], r"prompts.jsonl:1: a prompt must be a text"),
+    slow("prompts", ['{"question": "In the"}'], [],
+         r"prompts.jsonl:1: a prompts record is a JSON object with a 'prompt' field"),
+    slow("prompts", ['{"prompt": 7}'], [], r"prompts.jsonl:1: a prompt must be a text"),
     ("rollouts", ['{"prompt": "a", "completions": ["b"], "rewards": [1]}'], [],
      r"prompts.jsonl:1: 1 completions and 1 rewards; grpo.num_generations is 4"),
-    ("rollouts", ['{"prompt": "a", "completions": ["b", "c", "d", "e"], '
-                  '"rewards": [1, 0, 1, "x"]}'], [],
-     r"prompts.jsonl:1: each reward must be a finite number"),
-    ("prompts", ['{"prompt": "In the"}'], ["grpo.loss='ppo'"],
+    slow("rollouts", ['{"prompt": "a", "completions": ["b", "c", "d", "e"], '
+                      '"rewards": [1, 0, 1, "x"]}'], [],
+         r"prompts.jsonl:1: each reward must be a finite number"),
+    ("prompts", ONE_PROMPT, ["grpo.loss='ppo'"],
      r"grpo.loss='ppo'; use one of dapo, grpo, dr_grpo"),
-    ("prompts", ['{"prompt": "In the"}'], ["grpo.num_generations=1"],
-     r"grpo.num_generations must be at least 2"),
-    ("prompts", ['{"prompt": "In the"}'], ["grpo.num_generations=5"],
-     r"run.batch_size=16 is not a whole number of groups of grpo.num_generations=5"),
-    ("prompts", ['{"prompt": "In the"}'], ["grpo.max_completion_length=32"],
-     r"grpo.max_completion_length=32 leaves no room for a prompt"),
-    ("prompts", ['{"prompt": "In the"}'], ["grpo.rewards=[]"],
-     r"name at least one \(grpo.rewards"),
-    ("prompts", ['{"prompt": "In the"}'], ["grpo.rewards=['nowhere.f']"],
-     r"grpo.rewards: cannot load 'nowhere.f'"),
-    ("prompts", ['{"prompt": "In the"}'], ["matches.pattern='('"],
-     r"matches.pattern='\(' is not a regular expression"),
+    slow("prompts", ONE_PROMPT, ["grpo.num_generations=1"],
+         r"grpo.num_generations must be at least 2"),
+    slow("prompts", ONE_PROMPT, ["grpo.num_generations=5"],
+         r"run.batch_size=16 is not a whole number of groups of grpo.num_generations=5"),
+    slow("prompts", ONE_PROMPT, ["grpo.max_completion_length=32"],
+         r"grpo.max_completion_length=32 leaves no room for a prompt"),
+    ("prompts", ONE_PROMPT, ["grpo.rewards=[]"], r"name at least one \(grpo.rewards"),
+    slow("prompts", ONE_PROMPT, ["grpo.rewards=['nowhere.f']"],
+         r"grpo.rewards: cannot load 'nowhere.f'"),
+    slow("prompts", ONE_PROMPT, ["matches.pattern='('"],
+         r"matches.pattern='\(' is not a regular expression"),
 ])
 def test_bad_prompts_and_settings_are_one_line(imported, tmp_path, capsys, fmt, lines,
                                                params, message):
@@ -312,6 +318,7 @@ def test_grpo_needs_a_model_to_improve(tmp_path, capsys):
     assert "GRPO improves a model that exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_reward_that_raises_in_training_stops_the_run_in_one_line(imported, tmp_path,
                                                                      capsys):
     """A user's reward that fails on the first step's completions: one error line naming it
@@ -331,6 +338,7 @@ def test_a_reward_that_raises_in_training_stops_the_run_in_one_line(imported, tm
     assert not (tmp_path / "m" / "checkpoints" / "1").exists()
 
 
+@pytest.mark.slow
 def test_conversations_are_prompted_by_the_chat_template(tmp_path, capsys):
     """TRL's conversational prompts on an import with a chat template (Qwen2.5's ChatML):
     each is rendered with its generation prompt and its completions end at the end of turn;

@@ -140,7 +140,8 @@ def _checked(values: Any, group: int, name: str, where: str) -> list[float]:
     for v in values:
         if v is None:
             out.append(0.0)
-        elif isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(v):
+        elif (isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+              and math.isfinite(v)):
             out.append(float(v))
         else:
             raise RewardError(f"reward {name} returned {v!r} for {where}; a reward is a "
