@@ -144,12 +144,9 @@ def hf_name(name: str, lora: bool) -> str:
     return name.replace(".default", "") if lora else name
 
 
-FAST = {("full_default_beta0.04_mu2", "split")}  # (in the fast tier: clipping, KL, 8 devices)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("run, layout", [
-    pytest.param(run, layout, id=f"{run}-{layout}",
-                 marks=() if (run, layout) in FAST else pytest.mark.slow)
+    pytest.param(run, layout, id=f"{run}-{layout}")
     for run in RUNS for layout in ("one_device", "split")])
 def test_rollouts_from_a_file_take_trls_steps(imported, tmp_path, run, layout):
     """Two steps of each oracle run from its generations (`rollouts_file`), through the

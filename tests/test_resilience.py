@@ -293,6 +293,7 @@ def test_two_runs_on_one_model_dir(data_dir, tmp_path):
 
 # --- damaged checkpoints, non-finite steps, fine-tuning ---------------------------------
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(data_dir, tmp_path, capsys):
     model_dir = tmp_path / "run"
     assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2")) == 0
@@ -353,6 +354,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(data_dir, tmp_path, caps
             assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(state["params"]))
 
 
+@pytest.mark.slow
 def test_divergence_never_poisons_the_newest_checkpoint(data_dir, tmp_path, capsys):
     """Diverging at a learning rate of 1e30: step 5's update (from step 4's sound parameters)
     is finite but huge, and every step after it is non-finite. Checkpoint 5 is written (its
@@ -392,6 +394,7 @@ def test_init_from_another_run_and_keep_every(data_dir, tmp_path):
     assert_bitwise_equal(saved_state(tuned, 1)["params"], saved_state(base, 3)["params"])
 
 
+@pytest.mark.slow
 def test_train_steps_below_the_checkpoint_evaluates_it_as_its_step(data_dir, tmp_path, capsys):
     model_dir = tmp_path / "run"
     assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2")) == 0

@@ -75,6 +75,7 @@ def test_own_lm1b_files_recorded_prepared_again_when_edited_and_not_read_by_read
     assert tree(data) == prepared
 
 
+@pytest.mark.slow
 def test_infer_and_score_prepare_no_data(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MTRAIN_DATA_DIR", str(tmp_path / "data"))
     model_dir = tmp_path / "run"

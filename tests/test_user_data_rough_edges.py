@@ -8,6 +8,7 @@ import random
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from mtrain.__main__ import main
 from mtrain.data import files, formats, prepared
@@ -82,6 +83,7 @@ def test_a_long_text_is_stored_in_pieces_of_the_ids_it_has_whole(tmp_path):
     assert np.concatenate(stored).tolist() == whole
 
 
+@pytest.mark.slow
 def test_one_long_line_trains_with_a_batch_of_8_and_a_held_out_fraction(
         tmp_path, monkeypatch, capsys):
     """A book of one 2 MB line: refused before ("split 'train' of files has 1 examples,
@@ -116,6 +118,7 @@ def test_a_held_out_fraction_that_holds_out_nothing_says_so_and_leaves_nothing(
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").iterdir())
 
 
+@pytest.mark.slow
 def test_no_held_out_data_trains_and_evaluates_nothing(tmp_path, monkeypatch, capsys):
     """files.validation=0 (as the README allows): the run trains and says in one line
     that it evaluates nothing; --mode=eval refuses in one line, writing nothing."""
