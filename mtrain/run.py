@@ -289,10 +289,8 @@ def _template(s: RunConfig, task: tasks_lib.Task, vocab) -> ChatTemplate | None:
     """The chat template a GRPO run renders conversations with: files.chat_template, else
     the model dir's (an import keeps its folder's), else that of run.init_from."""
     (spec,) = task.data.values()
-    if spec.chat_template:
-        return user_data.template_file(spec.chat_template, vocab)
-    return next((t for t in (user_data.model_dir_template(d, vocab)
-                             for d in (s.model_dir, s.init_from) if d) if t is not None), None)
+    return user_data.source_template(spec, vocab,
+                                     user_data.run_template(vocab, s.model_dir, s.init_from))
 
 
 def _reader_vocabulary(s: RunConfig, vocab_config, recorded: str | None):

@@ -19,7 +19,7 @@ k // num_iterations, whose prompts are records g x P ... g x P + P - 1 of the ru
 (P = batch_size / num_generations prompts a step; prompts shuffled by ``run.seed`` each
 epoch, rollouts in file order), read by every process. Its position is a
 function of the step; what it saves besides is the rollout that later steps of a
-generation train on again (`Pending`), so that a resumed run takes exactly those steps.
+generation train on again (`StepPrompts.keep`), so that a resumed run takes exactly those steps.
 """
 
 from __future__ import annotations
@@ -102,10 +102,10 @@ def read(spec, group: int) -> list[PromptRecord]:
     field = (spec.columns or {}).get("prompt", "prompt")
     out = []
     for path in spec.splits().get("train", []):
-        for number, raw in files_lib.read(path, spec.reader_kind()):
-            if isinstance(raw, dict) and set(raw) == {"text"} and files_lib.file_kind(
-                    path) != "jsonl":
-                raw = raw["text"]
+        kind = spec.reader_kind() or files_lib.file_kind(path)
+        for number, raw in files_lib.read(path, kind):
+            if kind != "jsonl" and isinstance(raw, dict) and set(raw) == {"text"}:
+                raw = raw["text"]  # (a text file's line)
             out.append(record_of(raw, f"{path}:{number}", spec.format, field, group))
     if not out:
         raise DataError(f"files.train holds no {spec.format}")
@@ -160,9 +160,10 @@ class StepPrompts:
     def pending(self):
         return self.iterator.pending
 
-    def keep(self, rollout) -> None:
-        """The rollout the later steps of this generation train on again (saved with it)."""
-        self.iterator.pending = rollout
+    def keep(self, arrays: dict) -> None:
+        """The rollout the later steps of this generation train on again, as the arrays a
+        checkpoint saves with the position (`rollouts.Rollout.arrays`)."""
+        self.iterator.pending = arrays
 
 
 class PromptBatches:
@@ -171,12 +172,12 @@ class PromptBatches:
     its rows' groups), `iterations` steps a generation."""
 
     def __init__(self, source: PromptSource, *, per_step: int, iterations: int, seed: int,
-                 shuffle: bool):
+                 shuffle: bool, process: int = 0):
         self.source, self.per_step = source, per_step
         self.iterations, self.seed, self.shuffle = iterations, seed, shuffle
+        self.process = process  # (which names the files it saves)
         self.position = 0  # steps taken
-        # (`StepPrompts.keep`: a `rollouts.Rollout`; restored, the dict of its `arrays()`)
-        self.pending = None
+        self.pending: dict | None = None  # (`StepPrompts.keep`)
 
     def _order(self, epoch: int) -> np.ndarray:
         n = len(self.source.records)
@@ -209,16 +210,14 @@ class PromptBatches:
     # ---- the checkpoint's ``data`` item (`io.input_state`) ----
 
     def _prefix(self, directory) -> str:
-        from jax import process_index  # (only a run's processes save)
-        return os.path.join(str(directory), f"grpo_prompts.{process_index()}")
+        return os.path.join(str(directory), f"grpo_prompts.{self.process}")
 
     def save(self, directory) -> str:
         epath.Path(directory).mkdir(parents=True, exist_ok=True)
         prefix = self._prefix(directory)
         if self.pending is not None:
             buffer = io.BytesIO()
-            pending = self.pending
-            np.savez(buffer, **(pending.arrays() if hasattr(pending, "arrays") else pending))
+            np.savez(buffer, **self.pending)
             epath.Path(prefix + ".npz").write_bytes(buffer.getvalue())
         write_atomically(prefix + ".json", json.dumps(
             {"position": self.position, "pending": self.pending is not None},
@@ -235,4 +234,4 @@ class PromptBatches:
         self.position, self.pending = int(state["position"]), None
         if state.get("pending") and self.position % self.iterations:
             with np.load(io.BytesIO(epath.Path(prefix + ".npz").read_bytes())) as saved:
-                self.pending = dict(saved)  # (the stepper reads it: `rollouts.Rollout`)
+                self.pending = dict(saved)

@@ -95,15 +95,27 @@ def texts(task, limit: int = 1_000_000) -> Iterator[str]:
                 yield from [text] if len(text) <= 1000 else formats.chunks(text, 1000)
 
 
-def template_file(path: str, vocab) -> ChatTemplate:
-    """The chat template in the jinja file `path`."""
+def _template(path: str, vocab) -> ChatTemplate:
     return ChatTemplate(epath.Path(path).read_text(), vocab, name=path)
 
 
 def model_dir_template(model_dir: str, vocab) -> ChatTemplate | None:
     """The chat template of `model_dir` (an import keeps its folder's), if it has one."""
     path = ModelDir(model_dir).chat_template
-    return template_file(path, vocab) if epath.Path(path).exists() else None
+    return _template(path, vocab) if epath.Path(path).exists() else None
+
+
+def run_template(vocab, model_dir: str | None, init_from: str | None) -> ChatTemplate | None:
+    """The chat template of a run: its model dir's (an import keeps its folder's), else that
+    of the run it starts from (`init_from`), if either has one."""
+    return next((t for t in (model_dir_template(d, vocab) for d in (model_dir, init_from) if d)
+                 if t is not None), None)
+
+
+def source_template(spec, vocab, template: ChatTemplate | None) -> ChatTemplate | None:
+    """The chat template a source of files (`prepared.Files`) renders with: its own
+    files.chat_template, else the run's `template`."""
+    return _template(spec.chat_template, vocab) if spec.chat_template else template
 
 
 def prepare_task(task, vocab, data_dir: str, template=None,
@@ -114,7 +126,7 @@ def prepare_task(task, vocab, data_dir: str, template=None,
     texts are cut: `formats.piece_size`)."""
     sources = {}
     for name, spec in task.data.items():
-        own = template_file(spec.chat_template, vocab) if spec.chat_template else template
+        own = source_template(spec, vocab, template)
         if spec.format == "chat" and own is None:
             raise DataError("files.format='chat' needs a chat template: import a model that "
                             "has one (--mode=import keeps it in the model dir), or name a "
@@ -142,8 +154,7 @@ def prepare_run(task, vocab_config, data_dir: str, *, recorded: str | None,
     vocab = vocab_config.choose(recorded, cached, lambda: texts(task),
                                 f"the {task.name} training files", where=model_dir,
                                 unrecorded=unrecorded)
-    template = next((t for t in (model_dir_template(d, vocab) for d in (model_dir, init_from)
-                                 if d) if t is not None), None)
+    template = run_template(vocab, model_dir, init_from)
     source = prepare_task(task, vocab, data_dir, template, splits, sequence_length)
     try:
         if not source.holds_out_nothing(eval_split):

@@ -138,9 +138,9 @@ def sample(tokens_to_logits: TokensToLogits, cache, prompts, max_decode_len: int
     ``min(prompt_length + max_decode_len, length)`` ids cut after the first EOS of the
     continuation (the 0s after that are no tokens). Greedy for `temperature` 0, else sampled
     from softmax(logits / temperature) after `filter_logits`, each row with the key
-    ``fold_in(rng, position)`` (`rng` one key, or [batch] keys: one a row). The model reads `start_id` first
-    (`TransformerConfig.start_id`; or [batch] ids, one per row: a prompt read as it is, its
-    first id read first). `eos_id`: an id, or [batch, k] ids each of which ends its row
+    ``fold_in(rng, position)`` (`rng` one key, or [batch] keys: one a row). The model reads
+    `start_id` first (`TransformerConfig.start_id`; or [batch] ids, one per row: a prompt
+    read as it is, its first id read first). `eos_id`: an id, or [batch, k] ids each of which ends its row
     (a chat's end of turn and EOS).
 
     Each row is at its own position (the cache's index is per row). Without `prefill` the

@@ -20,8 +20,8 @@ own generator, score them, and update the policy on them.
    ``frac_reward_zero_std``, ``completions/mean_length``, ``completions/clipped_ratio``,
    ``kl``, ``entropy``, ``clip_ratio/*`` and ``generation_share`` (of the step's time).
 
-The later steps of a generation train on its rollout again (`StepPrompts.keep`; a
-checkpoint saves it).
+The later steps of a generation train on its rollout again (`StepPrompts.keep` holds its
+`Rollout.arrays`; a checkpoint saves them).
 """
 
 from __future__ import annotations
@@ -133,7 +133,6 @@ class GrpoStepper:
                               "score: name at least one (grpo.rewards = [@matches()], ...)")
         # (a rollouts file's rewards are each completion's total: no function's own)
         self.names = [] if reads_rollouts else [rewards_lib.name_of(f) for f in self.rewards]
-        self.last_start = None
 
     def describe(self) -> str:
         c = self.config
@@ -226,17 +225,15 @@ class GrpoStepper:
 
     def train_step(self, state, step: StepPrompts):
         began = time.perf_counter()
-        if step.fresh or step.pending is None:
-            if not step.fresh:
-                raise DataError(f"step {step.number + 1} trains on the rollout of step "
-                                f"{step.number + 1 - step.number % self.config.num_iterations}"
-                                f", which the checkpoint does not hold")
+        if step.fresh:
             rollout = self.rollout(state.params, step)
-            step.keep(rollout)
+            step.keep(rollout.arrays())
+        elif step.pending is None:
+            raise DataError(f"step {step.number + 1} trains on the rollout of step "
+                            f"{step.number + 1 - step.number % self.config.num_iterations}, "
+                            f"which the checkpoint does not hold")
         else:
-            pending = step.pending
-            rollout = pending if isinstance(pending, Rollout) else Rollout.from_arrays(pending)
-            step.keep(rollout)
+            rollout = Rollout.from_arrays(step.pending)
         state, metrics = self.trainer.train_step(state, self.place(rollout.batch))
         metrics = grpo.token_means(metrics)
         jax.block_until_ready(metrics["loss"])

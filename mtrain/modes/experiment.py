@@ -192,7 +192,7 @@ class Experiment:
             return prompts.PromptBatches(
                 self.source, per_step=self.stepper.prompts_per_step,
                 iterations=self.stepper.config.num_iterations, seed=self.config.seed,
-                shuffle=self.source.format == "prompts")
+                shuffle=self.source.format == "prompts", process=jax.process_index())
         start, stop = self.trainer.local_rows()
         return pipeline.batches(self.source, self.vocab, split, pipeline.BatchSettings(
             sequence_length=self.sequence_length, batch_size=self.batch_size,
