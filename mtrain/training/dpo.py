@@ -10,8 +10,9 @@ model's log-probabilities of the completions are summed (pi_c, pi_r, ref_c, ref_
     IPO loss     = (h - 1 / (2 beta))^2, of log-probabilities averaged over each completion
 
 with rewards beta (pi_c - ref_c) and beta (pi_r - ref_r), the loss the mean over the
-batch's pairs. The reference is the model the run started from, frozen (`Reference`). The
-objective a `Trainer` is given for a task of preference pairs: `Preference`.
+batch's pairs. The reference is the model the run started from, frozen
+(`reference.Reference`). The objective a `Trainer` is given for a task of preference pairs:
+`Preference`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import jax.numpy as jnp
 
 from mtrain.data.preference import CHOSEN, REJECTED
 from mtrain.errors import ConfigError
-from mtrain.models import parameters
 from mtrain.models.balancing import weighted
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys
-from mtrain.models.lora import is_adapter
 from mtrain.training.losses import loss_weights
-from mtrain.training.objective import Objective, Setting, token_log_likelihoods
+from mtrain.training.objective import token_log_likelihoods
+from mtrain.training.reference import AgainstReference
 
 LOSSES = ("sigmoid", "ipo")
 # What a DPO step reports (TRL's names), each a mean over the batch's pairs.
@@ -100,82 +100,17 @@ def losses(policy, reference, counts, config: DpoConfig) -> tuple[jax.Array, dic
     return total(loss), {k: total(v) for k, v in metrics.items()}, jnp.sum(present)
 
 
-class Reference:
-    """The reference model of `Preference`: where LoRA adapters alone train, the model
-    without them, on the same parameters (no second copy: `is_base`); else the model on a
-    frozen copy of the parameters the run started from (`set`), laid out as the parameters
-    (`shardings`: the steps take it as an argument after the batch)."""
-
-    def __init__(self, model, abstract_params, trainable, param_shardings):
-        paths = list(parameters.paths(abstract_params))
-        trained = [p for p in paths if trainable(p)]
-        self.is_base = bool(getattr(model.config, "lora", None)) and len(trained) < len(
-            paths) and all(map(is_adapter, trained))
-        self.model = (model.clone(config=dataclasses.replace(model.config, lora=None))
-                      if self.is_base else model)
-        self.shardings = () if self.is_base else (param_shardings,)
-        self.copy = None
-
-    @classmethod
-    def of(cls, setting) -> "Reference":
-        """The reference of the trainer an objective is bound to (its `Setting`)."""
-        return cls(setting.model, setting.abstract_params, setting.trainable,
-                   setting.param_shardings)
-
-    @property
-    def needs_copy(self) -> bool:
-        return not self.is_base
-
-    def set(self, params) -> None:
-        """The copy: `params` (the run's start), copied and laid out as the parameters."""
-        self.copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                            out_shardings=self.shardings[0])(params)
-
-    def arguments(self) -> tuple:
-        if self.is_base:
-            return ()
-        if self.copy is None:
-            raise ValueError("DPO needs its reference model's parameters: Reference.set")
-        return (self.copy,)
-
-    def params(self, params, copy):
-        """The reference's parameters: the policy's `params` without adapters, or `copy`."""
-        return parameters.select(params, lambda p: not is_adapter(p)) if self.is_base else copy
-
-
-class Preference(Objective):
+class Preference(AgainstReference):
     """DPO or IPO (`DpoConfig`: gin ``dpo.*``) over a batch of preference pairs, against
     the `Reference`: (loss, minus the chosen completions' log-probability, pairs, tokens,
     statistics) summed over the pairs; the reference's log-probabilities carry no gradient.
     A mixture of experts' auxiliary losses count once per pair."""
 
     def __init__(self, config: DpoConfig | None = None):
-        self.config = config or DpoConfig()
-
-    def bind(self, setting: Setting) -> "Preference":
-        bound = Preference(self.config)
-        bound.setting = setting
-        bound.reference = Reference.of(setting)
-        return bound
+        super().__init__(config or DpoConfig())
 
     def batch_keys(self, features) -> list[str]:
         return batch_keys(features) + [READ_INPUTS, LOSS_WEIGHTS]
-
-    def argument_shardings(self) -> tuple:
-        return self.reference.shardings
-
-    def arguments(self) -> tuple:
-        return self.reference.arguments()
-
-    def abstract_arguments(self) -> tuple:
-        return (self.setting.sharded_params(),) if self.reference.needs_copy else ()
-
-    @property
-    def needs_start(self) -> bool:
-        return self.reference.needs_copy
-
-    def set_start(self, params) -> None:
-        self.reference.set(params)
 
     def loss_sums(self, params, batch, rngs, copy=None):
         s, reference = self.setting, self.reference

@@ -18,7 +18,7 @@ summed over the completion tokens and divided by (`GrpoConfig.loss`):
     'grpo'    each completion's tokens, then the number of completions (the paper's mean)
     'dr_grpo' completions x max_completion_length (Dr. GRPO: no length bias)
 
-The reference is the run's starting model, frozen (DPO's `Reference`: with LoRA, the base
+The reference is the run's starting model, frozen (`reference.Reference`: with LoRA, the base
 without adapters). The objective a `Trainer` is given for a task of prompts or rollouts:
 `Grpo`; what samples the completions and scores them is `evaluation.rollouts`.
 """
@@ -35,9 +35,9 @@ import numpy as np
 from mtrain.errors import ConfigError
 from mtrain.models.balancing import weighted
 from mtrain.models.base import LOSS_WEIGHTS, READ_INPUTS, batch_keys
-from mtrain.training.dpo import Reference
 from mtrain.training.losses import loss_weights
-from mtrain.training.objective import Objective, Setting
+from mtrain.training.objective import Setting
+from mtrain.training.reference import AgainstReference
 
 LOSSES = ("dapo", "grpo", "dr_grpo")
 ADVANTAGES, OLD_LOGPS = "advantages", "old_logps"  # the batch keys GRPO adds (per token)
@@ -178,46 +178,23 @@ def completion_log_probs(setting: Setting, params, batch, temperature: float,
     return jnp.where(weights, picked, 0.0), entropy, stats
 
 
-class Grpo(Objective):
+class Grpo(AgainstReference):
     """GRPO's clipped surrogate with its KL penalty (`GrpoConfig`: gin ``grpo.*``) over a
     batch of rollout rows: (loss, the completions' negative log-likelihood, the count the
     loss is a mean over, tokens, statistics). Evaluation is of rewards (the stepper's), not
     of held-out sums."""
 
-    def __init__(self, config: GrpoConfig | None = None):
-        self.config = config or GrpoConfig()
-
-    def bind(self, setting: Setting) -> "Grpo":
-        bound = Grpo(self.config)
-        bound.setting = setting
-        bound.reference = Reference.of(setting)
-        return bound
-
     float_keys = (ADVANTAGES, OLD_LOGPS)
+
+    def __init__(self, config: GrpoConfig | None = None):
+        super().__init__(config or GrpoConfig())
 
     def batch_keys(self, features) -> list[str]:
         return batch_keys(features) + [READ_INPUTS, LOSS_WEIGHTS, ADVANTAGES, OLD_LOGPS]
 
     @property
-    def uses_reference(self) -> bool:
+    def uses_reference(self) -> bool:  # (beta 0: no KL, no reference held)
         return self.config.beta > 0
-
-    def argument_shardings(self) -> tuple:
-        return self.reference.shardings if self.uses_reference else ()
-
-    def arguments(self) -> tuple:
-        return self.reference.arguments() if self.uses_reference else ()
-
-    def abstract_arguments(self) -> tuple:
-        return ((self.setting.sharded_params(),)
-                if self.uses_reference and self.reference.needs_copy else ())
-
-    @property
-    def needs_start(self) -> bool:
-        return self.uses_reference and self.reference.needs_copy
-
-    def set_start(self, params) -> None:
-        self.reference.set(params)
 
     def loss_sums(self, params, batch, rngs, copy=None):
         s, c = self.setting, self.config
