@@ -317,13 +317,16 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
     t0 = time.perf_counter()
     state = jax.block_until_ready(trainer.init_state())  # compile and run the initialisation
     init_s = time.perf_counter() - t0
+    phase(f"init {init_s:.1f} s")
     batch = trainer.place_batch(packed_batch(batch_size, length, config.vocab_size))
     t0 = time.perf_counter()
     compiled = trainer.compile_train_step(batch)  # for its attention table, if any
     compile_s = time.perf_counter() - t0
+    phase(f"compile {compile_s:.1f} s")
     memory = compiled.memory_analysis()
     state, metrics = compiled(state, batch)  # the first run also warms up
     jax.block_until_ready(metrics)
+    phase("first step")
     times = []
     for _ in range(args.table_steps):
         t0 = time.perf_counter()
@@ -347,6 +350,14 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
           flush=True)
     del state, batch, compiled
     return batch_size * length / step
+
+
+def phase(done: str) -> None:
+    """Says on stderr that a row's `done` (its initialisation, compile, first step), so that
+    a row out of time says how far it got (`isolated`)."""
+    import sys
+
+    print(f"phase: {done}", file=sys.stderr, flush=True)
 
 
 def kernel_ran(trainer, batch) -> str:
@@ -381,8 +392,11 @@ def isolated(i, label, preset, args, timeout=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
     try:
         run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"{label:<48} failed: not done in {timeout:.0f} s", flush=True)
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        done = [line[len("phase: "):] for line in stderr.splitlines() if line.startswith("phase: ")]
+        print(f"{label:<48} failed: not done in {timeout:.0f} s "
+              f"({', '.join(done) if done else 'initialising'}; then out of time)", flush=True)
         return None
     lines = [line for line in run.stdout.splitlines() if line.startswith(label)]
     if lines:

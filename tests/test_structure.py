@@ -42,7 +42,9 @@ MODEL_DIR_NAMES = ("checkpoints", "vocabulary.model", "config.gin", "metrics.jso
 # benchmarks/gpu.sh's scripts, and a module each must reach (the walk finds their imports).
 GPU_BENCHMARKS = {ROOT.parent / "benchmarks" / "attention.py": "mtrain.models.attention",
                   ROOT.parent / "benchmarks" / "throughput.py": "mtrain.training.trainer",
-                  ROOT.parent / "benchmarks" / "moe.py": "mtrain.models.moe"}
+                  ROOT.parent / "benchmarks" / "moe.py": "mtrain.models.moe",
+                  ROOT.parent / "benchmarks" / "quantized_matmul.py":
+                      "mtrain.models.quantization"}
 NOT_ON_A_GPU = ("gin", "tensorflow", "tensorflow_datasets")
 MAX_LINES = 400
 
