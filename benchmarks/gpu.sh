@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The GPU benchmark set (issues 17 and 61), under 9 minutes on one H100 or H200 (it must fit
 # a 10-minute slot on a borrowed GPU): each step runs under `timeout -k 5` for its share of
-# the budget, in seconds (520 in all, at most 20 more to kill a step that overruns, ~10 to
+# the budget, in seconds (515 in all, at most 20 more to kill a step that overruns, ~10 to
 # start), and one that fails or runs out of time spares the others. The steps go in the
 # order of what issue 61 asks of a GPU (on an H200, 2026-11-27, the set as it was then spent
 # its time initialising and compiling: each 1B model's initialisation ~60 s, the fp8 row
 # not done in 235 s):
-#   1. low precision (60): one llama_1b feed-forward layer, forward + backward, in bf16 and
-#      through the quantized projection's op in fp8 (tensorwise, rowwise): compile time, step
-#      time, the error, and which matmul kernels the compiled program calls
+#   1. low precision (40 + 25): one llama_1b feed-forward layer, forward + backward, in
+#      bf16 and through the quantized projection's op in fp8 (tensorwise, rowwise): compile
+#      time, step time, the error, and which matmul kernels the compiled program calls
 #      (benchmarks/quantized_matmul.py): why a model's fp8 row is fast, slow, or slow to
-#      compile;
+#      compile; then bf16 and fp8 again with XLA's Triton GEMMs off (cuBLAS and cuBLASLt's
+#      fp8 GEMM alone);
 #   2. the experts (90): a layer of 64 experts, top-8, one-hot dispatch against dropless
 #      grouped matmuls with each kernel this GPU runs ('tiles', 'ragged_dot', 'tokamax'),
 #      then `moe_tiny` trained with each (benchmarks/moe.py, its GPU defaults: bfloat16;
 #      each row printed as it is measured, a row that fails says why in one line);
-#   3. the table (240; each row within 150), each row in a process of its own (its own peak
+#   3. the table (235; each row within 150), each row in a process of its own (its own peak
 #      memory): the Llama-style 1B of configs/models/llama_1b.gin (SwiGLU, rotary positions,
 #      4 of 16 key/value heads, AdamW) with 'auto' in bf16, then with its projections in fp8
 #      (`transformer.quantization='fp8'`, tensorwise scaling), and at once the ratio of their
@@ -25,7 +26,7 @@
 #      initialisation, peak memory, the kernel that ran; a row out of time says how far it
 #      got. GPU_TABLE_ROWS picks other rows of throughput.py's gpu preset (each flash
 #      kernel, rows of 4 x 2048, the scanned stack: "all" for every one, beyond this budget);
-#   4. the comparison (130): the 1B on unpacked rows against the plain jax.jit + optax
+#   4. the comparison (125): the 1B on unpacked rows against the plain jax.jit + optax
 #      baseline (bf16, cuDNN is_causal flash attention, remat dots, Adafactor) in the same
 #      process, mtrain with its defaults ('auto': a table of one example per row): 'ratio
 #      mtrain/plain'.
@@ -98,16 +99,22 @@ if [ "${GPU_ATTENTION:-0}" = 1 ]; then
   step 80 "attention" "$PYTHON" benchmarks/attention.py
 fi
 if [[ " $missing " != *" qwix "* ]]; then
-  step 60 "low precision" "$PYTHON" benchmarks/quantized_matmul.py
+  step 40 "low precision" "$PYTHON" benchmarks/quantized_matmul.py
+  # The same fp8 layer with XLA's Triton GEMMs off: whether XLA autotuning Triton kernels
+  # for the fp8 products is what makes them slow to compile, and cuBLASLt's fp8 GEMM alone
+  # is as fast.
+  step 25 "low precision, no Triton GEMMs" env \
+    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false" \
+    "$PYTHON" benchmarks/quantized_matmul.py --variants bf16,fp8
 fi
 if [[ " $missing " != *" tokamax "* ]]; then
   step 90 "experts" "$PYTHON" benchmarks/moe.py
 fi
 if [ -n "$ROWS" ]; then
-  step 240 "table" "$PYTHON" benchmarks/throughput.py --preset=gpu --isolate --row_timeout=150 \
-    --table_budget=230 --compare=none --rows="$ROWS" --table_steps=10 "$@"
+  step 235 "table" "$PYTHON" benchmarks/throughput.py --preset=gpu --isolate --row_timeout=150 \
+    --table_budget=225 --compare=none --rows="$ROWS" --table_steps=10 "$@"
 fi
-step 130 "comparison" "$PYTHON" benchmarks/throughput.py --preset=none --compare=gpu \
+step 125 "comparison" "$PYTHON" benchmarks/throughput.py --preset=none --compare=gpu \
   --batch_size=16 --length=2048 --steps=5 --rounds=3 "$@"
 echo
 echo "benchmarks/gpu.sh: ${SECONDS} s in all"
