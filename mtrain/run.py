@@ -232,7 +232,8 @@ def _model(s: RunConfig, task: tasks_lib.Task, layout: Layout, mesh, vocab_size:
         if trainer.partial or task.preference or task.reinforcement:
             raise ConfigError("run.data_parallel='sgp' trains every parameter on a token "
                               "loss: it takes no frozen ones (run.trainable, LoRA), no "
-                              "balancing bias (moe.choice_bias), DPO nor GRPO")
+                              "balancing bias (moe.choice_bias), no delayed fp8 scaling "
+                              "(transformer.quantization_scaling), DPO nor GRPO")
         try:
             stepper = SGPTrainer(trainer, overlap=s.sgp_overlap,
                                  average_every=s.sgp_average_every)

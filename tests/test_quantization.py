@@ -225,7 +225,7 @@ def test_settings_are_checked_in_one_line():
                              "of none, fp8, int8, got 'fp4'"),
                             (dict(quantization_scaling="columnwise"),
                              "transformer.quantization_scaling must be one of tensorwise, "
-                             "rowwise, got 'columnwise'")]:
+                             "rowwise, delayed, got 'columnwise'")]:
         with pytest.raises(ValueError) as error:
             TransformerConfig(**settings)
         assert str(error.value) == words

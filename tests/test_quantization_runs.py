@@ -1,15 +1,19 @@
 """fp8 on the command line (`transformer.quantization`): the Llama-style tiny LM trains 50
-steps in fp8 to within 2% of bf16's loss, from an empty data dir and HOME; its checkpoints
-hold float32 parameters, and the run resumed from the one before its last (the last lost)
-ends bit for bit where it had; evaluation, inference, scoring and the plan run with it; a
-bad setting is one line and touches nothing."""
+steps in fp8 to within 2% of bf16's loss, from an empty data dir and HOME, with current
+and with delayed scaling; its checkpoints hold float32 parameters (and delayed scaling's
+state), and the run resumed from the one before its last (the last lost) ends bit for bit
+where it had; evaluation, inference, scoring and the plan run with it; an import
+fine-tunes with LoRA in delayed scaling and resumes bit for bit; a bad setting is one line
+and touches nothing."""
 
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
 from model_dirs import digest, saved_state
+from test_oracles import ORACLES
 from test_model_family_runs import common_modes
 
 from mtrain.__main__ import main
@@ -50,6 +54,43 @@ def test_fp8_trains_as_bf16_does(fresh_home, tmp_path, capsys):
     for a, b in zip(_leaves(saved_state(tmp_path / "fp8", 50)), _leaves(state)):
         np.testing.assert_array_equal(a, b)
 
+    # Delayed scaling: as close to bf16; its state in the checkpoints (an amax a step of
+    # each projection's input, weight and gradient), and resumed bit for bit with it.
+    delayed = [*fp8, "transformer.quantization_scaling='delayed'"]
+    assert main(argv(tmp_path / "delayed", *delayed, "run.train_steps=50")) == 0
+    ours = final_loss(tmp_path / "delayed")
+    assert abs(ours - theirs) <= 0.02 * theirs, (ours, theirs)
+    state = saved_state(tmp_path / "delayed", 50)
+    held = [a for p, a in _paths(state["params"]) if p.endswith("_fp8']")]
+    assert len(held) == 2 * 7 and all(  # (2 layers x q, k, v, o, wi_0, wi_1, wo)
+        np.all(np.count_nonzero(a[:, 1:], axis=1) == 50) for a in held)
+    shutil.rmtree(tmp_path / "delayed" / "checkpoints" / "50")
+    capsys.readouterr()
+    assert main(argv(tmp_path / "delayed", *delayed, "run.train_steps=50")) == 0
+    assert "resuming from the checkpoint of step 25" in capsys.readouterr().err
+    for a, b in zip(_leaves(saved_state(tmp_path / "delayed", 50)), _leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
+    # An import holds no state (it starts fresh); a LoRA run's checkpoints keep it beside
+    # the adapters (its base stored once), and it resumes bit for bit.
+    imported = tmp_path / "imported"
+    assert os.path.isdir(ORACLES) and main([
+        "--mode=import", f"--input_dir={ORACLES}/llama3", f"--model_dir={imported}",
+        *(f"--gin_param={p}" for p in delayed)]) == 0
+    lora = [f"--gin_file={imported}/config.gin", "--gin_file=tasks/bible_lm.gin",
+            "--gin_file=layouts/dp8.gin", f"--model_dir={imported}",
+            *(f"--gin_param={p}" for p in ["run.train_steps=2", "run.batch_size=8",
+              "run.sequence_length=64", "run.eval_every=0", "run.checkpoint_every=1",
+              "learning_rate_schedule.warmup_steps=1", "lora.rank=4"])]
+    assert main(lora) == 0
+    state = saved_state(imported, 2)
+    names = [p for p, _ in _paths(state["params"])]
+    assert sum("_fp8" in p for p in names) == 14 and sum("_lora_" in p for p in names) == 28
+    shutil.rmtree(imported / "checkpoints" / "2")
+    assert main(lora) == 0
+    for a, b in zip(_leaves(saved_state(imported, 2)), _leaves(state)):
+        np.testing.assert_array_equal(a, b)
+
     run = argv(tmp_path / "fp8", *fp8, "run.train_steps=50")
     assert main(run + ["--mode=eval"]) == 0
     common_modes(capsys, run, tmp_path, ["And God said", "In the beginning"], "lm")
@@ -70,3 +111,9 @@ def _leaves(tree):
     import jax
 
     return jax.tree_util.tree_leaves(tree)
+
+
+def _paths(tree):
+    import jax
+
+    return [(jax.tree_util.keystr(p), a) for p, a in jax.tree_util.tree_leaves_with_path(tree)]

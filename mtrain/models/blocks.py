@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from mtrain.errors import ConfigError
 from mtrain.models import layers, pipeline, positions
 from mtrain.models.feedforward import DenseReluDense, clamp_of
 from mtrain.models.latent_attention import LatentAttention
@@ -254,6 +255,11 @@ def check_stages(c, stages: int, rows: int, data_ways: int = 1,
         raise pipeline.encoder_decoder_refused()
     if not c.scan_layers:
         raise pipeline.unscanned_refused()
+    if c.quantization != "none" and c.quantization_scaling == "delayed":
+        raise ConfigError("transformer.quantization_scaling='delayed' keeps one amax history "
+                          "per projection and step, and pipeline stages run each layer once "
+                          "per microbatch: use 'tensorwise' or 'rowwise' with layers split "
+                          "over stages")
     chunks = c.pipeline.chunks
     for _, count, dense in scan_parts(c, c.num_layers):
         steps = count // (dense_period(c) if dense else period(c))

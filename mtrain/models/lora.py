@@ -110,6 +110,7 @@ class Projection:
     adapter: Adapter | None
     lora: LoraConfig | None
     quantization: Quantization | None = None  # its low-precision matmul (None: none)
+    module: nn.Module | None = None  # the module it is `name` of (delayed scaling's state)
 
     def __call__(self, x, deterministic: bool = True):
         """``einsum(spec, x, w)`` (quantized by `quantization`) plus the adapter's factored
@@ -117,7 +118,12 @@ class Projection:
         if self.quantization is None:
             y = jnp.einsum(self.spec, x, self.w)
         else:
-            y = self.quantization.einsum(self.spec, x, self.w, per_token=deterministic)
+            meta = None  # delayed scaling's state: a pass with dropout's randomness reads it
+            if self.quantization.delayed and (not deterministic
+                                              or self.module.is_initializing()):
+                meta = self.quantization.meta(self.module, self.name)
+            y = self.quantization.einsum(self.spec, x, self.w, per_token=deterministic,
+                                         meta=meta)
         if self.adapter is None:
             return y
         a, b, a_letters, b_letters, r = self.adapter
@@ -155,7 +161,7 @@ def projection(module: nn.Module, name: str, spec: str, w, names: tuple[str, ...
     `names`), with its adapter's parameters made beside it where `lora` targets it, its
     matmul in the low precision of `quantization` (None: the operands')."""
     return Projection(name, spec, w, _adapter(module, name, spec, w, names, lora), lora,
-                      quantization)
+                      quantization, module)
 
 
 def project(module: nn.Module, name: str, spec: str, x, w, names: tuple[str, ...],

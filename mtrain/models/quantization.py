@@ -19,14 +19,21 @@ they are (float32, or the run's dtype): the low-precision copies live only insid
   of Transformer Engine: computed from this step's values, not a history);
 - ``'rowwise'``: a scale per row of each operand along the dimensions it keeps (each token's
   activations, each output unit's weights; torchtitan's ``rowwise``): more accurate where
-  a few tokens carry outliers, at the cost of the scales' reductions.
-
-Delayed scaling (a scale from an amax history of earlier steps, Transformer Engine's and
-flax's ``Fp8Einsum``) is not offered: it needs state that every step rewrites from the
-backward pass (the gradient's history) through the optimizer's path, and torchao deleted it
-from the float8 training torchtitan runs (pytorch/ao#1753, 2025: no users; current scaling
-is more accurate, and delayed was no faster: 6,750 against 6,810 tokens/s for Llama 3 8B,
-torchtitan#698).
+  a few tokens carry outliers, at the cost of the scales' reductions;
+- ``'delayed'`` (fp8 only): one scale per operand from the largest magnitude in a history
+  of the last `history` steps' (``transformer.quantization_history``, default 1024, as
+  Transformer Engine's ``amax_history_len``), this step's added after it is used: Transformer
+  Engine's delayed scaling and MaxText's ``fp8``, through flax's ``fp8_scaled_dot_general``
+  (the op under flax's ``Fp8Einsum``). A step needs no reduction over an operand before its
+  product, but a quantized projection holds state: ``<weight>_fp8`` [3, 1 + history] beside
+  its weight (the scale, then the history, of its input, its weight and its incoming
+  gradient), a parameter the optimizer never sees. Its gradient is its new value (flax's
+  "overwrite with gradient"), which the trainer writes over it on every finite step (the
+  largest over microbatches), so a checkpoint holds it and a resumed run goes on bit for
+  bit. It starts at scale 1 with an empty history: the first step quantizes unscaled.
+  torchao deleted delayed scaling from the float8 training torchtitan runs (pytorch/ao#1753,
+  2025: current scaling more accurate, and no slower: 6,750 against 6,810 tokens/s for
+  Llama 3 8B, torchtitan#698); it is here for the recipes that use it.
 
 Whatever the scaling, a pass without dropout's randomness (``deterministic``: evaluation,
 scoring, decoding, a frozen reference, DPO's policy with dropout disabled) scales per token:
@@ -57,7 +64,10 @@ import jax
 import jax.numpy as jnp
 
 MODES = ("none", "fp8", "int8")
-SCALINGS = ("tensorwise", "rowwise")
+SCALINGS = ("tensorwise", "rowwise", "delayed")
+META = "_fp8"  # the suffix of a projection's delayed-scaling state (`Quantization.meta`)
+# the logical names of its dimensions: (input, weight, gradient) x (scale, history...)
+META_NAMES = ("fp8_operand", "amax_history")
 # (forward operands, incoming gradient) of each format
 FORMATS = {"fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2), "int8": (jnp.int8, jnp.int8)}
 
@@ -69,6 +79,7 @@ class Quantization:
 
     mode: str
     scaling: str = "tensorwise"
+    history: int = 1024  # delayed scaling's amax history, in steps
 
     def __post_init__(self):
         if self.mode not in FORMATS:
@@ -77,18 +88,44 @@ class Quantization:
         if self.scaling not in SCALINGS:
             raise ValueError(f"transformer.quantization_scaling must be one of "
                              f"{', '.join(SCALINGS)}, got {self.scaling!r}")
+        if self.scaling == "delayed" and self.mode != "fp8":
+            raise ValueError(f"transformer.quantization_scaling='delayed' is fp8's (flax's fp8 "
+                             f"ops), not {self.mode}'s: use 'tensorwise' or 'rowwise'")
+        if self.history < 1:
+            raise ValueError(f"transformer.quantization_history must be at least 1 step, got "
+                             f"{self.history}")
 
     @classmethod
     def of(cls, c) -> Quantization | None:
         """The quantization of a `TransformerConfig` `c` (None: none)."""
         if c.quantization == "none":
             return None
-        return cls(mode=c.quantization, scaling=c.quantization_scaling)
+        return cls(mode=c.quantization, scaling=c.quantization_scaling,
+                   history=c.quantization_history)
 
-    def einsum(self, spec: str, x, w, per_token: bool = False):
+    @property
+    def delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+    def meta(self, module, name: str):
+        """The delayed-scaling state of `module`'s projection by weight `name` (module doc):
+        the parameter ``<name>_fp8`` [3, 1 + history], made at scale 1 with an empty
+        history."""
+        import flax.linen as nn
+
+        def init(key, shape, dtype):
+            return jnp.zeros(shape, dtype).at[:, 0].set(1.0)
+
+        return module.param(name + META, nn.with_logical_partitioning(init, META_NAMES),
+                            (3, 1 + self.history), jnp.float32)
+
+    def einsum(self, spec: str, x, w, per_token: bool = False, meta=None):
         """``einsum(spec, x, w)`` with both operands and the backward pass's incoming
         gradient quantized (module doc), in the operands' dtype; `per_token`: rowwise
-        whatever the scaling (a pass without dropout's randomness: module doc)."""
+        whatever the scaling (a pass without dropout's randomness: module doc). Delayed
+        scaling takes the projection's `meta` (`meta`), whose gradient is its new value."""
+        if self.delayed and not per_token:
+            return _delayed_einsum(spec, x, w, meta)
         qt = _qwix_training_op()
         forward, backward = FORMATS[self.mode]
         one = self.scaling == "tensorwise" and not per_token
@@ -122,6 +159,48 @@ class Quantization:
                                              channelwise_axes=kept)).astype(x.dtype)
 
 
+def _delayed_einsum(spec: str, x, w, meta):
+    """``einsum(spec, x, w)`` through flax's delayed-scaling fp8 dot_general, its scales
+    and histories the rows of `meta` (input, weight, gradient; column 0 the scale), in the
+    operands' dtype."""
+    from flax.linen import fp8_ops
+
+    dtype = jnp.result_type(x, w)
+
+    def dot_general(lhs, rhs, dimension_numbers, *args, **kwargs):
+        return fp8_ops.fp8_scaled_dot_general(
+            lhs, rhs, dimension_numbers, preferred_element_type=dtype,
+            lhs_scale=meta[0, :1], rhs_scale=meta[1, :1], grad_scale=meta[2, :1],
+            lhs_amax_history=meta[0, 1:], rhs_amax_history=meta[1, 1:],
+            grad_amax_history=meta[2, 1:], quantize_compute_type=dtype)
+
+    with jax.disable_jit():  # (einsum's own jit would cache the closure over `meta`)
+        return jnp.einsum(spec, x, w, _dot_general=dot_general).astype(dtype)
+
+
+def is_meta(path: str) -> bool:
+    """Whether the parameter at `path` is a projection's delayed-scaling state."""
+    return path.endswith(META)
+
+
+def updated_meta(old, new, finite):
+    """The state of `old` (a tree of delayed-scaling states) after a step whose gradient of
+    it is `new` (its new values): `new` where the step is `finite` and used the state, else
+    `old` (a state no quantized product read this step, as in a pass without dropout's
+    randomness, has a zero gradient)."""
+    def one(old, new):
+        used = jnp.any(new != 0, axis=(-2, -1), keepdims=True) & finite
+        return jnp.where(used, new, old)
+
+    return jax.tree_util.tree_map(one, old, new)
+
+
+def fresh_meta(shape) -> jax.Array:
+    """Delayed-scaling state of `shape` (a stack's [layers, 3, 1 + history] too) as
+    `Quantization.meta` makes it: scale 1, an empty history."""
+    return jnp.zeros(shape, jnp.float32).at[..., 0].set(1.0)
+
+
 def _qwix_training_op():
     """qwix's quantized-training dot_general (`dot_general_qt` and its config). Its public
     entry points (``qwix.QtProvider``) find which operand is the weight by looking the
@@ -133,9 +212,9 @@ def _qwix_training_op():
     return dot_general_qt
 
 
-def check(mode: str, scaling: str) -> None:
-    """One line naming the setting where `mode` or `scaling` is not one of them."""
+def check(mode: str, scaling: str, history: int = 1024) -> None:
+    """One line naming the setting where `mode`, `scaling` or `history` is not one of them."""
     if mode != "none":
-        Quantization(mode=mode, scaling=scaling)
-    elif scaling not in SCALINGS:
-        Quantization(mode="fp8", scaling=scaling)
+        Quantization(mode=mode, scaling=scaling, history=history)
+    else:
+        Quantization(mode="fp8", scaling=scaling, history=history)

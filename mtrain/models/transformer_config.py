@@ -118,9 +118,12 @@ class TransformerConfig:
     swish_alpha: float = 1.702
     # Low-precision matmuls in the projections (`quantization`): 'none', 'fp8' (Hopper and
     # newer GPUs) or 'int8' (TPU v5e); one scale per operand ('tensorwise') or per row
-    # ('rowwise'). Parameters and checkpoints keep their dtype: it may change between runs.
+    # ('rowwise'), or fp8's from an amax history of `quantization_history` steps ('delayed':
+    # state beside each projection's weight). Parameters and checkpoints keep their dtype: it
+    # may change between runs.
     quantization: str = "none"
     quantization_scaling: str = "tensorwise"
+    quantization_history: int = 1024
     # How a stack split over pipeline stages (a layout rule layers:<mesh dim>) runs
     # (`pipeline.PipelineConfig`, gin's pipeline.*; None: its defaults, GPipe).
     pipeline: PipelineConfig | None = None
@@ -239,7 +242,8 @@ class TransformerConfig:
                              "latent_attention's: set one of them False")
         if self.latent_attention:
             _check_latent_attention(self)
-        quantization.check(self.quantization, self.quantization_scaling)
+        quantization.check(self.quantization, self.quantization_scaling,
+                           self.quantization_history)
         if self.attention == "flash" and (why := attention.flash_refusal(
                 self.flash_kernel, jax.default_backend(), self.dtype, self.attention_head_dim,
                 self.attention_sinks)):

@@ -46,6 +46,7 @@ from mtrain.io.textfiles import write_atomically
 from mtrain.io.work_dirs import writing
 from mtrain.models import parameters
 from mtrain.models.lora import merged
+from mtrain.models.quantization import is_meta
 from mtrain.modes.experiment import Experiment
 from mtrain.data.vocabulary import load_vocabulary
 
@@ -104,7 +105,8 @@ def import_model(exp: Experiment, input_dir: str, settings: families.Settings, v
         sources |= weights.adapters(sources, c.lora)
     params = exp.trainer.abstract_state.params
     shardings = parameters.paths(exp.trainer.state_shardings.params)
-    wanted = parameters.paths(params)
+    wanted = {path: leaf for path, leaf in parameters.paths(params).items()
+              if not is_meta(path)}  # (delayed fp8 scaling's state: fresh when a run starts)
     if sorted(wanted) != sorted(sources):
         odd = sorted(set(wanted) ^ set(sources))
         raise ConfigError(f"the model's parameters do not match {settings.family}'s tensors "

@@ -34,8 +34,9 @@ memory (what does), the quantized program's collectives:
   holds it (data parallelism's weights: each replica casts its copy); a weight under
   parameter layout rules (FSDP) as gathered for use (XLA may cast the stored shard before
   the gather: less).
-  'rowwise' and 'tensorwise' cost the same here (rowwise's scaled matmuls are slower on GPUs
-  than tensorwise's, as torchtitan measures: not modelled).
+  'rowwise', 'tensorwise' and 'delayed' cost the same here (rowwise's scaled matmuls are
+  slower on GPUs than tensorwise's, as torchtitan measures; delayed's amaxes are reduced
+  beside the products, not before them: neither modelled).
 - the collectives: the quantized program's. Tensorwise scaling takes each split operand's
   absolute maximum over the devices that split it: an all-reduce of a scalar per operand
   (tests/test_plan_quantization.py's 2-layer model over ``batch:8``: 18 all-reduces in fp8

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mtrain.errors import ConfigError
 from mtrain.models import balancing, context, moe, parameters
 from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
+from mtrain.models.quantization import fresh_meta, is_meta, updated_meta
 from mtrain.parallel.layout import Layout, tree_shardings
 from mtrain.training import freezing
 from mtrain.training import optimizer as optimizer_lib
@@ -78,10 +79,15 @@ class Trainer:
         self.param_names = nn.get_partition_spec(boxed)["params"]
         abstract_params = nn.unbox(boxed)["params"]
         self.bias_update_rate = balancing.update_rate(model)
-        self.trainable, self.optimized = balancing.optimized(
-            trainable or (lambda path: True), self.bias_update_rate)
+        trains, optimized = balancing.optimized(trainable or (lambda path: True),
+                                                self.bias_update_rate)
+        # Delayed fp8 scaling's state changes in training (a checkpoint keeps it) but is
+        # no optimizer's: each step writes its new value over it (`_train_step_fn`).
+        self.trainable = lambda path: trains(path) or is_meta(path)
+        self.optimized = lambda path: optimized(path) and not is_meta(path)
         self.frozen = trainable is not None
         paths = parameters.paths(abstract_params)
+        self.has_meta = any(map(is_meta, paths))
         if self.frozen and not any(map(self.optimized, paths)):
             raise ConfigError("no parameter of the model trains (run.trainable, or the LoRA "
                               "targets, match none)")
@@ -99,7 +105,7 @@ class Trainer:
         self.objective = self.given_objective.bind(Setting(
             model=model, layout=layout, mesh=mesh, batch_shape=self.batch_shape,
             num_microbatches=num_microbatches, abstract_params=abstract_params,
-            param_shardings=self.state_shardings.params, trainable=self.trainable,
+            param_shardings=self.state_shardings.params, trainable=trains,
             apply=self.apply_model))
         self.loss_chunks = self.objective.loss_chunks  # (the planner's)
         self._jit_steps()
@@ -192,27 +198,35 @@ class Trainer:
         """The model's real vocabulary rows (its config's `real_vocab_size`; 0: all)."""
         return classes(self.model)
 
-    def gradients(self, params, batch: Batch, dropout_key, frozen=None, arguments=()):
+    def gradients(self, params, batch: Batch, dropout_key, frozen=None, arguments=(),
+                  meta=None):
         """The gradient of the objective's mean loss over `batch` (and the loss,
         cross-entropy, tokens and statistics: `Objective.loss_sums`), accumulated over
         `num_microbatches` slices of it (`gradients.mean_gradient`). With `frozen`
         parameters, `params` are the trainable ones (`split`), and the gradient is theirs.
-        `arguments`: the objective's (`Objective.arguments`)."""
-        return mean_gradient(
+        `arguments`: the objective's (`Objective.arguments`). With `meta` (delayed fp8
+        scaling's state, out of `frozen`), its new value comes after the statistics."""
+        out = mean_gradient(
             lambda params, batch, rngs: self.objective.loss_sums(params, batch, rngs, *arguments),
-            params, batch, dropout_key, self.num_microbatches, self.trained_names, frozen)
+            params, batch, dropout_key, self.num_microbatches, self.trained_names, frozen, meta)
+        return out if meta is not None else out[:-1]
 
     def _train_step_fn(self, state: TrainState, batch: Batch, *arguments):
         with self.layout.activate(self.mesh):
             dropout_key = jax.random.fold_in(self.dropout_key, state.step)
             trained, frozen = self.split(state.params)
-            grads, loss, xent, tokens, stats = self.gradients(trained, batch, dropout_key,
-                                                              frozen, arguments)
+            meta = parameters.select(frozen, is_meta)
+            frozen = parameters.select(frozen, lambda path: not is_meta(path))
+            grads, loss, xent, tokens, stats, new_meta = self.gradients(
+                trained, batch, dropout_key, frozen, arguments, meta)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
             params = optax.apply_updates(trained, updates)
-            if frozen:
+            if self.partial:
                 params = parameters.merge(state.params, params)
             metrics = step_metrics(grads, loss, xent, tokens, stats)
+            if meta:
+                params = parameters.merge(params, updated_meta(meta, new_meta,
+                                                               metrics["finite"] > 0))
             params = balancing.balance(params, stats, self.bias_update_rate,
                                        metrics["finite"] > 0)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -264,6 +278,12 @@ class Trainer:
         """Step 0 at `params` (an import's, another run's: a tree of arrays shaped as the
         model's, wherever they lie, converted to its dtypes) with a fresh optimizer state,
         laid out as the state is: fine-tuning's start. The arrays given are not consumed."""
+        lacking = {p for p in parameters.paths(self.abstract_state.params)
+                   if is_meta(p) and p not in parameters.paths(params)}
+        if lacking:  # delayed fp8 scaling's state, fresh (an import has none)
+            params = parameters.merge(params, jax.tree.map(
+                lambda a: fresh_meta(a.shape),
+                parameters.select(self.abstract_state.params, lacking.__contains__)))
         shapes = lambda tree: {jax.tree_util.keystr(p): tuple(np.shape(x)) for p, x in  # noqa: E731
                                jax.tree_util.tree_leaves_with_path(tree)}
         given, model = shapes(params), shapes(self.abstract_state.params)
