@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU benchmark set (issues 17 and 61), under 9 minutes on one H100 or H200 (it must fit
 # a 10-minute slot on a borrowed GPU): each step runs under `timeout -k 5` for its share of
-# the budget, in seconds (515 in all, at most 20 more to kill a step that overruns, ~10 to
+# the budget, in seconds (520 in all, at most 20 more to kill a step that overruns, ~10 to
 # start), and one that fails or runs out of time spares the others. The steps go in the
 # order of what issue 61 asks of a GPU (on an H200, 2026-11-27, the set as it was then spent
 # its time initialising and compiling: each 1B model's initialisation ~60 s, the fp8 row
 # not done in 235 s):
-#   1. low precision (40 + 25): one llama_1b feed-forward layer, forward + backward, in
-#      bf16 and through the quantized projection's op in fp8 (tensorwise, rowwise): compile
+#   1. low precision (50 + 20): one llama_1b feed-forward layer, forward + backward, in
+#      bf16 and through the quantized projection's op in fp8 (tensorwise, rowwise, delayed): compile
 #      time, step time, the error, and which matmul kernels the compiled program calls
 #      (benchmarks/quantized_matmul.py): why a model's fp8 row is fast, slow, or slow to
 #      compile; then bf16 and fp8 again with XLA's Triton GEMMs off (cuBLAS and cuBLASLt's
@@ -99,11 +99,11 @@ if [ "${GPU_ATTENTION:-0}" = 1 ]; then
   step 80 "attention" "$PYTHON" benchmarks/attention.py
 fi
 if [[ " $missing " != *" qwix "* ]]; then
-  step 40 "low precision" "$PYTHON" benchmarks/quantized_matmul.py
+  step 50 "low precision" "$PYTHON" benchmarks/quantized_matmul.py
   # The same fp8 layer with XLA's Triton GEMMs off: whether XLA autotuning Triton kernels
   # for the fp8 products is what makes them slow to compile, and cuBLASLt's fp8 GEMM alone
   # is as fast.
-  step 25 "low precision, no Triton GEMMs" env \
+  step 20 "low precision, no Triton GEMMs" env \
     XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=false" \
     "$PYTHON" benchmarks/quantized_matmul.py --variants bf16,fp8
 fi

@@ -6,8 +6,9 @@ The layer is `llama_1b`'s (configs/models/llama_1b.gin) SwiGLU feed-forward on o
 tokens: x [tokens, d_model] through gate and up [d_model, d_ff], silu(gate) * up, down
 [d_ff, d_model]; forward and backward (the gradients of x and of the three kernels), jitted.
 Each variant multiplies through `mtrain.models.quantization.Quantization.einsum`, the op
-every quantized projection of a model calls (qwix's quantized-training dot_general), or
-plain `jnp.einsum` in bf16 for the baseline. Per variant, printed as soon as measured:
+every quantized projection of a model calls (qwix's quantized-training dot_general; with
+delayed scaling flax's fp8 op, from the states one earlier step of these operands
+recorded), or plain `jnp.einsum` in bf16 for the baseline. Per variant, printed as soon as measured:
 
 - compile: seconds to lower and compile (a variant that takes minutes here takes minutes
   per distinct projection in a model's step);
@@ -21,7 +22,7 @@ Then the ratio of each variant's time to bf16's. A variant that fails says why i
 
     python benchmarks/quantized_matmul.py                          # 32768 x 2048 -> 5504
     python benchmarks/quantized_matmul.py --tokens 512 --d_model 128 --d_ff 384   # CPU-sized
-    python benchmarks/quantized_matmul.py --variants bf16,fp8,fp8-rowwise,int8
+    python benchmarks/quantized_matmul.py --variants bf16,fp8,fp8-rowwise,fp8-delayed,int8
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mtrain.models.quantization import Quantization
+from mtrain.models.quantization import Quantization, fresh_meta
 
 VARIANTS = {"bf16": None, "fp8": Quantization(mode="fp8"),
             "fp8-rowwise": Quantization(mode="fp8", scaling="rowwise"),
+            "fp8-delayed": Quantization(mode="fp8", scaling="delayed"),
             "int8": Quantization(mode="int8")}
 # (a custom call's target or an op's pattern in the compiled HLO, what to call it)
 KERNELS = (("cublas$lt$matmul$f8", "cublasLt f8"), ("cublas$lt$matmul", "cublasLt"),
@@ -51,17 +53,30 @@ def parse_args():
     p.add_argument("--d_model", type=int, default=2048)
     p.add_argument("--d_ff", type=int, default=5504)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--variants", default="bf16,fp8,fp8-rowwise")
+    p.add_argument("--variants", default="bf16,fp8,fp8-rowwise,fp8-delayed")
     return p.parse_args()
 
 
-def forward(quantization, x, gate, up, down, dtype=jnp.bfloat16):
+def forward(quantization, x, gate, up, down, metas=(None, None, None), dtype=jnp.bfloat16):
     """The feed-forward layer's output, its operands cast to `dtype` and its matmuls plain or
-    through `quantization`."""
-    einsum = jnp.einsum if quantization is None else quantization.einsum
+    through `quantization` (delayed scaling: each from its state in `metas`)."""
+    def einsum(spec, a, b, meta):
+        if quantization is None:
+            return jnp.einsum(spec, a, b)
+        return quantization.einsum(spec, a, b, meta=meta)
+
     x, gate, up, down = (a.astype(dtype) for a in (x, gate, up, down))
-    h = jax.nn.silu(einsum("td,df->tf", x, gate)) * einsum("td,df->tf", x, up)
-    return einsum("tf,fd->td", h, down)
+    h = jax.nn.silu(einsum("td,df->tf", x, gate, metas[0])) * einsum("td,df->tf", x, up,
+                                                                      metas[1])
+    return einsum("tf,fd->td", h, down, metas[2])
+
+
+def recorded(quantization, x, weights):
+    """Delayed scaling's states after one step of the layer on these operands (the
+    gradient of a state is its new value): what a run's later steps quantize with."""
+    fresh = tuple(fresh_meta((3, 1 + quantization.history)) for _ in range(3))
+    return jax.jit(jax.grad(lambda m: forward(quantization, x, *weights, metas=m).astype(
+        jnp.float32).sum()))(fresh)
 
 
 def kernels(hlo: str) -> str:
@@ -93,7 +108,10 @@ def main():
     for name in args.variants.split(","):
         try:
             quantization = VARIANTS[name]
-            loss = lambda *a: forward(quantization, *a).astype(jnp.float32).sum()  # noqa: E731
+            metas = (recorded(quantization, x, weights) if quantization and quantization.delayed
+                     else (None, None, None))
+            loss = lambda *a: forward(quantization, *a, metas=metas).astype(  # noqa: E731
+                jnp.float32).sum()
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
             t0 = time.perf_counter()
             compiled = step.lower(x, *weights).compile()
@@ -105,7 +123,7 @@ def main():
                 jax.block_until_ready(compiled(x, *weights))
                 times.append(time.perf_counter() - t0)
             ms = statistics.median(times) * 1e3
-            y = jax.jit(lambda *a: forward(quantization, *a))(x, *weights)
+            y = jax.jit(lambda *a: forward(quantization, *a, metas=metas))(x, *weights)
             error = float(jnp.max(jnp.abs(y.astype(jnp.float32) - exact)) /
                           jnp.max(jnp.abs(exact)))
             base = base or ms

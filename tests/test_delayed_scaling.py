@@ -112,14 +112,16 @@ def test_the_trainer_writes_the_state_over_itself_every_step():
         np.testing.assert_array_equal(v[:2], first[path][:2])
 
 
-@pytest.mark.slow  # (about 12 s: two trainers)
-def test_layouts_change_no_delayed_loss():
+@pytest.mark.slow  # (about 12 s each: two trainers)
+@pytest.mark.parametrize("mesh_shape, rules, parameter_rules", [
+    ("batch:4;model:2", SPLIT, ""), ("batch:8", "batch:batch", "d_model:batch")])  # (FSDP)
+def test_layouts_change_no_delayed_loss(mesh_shape, rules, parameter_rules):
     """As test_quantization's layouts test: the amaxes are maxes, the same over any split;
     three steps, so that the third quantizes with scales from the first two."""
     c = config("fp8", "delayed", activation_dtype="float32", quantization_history=4)
     _, params = losses(c, steps=0)
     reference, _ = losses(c, params=params, steps=3)
-    got, trained = losses(c, "batch:4;model:2", SPLIT, params=params, steps=3)
+    got, trained = losses(c, mesh_shape, rules, parameter_rules, params=params, steps=3)
     np.testing.assert_allclose(got, reference, rtol=1e-5)
     assert len(states(trained)) == 14
 

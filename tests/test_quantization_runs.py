@@ -70,6 +70,9 @@ def test_fp8_trains_as_bf16_does(fresh_home, tmp_path, capsys):
     assert "resuming from the checkpoint of step 25" in capsys.readouterr().err
     for a, b in zip(_leaves(saved_state(tmp_path / "delayed", 50)), _leaves(state)):
         np.testing.assert_array_equal(a, b)
+    run = argv(tmp_path / "delayed", *delayed, "run.train_steps=50")
+    assert main(run + ["--mode=eval"]) == 0 and main(run + ["--mode=plan"]) == 0
+    assert "quantization fp8 (delayed)" in capsys.readouterr().out
 
     # An import holds no state (it starts fresh); a LoRA run's checkpoints keep it beside
     # the adapters (its base stored once), and it resumes bit for bit.
