@@ -6,7 +6,8 @@ splits the tokens' ``batch`` and ``length``, the weights' ``experts`` and ``d_ff
 token choices are sorted by expert, so that each expert's tokens are consecutive rows, and
 each expert's feed-forward layer runs as grouped matmuls over those rows
 (`mtrain.models.grouped`). The outputs go back to the tokens' order, weighted by the gates,
-summed over the choices. Padding tokens are routed nowhere. Where the experts are split:
+summed over the choices. The rows move by gathers both ways, forward and backward
+(`permute`). Padding tokens are routed nowhere. Where the experts are split:
 
 - over a mesh dimension that does not split the tokens (``experts:model``), every device of
   it holds the same tokens and computes those routed to its own experts (the sorted rows of
@@ -80,7 +81,8 @@ def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dr
     experts = e_local * (jax.lax.axis_size(e_axis) if e_axis else 1)
     choice = index.reshape(-1)  # [T k]
     order = jnp.argsort(choice, stable=True)
-    rows = x.reshape(-1, d)[order // k]  # [T k, d]: sorted by expert
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    rows = permute(jnp.repeat(x.reshape(-1, d), k, axis=0), order, inverse)  # sorted by expert
     sizes = jnp.bincount(choice, length=experts + 1)[:experts].astype(jnp.int32)
     for axis in token_axes:  # (the key differs per device holding other tokens)
         key = jax.random.fold_in(key, jax.lax.axis_index(axis))
@@ -108,12 +110,33 @@ def _local(x, index, gates, key, *weights, axes, activations, kernel, ragged, dr
                        start, axis=0)
     else:
         out = _exchanged(rows, choice[order], sizes, e_local, a2a_axis, ragged, compute)
-    y = jnp.zeros_like(out).at[order].set(out).reshape(b * l, k, d)
+    y = permute(out, inverse, order).reshape(b * l, k, d)  # (back in the choices' order)
     y = jnp.einsum("tkd,tk->td", y, gates.reshape(-1, k).astype(y.dtype)).reshape(b, l, d)
     for axis in (f_axis, None if a2a_axis else e_axis):
         if axis is not None:
             y = jax.lax.psum(y, axis)
     return y
+
+
+@jax.custom_vjp
+def permute(x, order, inverse):
+    """The rows of `x` [n, ...] in `order` (a permutation of n; `inverse` its inverse): a
+    gather, whose gradient is the gather by `inverse` (MaxText's sorted activations), not
+    the scatter autodiff would make of it (on a GPU, a scatter of rows is slower than a
+    gather)."""
+    return x[order]
+
+
+def _permute_forward(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_backward(residuals, g):
+    order, inverse = residuals
+    return g[inverse], None, None
+
+
+permute.defvjp(_permute_forward, _permute_backward)
 
 
 def _biases_by_row(sizes, m: int, f_axis):
