@@ -63,8 +63,9 @@ def test_a_state_is_written_over_only_where_a_finite_step_used_it():
     assert all(np.all(np.asarray(v) == 1.0) for v in jax.tree_util.tree_leaves(kept))
 
 
-def trainer(num_microbatches=1, history=4):
-    c = config("fp8", "delayed", activation_dtype="float32", quantization_history=history)
+def trainer(num_microbatches=1, history=4, scan_layers=False):
+    c = config("fp8", "delayed", activation_dtype="float32", quantization_history=history,
+               scan_layers=scan_layers)
     layout = Layout("", "")
     return Trainer(model=DecoderLM(c), optimizer=optimizer.adamw(
         optimizer.learning_rate_schedule(warmup_steps=2)), layout=layout,
@@ -84,32 +85,38 @@ def states(params):
     return {p: np.asarray(v) for p, v in parameters.paths(params).items() if p.endswith("_fp8")}
 
 
-def test_the_trainer_writes_the_state_over_itself_every_step():
-    """Each quantized projection (2 layers x q, k, v, o, wi_0, wi_1, wo) has its state,
-    float32 [3, 1 + history], none of it the optimizer's; after n steps each history holds
-    the last min(n, history) amaxes and the scales come from them. Two microbatches record
-    the largest amax of the two: the inputs' and weights' are the whole batch's."""
-    t = trainer()
+@pytest.mark.parametrize("scan_layers, count, shape", [(False, 14, (3, 5)),
+                                                      (True, 7, (2, 3, 5))])
+def test_the_trainer_writes_the_state_over_itself_every_step(scan_layers, count, shape):
+    """Each quantized projection (2 layers x q, k, v, o, wi_0, wi_1, wo; a scanned stack's
+    stacked by layer) has its state, float32 [3, 1 + history], none of it the optimizer's;
+    after n steps each history holds the last min(n, history) amaxes and the scales come
+    from them."""
+    t = trainer(scan_layers=scan_layers)
     state = t.init_state()
     start = states(state.params)
-    assert len(start) == 14 and all(v.shape == (3, 5) and v.dtype == np.float32
-                                    for v in start.values())
+    assert len(start) == count and all(v.shape == shape and v.dtype == np.float32
+                                       for v in start.values())
     assert not any("_fp8" in jax.tree_util.keystr(p)
                    for p, _ in jax.tree_util.tree_leaves_with_path(state.opt_state))
-    first = None
     for n in range(1, 6):
         state, metrics = t.train_step(state, batch(t, n))
         assert float(metrics["finite"]) == 1.0
-        now = states(state.params)
-        first = first or now
-        for v in now.values():
-            assert np.all(np.count_nonzero(v[:, 1:], axis=1) == min(n, 4))
-            assert np.all(v[:, 0] != 1.0) == (n >= 2)
+        for v in states(state.params).values():
+            assert np.all(np.count_nonzero(v[..., 1:], axis=-1) == min(n, 4))
+            assert np.all(v[..., 0] != 1.0) == (n >= 2)
 
-    two = trainer(num_microbatches=2)
+
+def test_microbatches_record_the_largest_amax():
+    """Two microbatches record the larger amax of the two: the inputs' and weights' are
+    the whole batch's, as one microbatch records them (the gradient's are of each
+    microbatch's sum, not the batch's mean: another scale, as the trainer sums them)."""
+    whole, two = trainer(), trainer(num_microbatches=2)  # (the same start: seed 3)
+    one, _ = whole.train_step(whole.init_state(), batch(whole, 1))
     split, _ = two.train_step(two.init_state(), batch(two, 1))
-    for path, v in states(split.params).items():  # (the same start: seed 3)
-        np.testing.assert_array_equal(v[:2], first[path][:2])
+    expected = states(one.params)
+    for path, v in states(split.params).items():
+        np.testing.assert_array_equal(v[:2], expected[path][:2])
 
 
 @pytest.mark.slow  # (about 12 s each: two trainers)
