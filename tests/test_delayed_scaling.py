@@ -85,8 +85,8 @@ def states(params):
     return {p: np.asarray(v) for p, v in parameters.paths(params).items() if p.endswith("_fp8")}
 
 
-@pytest.mark.parametrize("scan_layers, count, shape", [(False, 14, (3, 5)),
-                                                      (True, 7, (2, 3, 5))])
+@pytest.mark.parametrize("scan_layers, count, shape", [
+    (False, 14, (3, 5)), pytest.param(True, 7, (2, 3, 5), marks=pytest.mark.slow)])
 def test_the_trainer_writes_the_state_over_itself_every_step(scan_layers, count, shape):
     """Each quantized projection (2 layers x q, k, v, o, wi_0, wi_1, wo; a scanned stack's
     stacked by layer) has its state, float32 [3, 1 + history], none of it the optimizer's;
@@ -107,6 +107,7 @@ def test_the_trainer_writes_the_state_over_itself_every_step(scan_layers, count,
             assert np.all(v[..., 0] != 1.0) == (n >= 2)
 
 
+@pytest.mark.slow  # (two trainers)
 def test_microbatches_record_the_largest_amax():
     """Two microbatches record the larger amax of the two: the inputs' and weights' are
     the whole batch's, as one microbatch records them (the gradient's are of each
