@@ -73,6 +73,11 @@ def test_fp8_trains_as_bf16_does(fresh_home, tmp_path, capsys):
     run = argv(tmp_path / "delayed", *delayed, "run.train_steps=50")
     assert main(run + ["--mode=eval"]) == 0 and main(run + ["--mode=plan"]) == 0
     assert "quantization fp8 (delayed)" in capsys.readouterr().out
+    before = digest(tmp_path / "delayed")  # (its state is the train state's: read with it)
+    assert main(argv(tmp_path / "delayed", "run.train_steps=50") + ["--mode=eval"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) <= 3 and "wi_0_fp8']: float32[3, 1025] there, absent here" in err[-1], err
+    assert digest(tmp_path / "delayed") == before
 
     # An import holds no state (it starts fresh); a LoRA run's checkpoints keep it beside
     # the adapters (its base stored once), and it resumes bit for bit.

@@ -30,7 +30,10 @@ they are (float32, or the run's dtype): the low-precision copies live only insid
   gradient), a parameter the optimizer never sees. Its gradient is its new value (flax's
   "overwrite with gradient"), which the trainer writes over it on every finite step (the
   largest over microbatches), so a checkpoint holds it and a resumed run goes on bit for
-  bit. It starts at scale 1 with an empty history: the first step quantizes unscaled.
+  bit. It starts at scale 1 with an empty history: the first step quantizes unscaled. Being
+  part of the train state, it makes a delayed run's checkpoints readable with delayed
+  scaling alone (``run.init_from`` leaves it: a run of another setting starts from its
+  parameters, a delayed one from another's with its state fresh).
   torchao deleted delayed scaling from the float8 training torchtitan runs (pytorch/ao#1753,
   2025: current scaling more accurate, and no slower: 6,750 against 6,810 tokens/s for
   Llama 3 8B, torchtitan#698); it is here for the recipes that use it.
@@ -199,6 +202,22 @@ def fresh_meta(shape) -> jax.Array:
     """Delayed-scaling state of `shape` (a stack's [layers, 3, 1 + history] too) as
     `Quantization.meta` makes it: scale 1, an empty history."""
     return jnp.zeros(shape, jnp.float32).at[..., 0].set(1.0)
+
+
+def with_fresh_meta(params, abstract):
+    """`params` with the delayed-scaling states of the abstract tree `abstract` that it
+    lacks (an import's, another scaling's checkpoint's), fresh, laid out as `abstract`'s
+    leaves say where they carry a sharding."""
+    from mtrain.models import parameters
+
+    have = parameters.paths(params)
+    lacking = {p for p in parameters.paths(abstract) if is_meta(p) and p not in have}
+    if not lacking:
+        return params
+    return parameters.merge(params, jax.tree.map(
+        lambda leaf: jax.jit(lambda: fresh_meta(leaf.shape),
+                             out_shardings=getattr(leaf, "sharding", None))(),
+        parameters.select(abstract, lacking.__contains__)))
 
 
 def _qwix_training_op():

@@ -30,7 +30,7 @@ from mtrain.io.model_dir import ModelDir
 from mtrain.io.reading import require_checkpoints
 from mtrain.models import parameters
 from mtrain.models.lora import is_adapter
-from mtrain.models.quantization import fresh_meta, is_meta
+from mtrain.models.quantization import is_meta, with_fresh_meta
 
 log = logging.getLogger("mtrain")
 
@@ -58,8 +58,7 @@ def resume(checkpoints: Checkpoints, trainer, meta: dict, iterator):
                     "on (its files, or how they are prepared): continuing on the new data "
                     "from its beginning, with the parameters and optimizer state of step %d",
                     got.step, got.step)
-    params = _complete(got, where, _with_base(checkpoints, got, abstract.params, meta),
-                       abstract.params)  # (another fp8 scaling's checkpoint: state fresh)
+    params = _with_base(checkpoints, got, abstract.params, meta)
     return got.state.replace(params=params), got
 
 
@@ -195,21 +194,17 @@ def _with_base(checkpoints: Checkpoints, got: Read, abstract_params, meta: dict)
 
 def _complete(got: Read, directory, params, abstract_params, fresh=None):
     """`params` with the adapters it lacks made by `fresh` (from their abstract tree; None:
-    left missing) and the delayed fp8 scaling state it lacks fresh (a run of another
-    scaling's checkpoint: scale 1, an empty history); any other parameter it lacks is an
-    IncompatibleRun (another model's)."""
+    left missing) and the delayed fp8 scaling state it lacks fresh (an import's, or
+    `run.init_from` another scaling's run: scale 1, an empty history); any other parameter
+    it lacks is an IncompatibleRun (another model's)."""
     have = parameters.paths(params)
     lacking = {path for path in parameters.paths(abstract_params) if path not in have}
     if other := sorted(path for path in lacking if not is_adapter(path) and not is_meta(path)):
         raise IncompatibleRun(f"checkpoint {directory / str(got.step)} holds no parameter "
                               f"{other[0]}" + (f" (nor {len(other) - 1} others)" if other[1:]
                                                else "") + " of this model")
-    if states := {path for path in lacking if is_meta(path)}:
-        params = parameters.merge(params, jax.tree.map(
-            lambda leaf: jax.jit(lambda: fresh_meta(leaf.shape),
-                                 out_shardings=getattr(leaf, "sharding", None))(),
-            parameters.select(abstract_params, states.__contains__)))
-    adapters = lacking - states
+    params = with_fresh_meta(params, abstract_params)
+    adapters = {path for path in lacking if not is_meta(path)}
     if fresh is None or not adapters:
         return params
     return parameters.merge(params, fresh(parameters.select(abstract_params,

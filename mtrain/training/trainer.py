@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mtrain.errors import ConfigError
 from mtrain.models import balancing, context, moe, parameters
 from mtrain.models.base import READ_INPUTS, batch_keys, packed_rows, packing_of
-from mtrain.models.quantization import fresh_meta, is_meta, updated_meta
+from mtrain.models.quantization import is_meta, updated_meta, with_fresh_meta
 from mtrain.parallel.layout import Layout, tree_shardings
 from mtrain.training import freezing
 from mtrain.training import optimizer as optimizer_lib
@@ -87,7 +87,6 @@ class Trainer:
         self.optimized = lambda path: optimized(path) and not is_meta(path)
         self.frozen = trainable is not None
         paths = parameters.paths(abstract_params)
-        self.has_meta = any(map(is_meta, paths))
         if self.frozen and not any(map(self.optimized, paths)):
             raise ConfigError("no parameter of the model trains (run.trainable, or the LoRA "
                               "targets, match none)")
@@ -278,12 +277,7 @@ class Trainer:
         """Step 0 at `params` (an import's, another run's: a tree of arrays shaped as the
         model's, wherever they lie, converted to its dtypes) with a fresh optimizer state,
         laid out as the state is: fine-tuning's start. The arrays given are not consumed."""
-        lacking = {p for p in parameters.paths(self.abstract_state.params)
-                   if is_meta(p) and p not in parameters.paths(params)}
-        if lacking:  # delayed fp8 scaling's state, fresh (an import has none)
-            params = parameters.merge(params, jax.tree.map(
-                lambda a: fresh_meta(a.shape),
-                parameters.select(self.abstract_state.params, lacking.__contains__)))
+        params = with_fresh_meta(params, self.abstract_state.params)  # (an import has none)
         shapes = lambda tree: {jax.tree_util.keystr(p): tuple(np.shape(x)) for p, x in  # noqa: E731
                                jax.tree_util.tree_leaves_with_path(tree)}
         given, model = shapes(params), shapes(self.abstract_state.params)
