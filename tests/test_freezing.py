@@ -41,13 +41,20 @@ def train(trainer, steps=3):
     return losses, first, jax.device_get(state)
 
 
+@pytest.fixture(scope="module")
+def one_device_lora():
+    """(losses, first parameters, last state) of the adapters' 3 steps on one device: the
+    same for both tiers of the test below, trained once for the module."""
+    return train(trainer_of())
+
+
 @pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_lora_layouts_and_microbatches_never_change_the_losses(slow):
+def test_lora_layouts_and_microbatches_never_change_the_losses(slow, one_device_lora):
     """Adapters with dropout train alone (the base unmoved); the full suite: on data and
     model parallel layouts, with ``lora_rank`` split, under FSDP and in two microbatches,
     the losses of one device within test_trainer's tolerance (float32 sums in another
     order)."""
-    reference, first, state = train(trainer_of())
+    reference, first, state = one_device_lora
     assert reference[-1] < reference[0]
     for path, value in parameters.paths(first).items():  # the base as it was; adapters moved
         assert np.array_equal(parameters.paths(state.params)[path], value) != is_adapter(path), \

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import no_compilation_cache
 from test_huggingface import params_of, resumes_bit_for_bit
-from test_multiprocess import free_port
+from test_multiprocess import SUBPROCESS_XLA_FLAGS, free_port
 from test_oracles import ORACLES
 
 from mtrain.__main__ import main
@@ -62,7 +62,7 @@ def rl_flags(root, model_dir, steps: int, *params: str) -> list[str]:
         "run.optimizer=@adamw", "adamw.weight_decay=0.0",
         "learning_rate_schedule.shape='constant'", "learning_rate_schedule.warmup_steps=1",
         "grpo.num_generations=16", "grpo.max_completion_length=6", "grpo.temperature=0.7",
-        "grpo.rewards=[@matches()]", r"matches.pattern='the\s*$'", *params]
+        "grpo.rewards=[@matches()]", r"matches.pattern='the\\s*$'", *params]
     return [f"--gin_file={root / 'llama'}/config.gin", f"--model_dir={model_dir}",
             *[f"--gin_param={p}" for p in settings]]
 
@@ -142,7 +142,7 @@ def test_two_processes_sample_and_step_as_one(policy, tmp_path):
     assert main(argv) == 0
     address = f"localhost:{free_port()}"
     two = [a.replace(str(tmp_path / "one"), str(tmp_path / "two")) for a in argv]
-    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS))
     procs = [subprocess.Popen(
         [sys.executable, "-m", "mtrain", *two, "--cpu_devices=4",
          f"--coordinator_address={address}", "--num_processes=2", "--distributed_timeout=60",

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import no_compilation_cache
+from test_multiprocess import SUBPROCESS_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
@@ -165,7 +166,8 @@ def test_local_dry_run_and_bad_arguments():
 def test_local_launcher_runs_two_processes(data_dir, tmp_path):
     from tiny_config import TINY
 
-    env = no_compilation_cache(dict(os.environ, XLA_FLAGS="", PYTHON=sys.executable))
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS,
+                                    PYTHON=sys.executable))
     code, out, err = launch(
         "local.sh", "--num_processes=2", "--cpu_devices=4", "--",
         "--gin_file=tasks/bible_lm.gin", "--gin_param=run.mesh_shape='batch:4;model:2'",

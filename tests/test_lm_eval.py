@@ -148,18 +148,42 @@ def check_against_oracle(out: dict, result: str, tasks=TASKS) -> None:
                 assert abs(mine - value) <= 1e-5 * value, (task, metric)
 
 
+@pytest.fixture(scope="module")
+def one_device_lm(imported):
+    """name -> lm-eval's model of its import loaded on one device (the import's mesh: this
+    process has 8 devices), built once for the module: a model's runs with and without its
+    chat template share it, and the programs its scorer and generators compiled. Its
+    config.gin is parsed again at each call, as a fresh load parses it."""
+    from mtrain import run as run_lib
+    from mtrain.data.user_data import model_dir_template
+    from mtrain.evaluation.harness import Model, MtrainLM
+
+    lms = {}
+
+    def lm_of(name):
+        if name not in lms:
+            exp, params, vocab = load(imported / name)
+            lms[name] = MtrainLM(model=Model(
+                trainer=exp.trainer, params=params, vocab=vocab,
+                template=model_dir_template(str(imported / name), vocab), rows=8,
+                max_length=512))
+        else:
+            run_lib.parse_config([os.path.join(imported / name, "config.gin")], [])
+        return lms[name]
+
+    return lm_of
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("result,mesh", [
     ("llama3", None), ("qwen2", None), ("llama3_chat", None), ("qwen2_chat", None),
     ("llama3", "batch:4;model:2"), ("qwen2_chat", "batch:4;model:2")])
-def test_every_sample_as_lm_evals_hf_backend(imported, tasks_dir, result, mesh):
+def test_every_sample_as_lm_evals_hf_backend(imported, one_device_lm, tasks_dir, result,
+                                              mesh):
     """lm-eval's `simple_evaluate` with mtrain's model on the import: each sample's
     log-likelihoods, greedy flags and generations, and the task metrics, as the hf backend
     computed them; on one device and split over batch:4;model:2 (heads, d_ff, vocab and
     key/value heads split, batches of 8 rows over 4 batch shards)."""
-    from mtrain.data.user_data import model_dir_template
-    from mtrain.evaluation.harness import Model, MtrainLM
-
     name, chat = result.split("_")[0], result.endswith("_chat")
     if mesh:  # lm-eval's model_args, as its command line gives them
         rules = "batch:batch;d_ff:model;heads:model;vocab:model;kv_heads:model"
@@ -168,10 +192,7 @@ def test_every_sample_as_lm_evals_hf_backend(imported, tasks_dir, result, mesh):
         lm = ModelArgsLM(model_dir=str(imported / name), batch_size=8, mesh_shape=mesh,
                          layout_rules=rules)
     else:  # a loaded model (the import's one-device mesh: this process has 8 devices)
-        exp, params, vocab = load(imported / name)
-        lm = MtrainLM(model=Model(trainer=exp.trainer, params=params, vocab=vocab,
-                                  template=model_dir_template(str(imported / name), vocab),
-                                  rows=8, max_length=512))
+        lm = one_device_lm(name)
     assert lm.prefix_token_id == {"llama3": 507, "qwen2": 493}[name]  # (the model's start_id)
     assert lm.scorer.trainer.mesh.size == (8 if mesh else 1)
     assert lm.scorer.trainer.layout.ways("batch") == (4 if mesh else 1)

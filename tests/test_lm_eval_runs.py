@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from test_multiprocess import free_port
+from test_multiprocess import SUBPROCESS_XLA_FLAGS, free_port
 from test_oracles import ORACLES, import_folder
 from conftest import no_compilation_cache
 
@@ -191,7 +191,7 @@ def test_two_processes_share_the_requests_and_agree(work):
             "--gin_param=decoding.batch_size=8", "--cpu_devices=4",
             f"--coordinator_address={address}", "--num_processes=2",
             "--distributed_timeout=60"]
-    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS))
     procs = [subprocess.Popen([sys.executable, "-m", "mtrain", *argv, f"--process_id={i}"],
                               cwd=work, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -19,6 +19,9 @@ from tiny_config import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["--gin_file=tasks/bible_lm.gin", "--gin_param=run.mesh_shape='batch:4;model:2'"]
+# The `python -m mtrain` processes' XLA flags (their device count is --cpu_devices'): XLA's
+# fast compile of conftest, which the tiny models' few steps need more than fast code.
+SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def free_port() -> int:
@@ -33,8 +36,8 @@ def start_processes(model_dir, *params, heartbeat=100, files=FILES, base=TINY):
     argv = [*files, *[f"--gin_param={p}" for p in [*base, *params]],
             f"--model_dir={model_dir}", "--cpu_devices=4", f"--coordinator_address={address}",
             "--num_processes=2", "--distributed_timeout=60", f"--heartbeat_timeout={heartbeat}"]
-    # Each process simulates its own 4 devices.
-    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
+    # Each process simulates its own 4 devices, compiled as this process compiles.
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS))
     return [subprocess.Popen([sys.executable, "-m", "mtrain", *argv, f"--process_id={i}"],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
@@ -190,7 +193,7 @@ def launch(processes, model_dir, params, mesh):
     """`processes` `python -m mtrain` processes of one run on 8 CPU devices in all."""
     if processes == 2:
         return start_processes(model_dir, *params, files=[mesh], base=[])
-    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=""))
+    env = no_compilation_cache(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS))
     return [subprocess.Popen([sys.executable, "-m", "mtrain", "--cpu_devices=8", mesh,
                               *[f"--gin_param={p}" for p in params], f"--model_dir={model_dir}"],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -162,13 +162,14 @@ def test_chunked_loss_gives_the_same_losses_and_gradients(reference):
              0.1, 1e-5),
             (dataclasses.replace(CONFIG, activation_dtype="bfloat16"), DecoderLM, ("targets",),
              0.1, 2e-2)]:
-        out = []
+        out, params = [], None
         for chunks in (1, 8):
             loss = LossConfig(chunks=chunks, label_smoothing=smoothing)
             t = trainer(config, model, objective=LanguageModeling(loss))
             batch = t.place_batch(packed_batch(0, features))
-            out.append(jax.jit(lambda p, b: t.gradients(p, b, t.dropout_key))(
-                t.init_state().params, batch))
+            if params is None:  # (both on the same parameters: the same model and layout)
+                params = t.init_state().params
+            out.append(jax.jit(lambda p, b: t.gradients(p, b, t.dropout_key))(params, batch))
         (g1, loss1, xent1, n1, _), (g8, loss8, xent8, n8, _) = out
         np.testing.assert_allclose([loss8, xent8, n8], [loss1, xent1, n1], rtol=tol)
         for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g8)):
