@@ -255,7 +255,7 @@ def check_stages(c, stages: int, rows: int, data_ways: int = 1,
         raise pipeline.encoder_decoder_refused()
     if not c.scan_layers:
         raise pipeline.unscanned_refused()
-    if c.quantization != "none" and c.quantization_scaling == "delayed":
+    if (quantization := Quantization.of(c)) and quantization.delayed:
         raise ConfigError("transformer.quantization_scaling='delayed' keeps one amax history "
                           "per projection and step, and pipeline stages run each layer once "
                           "per microbatch: use 'tensorwise' or 'rowwise' with layers split "

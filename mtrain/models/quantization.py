@@ -116,11 +116,9 @@ class Quantization:
         history."""
         import flax.linen as nn
 
-        def init(key, shape, dtype):
-            return jnp.zeros(shape, dtype).at[:, 0].set(1.0)
-
-        return module.param(name + META, nn.with_logical_partitioning(init, META_NAMES),
-                            (3, 1 + self.history), jnp.float32)
+        return module.param(name + META, nn.with_logical_partitioning(
+            lambda key, shape, dtype: fresh_meta(shape), META_NAMES), (3, 1 + self.history),
+            jnp.float32)
 
     def einsum(self, spec: str, x, w, per_token: bool = False, meta=None):
         """``einsum(spec, x, w)`` with both operands and the backward pass's incoming
@@ -232,8 +230,6 @@ def _qwix_training_op():
 
 
 def check(mode: str, scaling: str, history: int = 1024) -> None:
-    """One line naming the setting where `mode`, `scaling` or `history` is not one of them."""
-    if mode != "none":
-        Quantization(mode=mode, scaling=scaling, history=history)
-    else:
-        Quantization(mode="fp8", scaling=scaling, history=history)
+    """One line naming the setting where `mode`, `scaling` or `history` is not one of them
+    (with no quantization, the others as fp8 would take them)."""
+    Quantization(mode=mode if mode != "none" else "fp8", scaling=scaling, history=history)
