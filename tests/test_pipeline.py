@@ -4,11 +4,13 @@ GPipe and circular, alone and beside batch and model splits, to the one-device l
 stage holds its share of the layers; evaluation and scoring run through the stages; the
 settings that cannot pipeline say so in one line."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mtp import L, make_trainer, packed_batch
+from test_mtp import B, L, make_trainer, packed_batch
 
 from mtrain.errors import ConfigError
 from mtrain.models import pipeline
@@ -193,7 +195,9 @@ def test_the_experts_statistics_are_the_batchs():
 def test_a_stage_holds_its_share_of_the_layers():
     """Over 4 stages each device holds a quarter of every stacked parameter and of its
     optimizer state, and the step sends activations between stages (collective-permutes),
-    gathering no stacked parameter."""
+    gathering no stacked parameter. Beside the pipeline the stages share the rows: each
+    device's logits are 1/8 of the batch's (2-way batch x 4 stages), not the 1/2 of a
+    device that only the batch split shares them with."""
     trainer = make_trainer(TransformerConfig(**LLAMA), "stage:4;batch:2",
                            "layers:stage;batch:batch")
     state = trainer.init_state()
@@ -212,6 +216,8 @@ def test_a_stage_holds_its_share_of_the_layers():
     gathered = [line for line in text.splitlines() if "all-gather" in line
                 and any(s in line.split("all-gather")[0] for s in shapes)]
     assert not gathered, gathered[:3]
+    logits = set(re.findall(rf"f32\[(\d+),{L},{LLAMA['vocab_size']}\]", text))
+    assert logits == {str(B // 8)}
 
 
 def test_evaluation_and_scoring_run_through_the_stages():
@@ -277,7 +283,7 @@ def test_slices_lie_along_the_outermost_dimension():
     line; devices of one slice are left to jax.make_mesh."""
     from types import SimpleNamespace
 
-    from mtrain.parallel.layout import sliced_grid
+    from mtrain.parallel.slices import sliced_grid
 
     devices = [SimpleNamespace(id=i, slice_index=i // 4, process_index=i // 2,
                                platform="cpu", device_kind="cpu", coords=None)

@@ -72,7 +72,9 @@ def test_a_tiny_llama_over_four_stages(gpipe):
     assert e["compiled"]["collective-permute"] == permuted["bytes_sent"]
     text = planner.format_plan(p)
     assert "pipeline: 4 stages over mesh dimension 'stage' (gpipe)" in text
-    assert "bubble 27.3%" in text and "run on every stage" in text
+    assert "bubble 27.3%" in text
+    # 16 rows split 2 ways by batch and 4 by stage beside the pipeline: the head's share
+    assert e["head_split"] and "1/4 on each stage" in text
 
 
 def test_circular_has_the_smaller_bubble_and_moves_its_chunks(gpipe):

@@ -19,7 +19,9 @@ data shards once, not per microbatch): an iteration it works on one microbatch, 
 sends its output to the next stage (one collective-permute); the last stage's output,
 which so reaches stage 0, is kept there and re-enters for the next repeat M - S + 1
 iterations later (so circular needs M >= S); after the last iteration stage 0 holds the
-stack's output, which it sends to every stage. Every stage computes every iteration (the
+stack's output, which it sends on, each stage its 1/S of the rows: beside the pipeline an
+activation's ``batch`` is split over the stages too (`layout.rows_over_stages`), so the
+embedding, the head and the loss each stage computes are its share of the rows. Every stage computes every iteration (the
 bubble's on zeros, discarded: the compiled FLOPs include it). The backward pass is the
 loop's own (autodiff runs the iterations in reverse: all forwards, then all backwards, as
 GPipe), and each stage's layers are a scan of the same Blocks, so one step's result is
@@ -203,6 +205,12 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
     data_ways = 1 if data or layout.mesh_dim_for("batch") in already else layout.ways("batch")
     n = s_count * config.chunks * jax.tree_util.tree_leaves(params)[0].shape[2]
     rows = PartitionSpec(data)  # (P(None): every stage and device has all of them)
+    # the output's rows split over the stages too, as the activations beside the pipeline
+    # are (`layout.rows_over_stages`), where that is the data shard's rows cut S ways
+    auto = layout.mesh_dim_for("batch") not in already and layout.ways("batch") > 1
+    local = x.shape[0] // (mesh.shape[data] if data else 1)
+    scatter = local % s_count == 0 and (data is not None or not auto)
+    out_rows = PartitionSpec((data, axis) if data else axis) if scatter else rows
 
     def local(params, x, per_row, key):
         stage = jax.lax.axis_index(axis)
@@ -210,7 +218,7 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
             key = jax.random.fold_in(key, stage)
             key = key if data is None else jax.random.fold_in(key, jax.lax.axis_index(data))
         out, stats = _stage(config, chunk, jax.tree_util.tree_map(lambda p: p[0], params), x,
-                            per_row, key, reductions, stage, data_ways)
+                            per_row, key, reductions, stage, data_ways, scatter)
         if data is not None:
             combine = {"sum": jax.lax.psum, "mean": jax.lax.pmean,  # (the most: a metric)
                        "max": lambda v, a: jax.lax.pmax(jax.lax.stop_gradient(v), a)}
@@ -220,7 +228,7 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
 
     out, stats = jax.shard_map(
         local, mesh=mesh, in_specs=(PartitionSpec(axis), rows, rows, PartitionSpec()),
-        out_specs=(rows, PartitionSpec(axis)), axis_names={axis} | ({data} if data else set()),
+        out_specs=(out_rows, PartitionSpec(axis)), axis_names={axis} | ({data} if data else set()),
         check_vma=False)(params, x, per_row, key)
     # [S, R, k, ...] -> the stack's [n, ...]: layer (r S + s) k + j
     return out, jax.tree_util.tree_map(
@@ -266,11 +274,12 @@ def staged(params, config: PipelineConfig):
 
 
 def _stage(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row, key,
-           reductions: Reductions, stage, data_ways: int) -> tuple[jax.Array, Any]:
+           reductions: Reductions, stage, data_ways: int, scatter: bool
+           ) -> tuple[jax.Array, Any]:
     """One stage's program (`run`, inside the shard_map): its runs' `params` [R, k, ...],
     the rows at hand `x` (a data shard's, or all of them split `data_ways` ways), its index
-    `stage`; returns the stack's output (every stage's alike) and its runs' statistics
-    [R, k, ...]."""
+    `stage`; returns the stack's output (with `scatter` the stage's 1/S of the rows, else
+    all of them, every stage's alike) and its runs' statistics [R, k, ...]."""
     axis, s_count, r_count = stage_axis(), stages(), config.chunks
     m_count = microbatch_count(config, x.shape[0], s_count, data_ways)
     names = ("batch", "length", "d_model")[: x.ndim]
@@ -311,9 +320,11 @@ def _stage(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row, 
                                save_anything_except_these_names(RUN_WEIGHTS))
     (_, held, totals), _ = jax.lax.scan(iteration, carry,
                                         jnp.arange(r_count * m_count + s_count - 1))
-    # stage 0 holds every microbatch's output: sent to every stage once
-    out = jax.lax.psum(jnp.where(stage == 0, held, jnp.zeros_like(held)), axis)
-    return unbatched(out), _finish(totals, stats_shape, m_count, reductions)
+    # stage 0 holds every microbatch's output: sent to every stage once (each its share)
+    out = unbatched(jnp.where(stage == 0, held, jnp.zeros_like(held)))
+    out = (jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True) if scatter
+           else jax.lax.psum(out, axis))
+    return out, _finish(totals, stats_shape, m_count, reductions)
 
 
 def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) -> jax.Array:

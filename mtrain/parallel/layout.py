@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mtrain.parallel.layout_syntax import LayoutError, parse_layout_rules, parse_mesh_shape
+from mtrain.parallel.slices import sliced_grid
 
 # Tensor dimensions that claim their mesh dimension before the others of a tensor: an
 # expert's weights and inputs [experts, ...] split over `experts` keep whole the dimensions
@@ -274,27 +275,6 @@ class Layout:
             _ACTIVE.reset(token)
 
 
-def sliced_grid(devices: Sequence, sizes: tuple[int, ...], names: tuple[str, ...]):
-    """The devices of several TPU slices (their `slice_index`: multislice) as a grid of
-    `sizes` whose outermost dimension spans the slices, which the data-centre network
-    joins, and the others lie within a slice on its interconnect (`mesh_utils`' hybrid
-    mesh); None for the devices of one slice. Raises `LayoutError` where the outermost
-    dimension does not divide into the slices."""
-    slices = len({getattr(d, "slice_index", 0) for d in devices})
-    if slices <= 1:
-        return None
-    if sizes[0] % slices:
-        raise LayoutError(
-            f"the devices are {slices} slices, joined by the data-centre network, which the "
-            f"mesh's outermost dimension spans: {names[0]!r} of size {sizes[0]} does not "
-            f"divide into them — change the mesh shape (with several processes the "
-            f"dimension that splits 'layers', else 'batch', is outermost)")
-    from jax.experimental import mesh_utils
-
-    return mesh_utils.create_hybrid_device_mesh(
-        (sizes[0] // slices, *sizes[1:]), (slices, *[1] * (len(sizes) - 1)), list(devices))
-
-
 _ACTIVE: contextvars.ContextVar[tuple[Layout, Mesh] | None] = contextvars.ContextVar(
     "mtrain_active_layout", default=None
 )
@@ -315,6 +295,7 @@ def constrain(x: jax.Array, names: Sequence[str | None], tensor: str = "activati
     layout, mesh = active
     context = jax.sharding.get_abstract_mesh()
     manual = context.manual_axes if not context.empty else ()
+    given = tuple(names)
     if manual:
         # Inside a shard_map that is manual over some axes (mtrain.parallel.replica, a
         # pipeline's data shards): the tensor is already this shard's along them; constrain
@@ -322,11 +303,36 @@ def constrain(x: jax.Array, names: Sequence[str | None], tensor: str = "activati
         rules = layout.parameter_map if parameter else layout.rules
         names = tuple(None if rules.get(n) in manual else n for n in names)
     spec = layout.partition_spec(names, x.shape, tensor=tensor, parameter=parameter)
+    if not parameter:
+        spec = rows_over_stages(layout, spec, given, x.shape, manual)
     if manual:
         if all(s is None for s in spec):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def rows_over_stages(layout: Layout, spec: PartitionSpec, names: Sequence[str | None],
+                     shape: Sequence[int], manual=()) -> PartitionSpec:
+    """`spec` of an activation (dimensions `names`) with its ``batch`` also split over the
+    mesh dimension that splits ``layers`` (pipeline stages), after its own split: outside
+    the pipeline (where the stage dimension is not `manual`) the embedding, final norm,
+    output head and loss so each do 1/S of the rows on each of the S stages instead of all
+    of them S times (MaxText's ``activation_embed_and_logits_batch``). `spec` as it is
+    where nothing splits ``layers``, the stage dimension already splits the tensor, or the
+    rows do not divide."""
+    stage = layout.mesh_dim_for("layers")
+    if stage is None or stage in manual or "batch" not in names:
+        return spec
+    entries = [*spec, *[None] * (len(names) - len(spec))]
+    if any(e == stage or (isinstance(e, tuple) and stage in e) for e in entries):
+        return spec
+    i = list(names).index("batch")
+    own = entries[i]
+    if shape[i] % (layout.mesh_dims[stage] * layout.mesh_dims.get(own, 1)):
+        return spec
+    entries[i] = stage if own is None else (own, stage)
+    return PartitionSpec(*entries)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -20,8 +20,9 @@ collectives whose groups span only that dimension), and both over the link the s
 dimension crosses: ICI, or the data-centre network where it is the first mesh dimension of
 a plan over several slices (`slices`).
 
-The embedding, final norm, output head and loss run outside the pipeline on the whole
-batch, on every stage alike: their work is done S times.
+The embedding, final norm, output head and loss run beside the pipeline with the batch
+split over the stage dimension too (`layout.rows_over_stages`): each stage does 1/S of
+their work, where the rows divide (else all of it, S times).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Pipelined:
     unsplit_parameter_bytes: int  # the same were `layers` not split
     unsplit_optimizer_bytes: int
     other_parameter_bytes: int  # embedding, head, final norm: on every stage
-    head_flops: float  # the output head's matmuls (whole step), done on each stage
+    head_flops: float  # the output head's matmuls (whole step)
+    head_split: bool  # whether the stages share them (the rows divide S ways more)
     activation_bytes: int  # one microbatch's activation shard, as a device sends it
     activation_bytes_sent: float  # activations forward and their gradients backward
     reorder_bytes_sent: float  # circular: parameters to their stages, gradients back
@@ -125,6 +127,7 @@ def estimate(trainer: Trainer, target: Target, collectives: dict, slices: int = 
         unsplit_parameter_bytes=stacked * s_count, unsplit_optimizer_bytes=optimizer * s_count,
         other_parameter_bytes=other,
         head_flops=6.0 * c.d_model * c.vocab_size * batch * length,
+        head_split=rows % (layout.ways("batch") * s_count) == 0,
         activation_bytes=shard, activation_bytes_sent=activations,
         reorder_bytes_sent=reordered, bytes_sent=activations + reordered,
         compiled=compiled, compiled_bytes_sent=sum(compiled.values()),
@@ -170,6 +173,10 @@ def lines(p: dict, size_text, seconds_text) -> list[str]:
         f"  as compiled       {size_text(p['compiled_bytes_sent']):>12}   over "
         f"{p['stage_dim']!r} alone ({kinds or 'none'}): {seconds_text(p['compiled_seconds'])}",
         f"  embedding, final norm and head ({size_text(p['other_parameter_bytes'])} per device) "
-        f"run on every stage, on the whole batch: the head's {p['head_flops']:.2e} FLOPs "
-        f"a step, {p['stages']} times",
+        + (f"beside the stages, the batch split over {p['stage_dim']!r} too: the head's "
+           f"{p['head_flops']:.2e} FLOPs a step, 1/{p['stages']} on each stage"
+           if p["head_split"] else
+           f"run on every stage, on the whole batch (its rows do not divide over "
+           f"{p['stage_dim']!r} too): the head's {p['head_flops']:.2e} FLOPs a step, "
+           f"{p['stages']} times"),
     ]
