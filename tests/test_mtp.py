@@ -44,10 +44,11 @@ def packed_batch(seed=0, weights=False):
     return batch
 
 
-def make_trainer(config, mesh_shape="", rules="", chunks=0, microbatches=1):
+def make_trainer(config, mesh_shape="", rules="", chunks=0, microbatches=1, rate=1.0):
     layout = Layout(mesh_shape, rules)
     mesh = layout.make_mesh(jax.devices()[: layout.size])
-    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=5))
+    opt = optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=5,
+                                                               constant=rate))
     return Trainer(model=DecoderLM(config), optimizer=opt, layout=layout, mesh=mesh,
                    batch_size=B, sequence_length=L, seed=3, num_microbatches=microbatches,
                    objective=LanguageModeling(LossConfig(z_loss=0.0, chunks=chunks)))

@@ -118,58 +118,65 @@ def losses_of(trainer, state, steps):
 _ONE_DEVICE = {}  # (settings, steps) -> (parameters, losses): the cases share them
 
 
-def one_device_losses(settings, steps):
-    """(the initial parameters, the losses of `steps` steps) of the model `settings` on one
-    device, trained once for every case that asks (a pipeline config changes neither)."""
-    key = (repr(sorted(settings.items())), steps)
+def one_device_losses(settings, steps, rate=1.0):
+    """(the initial parameters, the losses of `steps` steps at learning rate x `rate`) of
+    the model `settings` on one device, trained once for every case that asks (a pipeline
+    config changes neither)."""
+    key = (repr(sorted(settings.items())), steps, rate)
     if key not in _ONE_DEVICE:
-        one = make_trainer(TransformerConfig(**settings))
+        one = make_trainer(TransformerConfig(**settings), rate=rate)
         state = one.init_state()
         _ONE_DEVICE[key] = jax.device_get(state.params), losses_of(one, state, steps)[0]
     return _ONE_DEVICE[key]
 
 
-def stage_losses(settings, mesh_shape, rules, config, steps=10):
+def stage_losses(settings, mesh_shape, rules, config, steps=10, rate=1.0):
     """(the one-device losses of `steps` steps, those with `mesh_shape`/`rules` and the
     pipeline `config`, the split run's final state) from the same parameters."""
-    params, reference = one_device_losses(settings, steps)
-    split = make_trainer(TransformerConfig(**settings, pipeline=config), mesh_shape, rules)
+    params, reference = one_device_losses(settings, steps, rate)
+    split = make_trainer(TransformerConfig(**settings, pipeline=config), mesh_shape, rules,
+                         rate=rate)
     got, final = losses_of(split, split.start_from(params), steps)
     return reference, got, final
 
 
-@pytest.mark.parametrize("settings, mesh_shape, rules, config, steps", [
-    (LLAMA, "stage:4;batch:2", "layers:stage;batch:batch", GPIPE, 10),
-    pytest.param(LLAMA, "stage:2;batch:2;model:2", SPLIT, CIRCULAR, 10, marks=pytest.mark.slow),
+@pytest.mark.parametrize("settings, mesh_shape, rules, config, steps, rate", [
+    (LLAMA, "stage:4;batch:2", "layers:stage;batch:batch", GPIPE, 10, 1.0),
+    pytest.param(LLAMA, "stage:2;batch:2;model:2", SPLIT, CIRCULAR, 10, 1.0,
+                 marks=pytest.mark.slow),
     # (5 steps: with 4 heads this model's runs part at 3x a step after the 7th under any
     # layout, model:2 without stages by 1.4e-5 at the 10th)
     pytest.param(dict(LLAMA, num_heads=4, num_kv_heads=2), "stage:4;model:2",
                  "layers:stage;heads:model;kv_heads:model",
-                 PipelineConfig(schedule="circular", repeats=2, microbatches=4), 5,
+                 PipelineConfig(schedule="circular", repeats=2, microbatches=4), 5, 1.0,
                  marks=pytest.mark.slow),
-    pytest.param(LLAMA, "stage:2", "layers:stage", GPIPE, 10, marks=pytest.mark.slow),
-    pytest.param(MOE, "stage:2;batch:2;model:2", SPLIT + ";experts:batch", GPIPE, 3,
+    pytest.param(LLAMA, "stage:2", "layers:stage", GPIPE, 10, 1.0, marks=pytest.mark.slow),
+    # (the experts at 0.3 times the rate: at the full rate this model's 10th step parts
+    # by 3e-5 under any layout, batch:4;model:2 without stages too)
+    pytest.param(MOE, "stage:2;batch:2;model:2", SPLIT + ";experts:batch", GPIPE, 10, 0.3,
                  marks=pytest.mark.slow),
     pytest.param(MOE, "stage:2;batch:4", "layers:stage;batch:batch;experts:batch", CIRCULAR,
-                 3, marks=pytest.mark.slow)])
-def test_stages_train_as_one_device(settings, mesh_shape, rules, config, steps):
+                 10, 0.3, marks=pytest.mark.slow)])
+def test_stages_train_as_one_device(settings, mesh_shape, rules, config, steps, rate):
     """From the same parameters, the losses of the one-device run within 1e-5 relative
-    (float32 sums in another order). With experts, 3 steps: a token whose top-2 experts
-    tie to a float's last bit may choose another under any other layout (batch:4;model:2
-    without stages drifts 3e-5 in 10 steps of this model, 4 stages 4e-4: routing is
-    discontinuous); the experts' statistics are each microbatch's, which for groups
-    within rows are the batch's (`test_the_experts_statistics_are_the_batchs`)."""
-    reference, got, _ = stage_losses(settings, mesh_shape, rules, config, steps)
+    (float32 sums in another order; observed <= 5e-7). With experts the routing is
+    discontinuous: a token whose top-2 experts tie to a float's last bit may choose
+    another under any other layout, and a run at the full rate amplifies that past 1e-5
+    by the 10th step whatever the layout; at 0.3 of it the loss still falls (4.63 to
+    4.24) and no step parts. The experts' statistics add up over the microbatches to the
+    batch's (`test_the_experts_statistics_are_the_batchs`)."""
+    reference, got, _ = stage_losses(settings, mesh_shape, rules, config, steps, rate)
     np.testing.assert_allclose(got, reference, rtol=1e-5)
 
 
 @pytest.mark.slow  # (11 s)
 def test_the_experts_statistics_are_the_batchs():
-    """Through 2 stages the experts' load-balancing loss (a mean over groups, each within a
-    row) is the unsplit pass's; the router z-loss and dropped fraction are means over the
-    microbatches (within 1%: their tokens differ by the padding), and so is the auxiliary
-    loss they add up to (within 1e-3); the load-balancing loss's gradients are the unsplit
-    pass's (within 1e-4 of their largest: float32 sums in another order)."""
+    """Through 2 stages (4 microbatches whose padding differs) the experts' load-balancing
+    loss (a mean over the groups that hold real tokens), router z-loss and dropped
+    fraction (means over real tokens), and the auxiliary loss they add up to, are the
+    unsplit pass's: each microbatch's mean weighted by what it is a mean over (float32
+    sums in another order: 1e-5); the load-balancing loss's gradients are the unsplit
+    pass's (within 1e-4 of their largest)."""
     settings = dict(MOE, moe=MoEConfig(num_experts=4, top_k=2, group_size=L))
     one = make_trainer(TransformerConfig(**settings))
     two = make_trainer(TransformerConfig(**settings), "stage:2", "layers:stage")
@@ -184,10 +191,9 @@ def test_the_experts_statistics_are_the_batchs():
 
     (_, want), want_grads = aux(one)
     (_, got), got_grads = aux(two)
-    np.testing.assert_allclose(got["load_balance_loss"], want["load_balance_loss"], rtol=1e-5)
-    for name in ("router_z_loss", "dropped_fraction"):
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-2)
-    np.testing.assert_allclose(got["aux_loss"], want["aux_loss"], rtol=1e-3)
+    assert got.keys() == want.keys()
+    for name in ("load_balance_loss", "router_z_loss", "dropped_fraction", "aux_loss"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
     for a, b in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max() + 1e-12)
 

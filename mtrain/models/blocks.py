@@ -15,7 +15,8 @@ from mtrain.errors import ConfigError
 from mtrain.models import layers, pipeline, positions
 from mtrain.models.feedforward import DenseReluDense, clamp_of
 from mtrain.models.latent_attention import LatentAttention
-from mtrain.models.moe import LOAD, STATS, MoeFeedForward
+from mtrain.models.moe import LOAD, STATS, MoeFeedForward, with_aux_loss
+from mtrain.models.routing import COUNTS, MEAN_OVER
 from mtrain.models.quantization import Quantization
 from mtrain.parallel.layout import constrain
 
@@ -296,9 +297,12 @@ def pipelined_stack(module: nn.Module, c, x, mask, deterministic: bool, position
             c.pipeline, chunk, module.variables["params"][name], x, (mask, positions),
             module.make_rng("dropout") if train_dropout else None, REDUCTIONS)
         if keep_stats and stats:
-            module.put_variable(STATS, name, stats)
+            module.put_variable(STATS, name, with_aux_loss(c.moe, stats))
     return x
 
 
-# How the experts' statistics of a pipeline's microbatches add up (`moe.summary`'s).
-REDUCTIONS = pipeline.Reductions(sums=(LOAD,), maxima=("busiest_expert_share",))
+# How the experts' statistics of a pipeline's microbatches add up (`moe.summary`'s): the
+# means weighted by what they are means over, so that they are the batch's; the busiest
+# expert's share (a metric) the most of any microbatch's.
+REDUCTIONS = pipeline.Reductions(sums=(LOAD, *COUNTS), maxima=("busiest_expert_share",),
+                                 weighted=tuple(MEAN_OVER.items()))

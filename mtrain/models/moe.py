@@ -40,8 +40,10 @@ mean router probability of expert i over the group's tokens), per group and aver
 the groups, as Mesh-TF and GShard compute it (a batch-wide f and P would not see two groups
 imbalanced in opposite directions), the router z-loss (the mean of logsumexp(logits)^2), the
 fraction of the tokens' expert choices dropped, the busiest expert's share of the choices,
-and `aux_loss`, what the layer adds to the training loss; a layer with a `choice_bias`, each
-expert's count of the choices too (``expert_load`` [experts], what `balancing` evens out).
+and `aux_loss`, what the layer adds to the training loss (`aux_loss`); a layer with a
+`choice_bias`, each expert's count of the choices too (``expert_load`` [experts], what
+`balancing` evens out); and the counts of tokens and groups the means are over
+(`routing.COUNTS`, not metrics).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from mtrain.models.feedforward import Clamp, DenseReluDense, gated, input_names
 from mtrain.models.grouped import GROUPED_KERNELS
 from mtrain.models.lora import LoraConfig, Projection, projection
 from mtrain.models.quantization import Quantization
-from mtrain.models.routing import SCORINGS, Routing, choose, route, statistics
+from mtrain.models.routing import COUNTS, SCORINGS, Routing, choose, route, statistics
 from mtrain.parallel.layout import constrain
 
 __all__ = ["DISPATCHES", "LOAD", "STATS", "MoEConfig", "MoeFeedForward", "choose", "route",
@@ -257,8 +259,7 @@ class MoeFeedForward(nn.Module):
 
     def _sow(self, stats):
         m = self.config
-        stats = {**stats, "aux_loss": m.load_balance_loss * stats["load_balance_loss"]
-                 + m.router_z_loss * stats["router_z_loss"]}
+        stats = {**stats, "aux_loss": aux_loss(m, stats)}
         if not m.choice_bias:  # (the load is what moves a choice bias)
             stats.pop(LOAD)
         for name, value in stats.items():
@@ -308,6 +309,23 @@ class MoeFeedForward(nn.Module):
         return wis, wo, (biases, self._bias("wo_bias", (e, d), ("experts", "d_model"), dt))
 
 
+def aux_loss(config: MoEConfig, stats: dict):
+    """What a layer of `stats` (`routing.statistics`) adds to the training loss."""
+    return (config.load_balance_loss * stats["load_balance_loss"]
+            + config.router_z_loss * stats["router_z_loss"])
+
+
+def with_aux_loss(config: MoEConfig, stats):
+    """The ``moe_stats`` collection `stats` with each layer's ``aux_loss`` made again from
+    its other statistics (a pipeline's, whose parts' statistics it adds up by their counts:
+    the sum of two means of different counts is not a mean of the parts' sums)."""
+    if isinstance(stats, dict) and "aux_loss" in stats:
+        return {**stats, "aux_loss": aux_loss(config, stats)}
+    if isinstance(stats, dict):
+        return {k: with_aux_loss(config, v) for k, v in stats.items()}
+    return stats
+
+
 def summary(stats) -> dict:
     """A step's mixture-of-experts metrics from the ``moe_stats`` collection of its layers
     (a scanned stack's as arrays over its layers): the mean over the layers of each
@@ -321,7 +339,7 @@ def summary(stats) -> dict:
         name = path[-1].key
         if name == LOAD:
             out[f"{LOAD}/" + "/".join(str(k.key) for k in path[:-1])] = leaf
-        else:
+        elif name not in COUNTS:
             values.setdefault(name, []).append(jnp.ravel(leaf))
     for name, parts in values.items():
         joined = jnp.concatenate(parts)

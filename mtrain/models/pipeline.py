@@ -45,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from mtrain.errors import ConfigError
+from mtrain.models.pipeline_statistics import Reductions, add, finish, over_shards, zeros
 from mtrain.parallel import layout as layout_lib
 
 SCHEDULES = ("gpipe", "circular")
@@ -169,25 +170,11 @@ def unbatched(x: jax.Array) -> jax.Array:
 Chunk = Callable[[Any, jax.Array, Any, Any], tuple[jax.Array, Any]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Reductions:
-    """How each statistic a chunk returns adds up over the microbatches: by default their
-    mean; `sums` by name are added, `maxima` the most of any."""
-
-    sums: tuple[str, ...] = ()
-    maxima: tuple[str, ...] = ()
-
-    def kind(self, name: str) -> str:
-        return "sum" if name in self.sums else "max" if name in self.maxima else "mean"
-
-
 def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
         key=None, reductions: Reductions = Reductions()) -> tuple[jax.Array, Any]:
     """`x` [b, length, d_model] through a stack of n layers whose `params` (leaves [n, ...])
     the active layout splits over stages: (the stack's output, its statistics: leaves [n,
-    ...], each layer's over the microbatches by `reductions`; a mean is that of the
-    microbatches' statistics, which is the whole batch's where they are means over equal
-    parts of each microbatch: the experts' over groups of tokens within rows).
+    ...], each layer's over the microbatches by `reductions`, `pipeline_statistics`).
     `per_row`: arrays [b, ...] (masks, positions) each microbatch takes its rows of; `key`:
     the dropout key (None: deterministic), one per stage, iteration and data shard.
 
@@ -218,12 +205,7 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
             key = jax.random.fold_in(key, stage)
             key = key if data is None else jax.random.fold_in(key, jax.lax.axis_index(data))
         out, stats = _stage(config, chunk, jax.tree_util.tree_map(lambda p: p[0], params), x,
-                            per_row, key, reductions, stage, data_ways, scatter)
-        if data is not None:
-            combine = {"sum": jax.lax.psum, "mean": jax.lax.pmean,  # (the most: a metric)
-                       "max": lambda v, a: jax.lax.pmax(jax.lax.stop_gradient(v), a)}
-            stats = jax.tree_util.tree_map_with_path(
-                lambda path, v: combine[reductions.kind(path[-1].key)](v, data), stats)
+                            per_row, key, reductions, stage, data_ways, scatter, data)
         return out, jax.tree_util.tree_map(lambda v: v[None], stats)
 
     out, stats = jax.shard_map(
@@ -274,12 +256,13 @@ def staged(params, config: PipelineConfig):
 
 
 def _stage(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row, key,
-           reductions: Reductions, stage, data_ways: int, scatter: bool
+           reductions: Reductions, stage, data_ways: int, scatter: bool, data: str | None
            ) -> tuple[jax.Array, Any]:
     """One stage's program (`run`, inside the shard_map): its runs' `params` [R, k, ...],
     the rows at hand `x` (a data shard's, or all of them split `data_ways` ways), its index
     `stage`; returns the stack's output (with `scatter` the stage's 1/S of the rows, else
-    all of them, every stage's alike) and its runs' statistics [R, k, ...]."""
+    all of them, every stage's alike) and its runs' statistics [R, k, ...] (over the data
+    shards of the manual axis `data`, where not None)."""
     axis, s_count, r_count = stage_axis(), stages(), config.chunks
     m_count = microbatch_count(config, x.shape[0], s_count, data_ways)
     names = ("batch", "length", "d_model")[: x.ndim]
@@ -307,13 +290,13 @@ def _stage(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row, 
         # what reached stage 0 is the last stage's microbatch (t - S + 1) % M: kept there
         last = (t - (s_count - 1)) % m_count
         held = held.at[last].set(jnp.where(t >= s_count - 1, state, held[last]))
-        return (state, held, _add(totals, stats, r, valid, reductions)), None
+        return (state, held, add(totals, stats, r, valid, reductions)), None
 
     stats_shape = jax.eval_shape(
         chunk, jax.tree_util.tree_map(lambda q: q[0], params), micro[0],
         jax.tree_util.tree_map(lambda a: a[0], rows), key)[1]
     carry = (jnp.zeros_like(micro[0]), jnp.zeros_like(micro),
-             _zeros(stats_shape, r_count, reductions))
+             zeros(stats_shape, r_count, reductions))
     # (a run's weights, picked by the iteration, are picked again for the backward pass
     # rather than kept once per iteration)
     iteration = jax.checkpoint(iteration, policy=jax.checkpoint_policies.
@@ -324,7 +307,9 @@ def _stage(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row, 
     out = unbatched(jnp.where(stage == 0, held, jnp.zeros_like(held)))
     out = (jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True) if scatter
            else jax.lax.psum(out, axis))
-    return out, _finish(totals, stats_shape, m_count, reductions)
+    if data is not None:
+        totals, m_count = over_shards(totals, data, reductions), m_count * jax.lax.psum(1, data)
+    return out, finish(totals, stats_shape, m_count, reductions)
 
 
 def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) -> jax.Array:
@@ -350,34 +335,3 @@ def circular_order(p: jax.Array, axis: str, mesh, s_count: int, r_count: int) ->
 
     return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(axis),
                          out_specs=PartitionSpec(axis), axis_names={axis}, check_vma=False)(p)
-
-
-def _zeros(stats_shape, r_count: int, reductions: Reductions):
-    """Accumulators [R, k, ...] of each statistic (stats_shape's leaves are [k, ...])."""
-    def zero(path, leaf):
-        fill = -jnp.inf if reductions.kind(path[-1].key) == "max" else 0.0
-        return jnp.full((r_count, *leaf.shape), fill, jnp.float32)
-    return jax.tree_util.tree_map_with_path(zero, stats_shape)
-
-
-def _add(totals, stats, r, valid, reductions: Reductions):
-    """This iteration's statistics into run r's accumulators (none in the bubble, where
-    `valid` is False)."""
-    def one(path, total, new):
-        here, new = jax.lax.dynamic_index_in_dim(total, r, 0, False), new.astype(jnp.float32)
-        if reductions.kind(path[-1].key) == "max":
-            value = jnp.where(valid, jnp.maximum(here, new), here)
-        else:
-            value = here + jnp.where(valid, new, 0.0)
-        return jax.lax.dynamic_update_index_in_dim(total, value, r, 0)
-    return jax.tree_util.tree_map_with_path(one, totals, stats)
-
-
-def _finish(totals, stats_shape, m_count: int, reductions: Reductions):
-    """Accumulators [R, k, ...] -> each run's statistics (a mean over its M microbatches,
-    each of which every run sees once), in their own dtypes."""
-    def one(path, total, like):
-        if reductions.kind(path[-1].key) == "mean":
-            total = total / m_count
-        return total.astype(like.dtype)
-    return jax.tree_util.tree_map_with_path(one, totals, stats_shape)

@@ -88,7 +88,9 @@ def choose(logits, real, routing: Routing, choice_bias=None):
 def statistics(logits, probs, choice, real, kept_choices) -> dict:
     """A layer's statistics (`moe`'s module doc; not yet weighted) of a routing `choose`
     made, with `kept_choices` of the tokens' choices given a place; ``expert_load`` [experts]
-    counts each expert's choices by real tokens (what `balancing` evens out)."""
+    counts each expert's choices by real tokens (what `balancing` evens out); the counts
+    the means are over (`COUNTS`: ``real_tokens``, and ``routed_groups``, those that hold
+    real tokens), with which a pipeline's microbatches add up to the batch's."""
     real = real.astype(jnp.float32)
     e, top_k = logits.shape[-1], choice.shape[2]
     tokens = jnp.maximum(real.sum(), 1.0)
@@ -106,7 +108,15 @@ def statistics(logits, probs, choice, real, kept_choices) -> dict:
     return {"load_balance_loss": balance, "router_z_loss": z,
             "dropped_fraction": 1.0 - kept_choices / choices,
             "busiest_expert_share": per_expert.max() / choices,
-            "expert_load": per_expert}
+            "expert_load": per_expert, "real_tokens": real.sum(), "routed_groups": routed.sum()}
+
+
+# The counts a layer's statistics are means over (`statistics`): each mean with the count
+# it is of, so that the means of parts (a pipeline's microbatches) weighted by their counts
+# are the whole's.
+COUNTS = ("real_tokens", "routed_groups")
+MEAN_OVER = {"load_balance_loss": "routed_groups", "router_z_loss": "real_tokens",
+             "dropped_fraction": "real_tokens"}
 
 
 def route(logits, real, top_k: int | Routing, capacity: int, normalize: bool | None = None,
