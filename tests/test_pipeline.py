@@ -156,7 +156,9 @@ def stage_losses(settings, mesh_shape, rules, config, steps=10, rate=1.0):
     pytest.param(MOE, "stage:2;batch:2;model:2", SPLIT + ";experts:batch", GPIPE, 10, 0.3,
                  marks=pytest.mark.slow),
     pytest.param(MOE, "stage:2;batch:4", "layers:stage;batch:batch;experts:batch", CIRCULAR,
-                 10, 0.3, marks=pytest.mark.slow)])
+                 10, 0.3, marks=pytest.mark.slow),
+    pytest.param(MOE, "stage:4;batch:2", "layers:stage;batch:batch", GPIPE, 10, 0.3,
+                 marks=pytest.mark.slow)])
 def test_stages_train_as_one_device(settings, mesh_shape, rules, config, steps, rate):
     """From the same parameters, the losses of the one-device run within 1e-5 relative
     (float32 sums in another order; observed <= 5e-7). With experts the routing is
