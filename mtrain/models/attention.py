@@ -129,14 +129,54 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,
     h, l, m]) added to the logits; `dropout(weights)` applied to the attention weights.
     `scale` 1 by default: Mesh-TF's unscaled logits (the query initialiser has 1/sqrt(d));
     Llama's d^-0.5 where a published model was trained so. `sinks` [h] (None: none): each
-    head's sink logit in the softmax (`softmax_with_sinks`)."""
+    head's sink logit in the softmax (`softmax_with_sinks`).
+
+    Causal self-attention of long rows goes a block of `CAUSAL_BLOCK` queries at a time,
+    each against the keys up to its last (`causal_blocks`): the logits past them, all
+    masked, are never formed, so about half the work and memory traffic of the whole
+    [l, l], and each block's logits stay small enough for a CPU's caches."""
     dense = mask.dense() if isinstance(mask, AttentionMask) else mask
+    blocks = causal_blocks(mask, q.shape[1], k.shape[1], dropout)
+    if blocks == 1:
+        return _attend(q, k, v, dense, dropout, bias, scale, sinks)
+    size, out = q.shape[1] // blocks, []
+    for i in range(blocks):
+        rows, end = slice(i * size, (i + 1) * size), (i + 1) * size
+        out.append(_attend(q[:, rows], k[:, :end], v[:, :end], dense[..., rows, :end], None,
+                           None if bias is None else bias[..., rows, :end], scale, sinks))
+    return jnp.concatenate(out, axis=1)
+
+
+# The queries a block of `reference`'s causal attention holds, and the shortest rows it
+# splits (two blocks).
+CAUSAL_BLOCK = 128
+
+
+def causal_blocks(mask, length: int, memory_length: int, dropout=None) -> int:
+    """Into how many blocks of queries `reference` splits its attention (1: none): rows of
+    at least two `CAUSAL_BLOCK`s, a multiple of it, of causal self-attention (an
+    `AttentionMask`), without dropout (whose random numbers are drawn for the whole), where
+    the active layout splits neither ``length`` nor ``memory_length``."""
+    if (dropout is not None or not isinstance(mask, AttentionMask) or not mask.causal
+            or not mask.self_attention or length != memory_length
+            or length < 2 * CAUSAL_BLOCK or length % CAUSAL_BLOCK):
+        return 1
+    active = layout_lib.active()
+    if active is not None and max(active[0].ways("length"), active[0].ways("memory_length")) > 1:
+        return 1
+    return length // CAUSAL_BLOCK
+
+
+def _attend(q, k, v, dense, dropout, bias, scale, sinks):
+    """`reference` of one block of queries, given its dense mask."""
     (b, length, h, d), g = q.shape, k.shape[2]
     if g == h:
         logits = jnp.einsum("blhk,bmhk->bhlm", q, k, preferred_element_type=jnp.float32)
-    else:  # grouped: each key/value head serves h / g query heads, never copied
-        grouped = q.reshape(b, length, g, h // g, d)
-        logits = jnp.einsum("blgrk,bmgk->bgrlm", grouped, k, preferred_element_type=jnp.float32)
+    else:  # grouped: each key/value head serves h / g query heads, never copied; the
+        # query laid out [b, g, h / g, l, d] first, so that the product comes out in the
+        # order of the logits (a transpose of the small query, not of the [l, m] logits)
+        grouped = q.reshape(b, length, g, h // g, d).transpose(0, 2, 3, 1, 4)
+        logits = jnp.einsum("bgrlk,bmgk->bgrlm", grouped, k, preferred_element_type=jnp.float32)
         logits = logits.reshape(b, h, length, k.shape[1])
     if scale != 1.0:
         logits = logits * scale
@@ -152,7 +192,8 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,
     if g == h:
         return jnp.einsum("bhlm,bmhk->blhk", weights, v)
     weights = weights.reshape(b, g, h // g, length, k.shape[1])
-    return jnp.einsum("bgrlm,bmgk->blgrk", weights, v).reshape(b, length, h, d)
+    out = jnp.einsum("bgrlm,bmgk->bgrlk", weights, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, length, h, d)
 
 
 def softmax_with_sinks(logits, sinks):

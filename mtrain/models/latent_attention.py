@@ -241,9 +241,9 @@ class LatentAttention(nn.Module):
                 mask=jnp.broadcast_to(dense, (q.shape[0], q.shape[2], *dense.shape[2:])))
         else:
             drop = nn.Dropout(self.dropout_rate)
-            return attention.reference(q, k, v, mask,
-                                       lambda w: drop(w, deterministic=deterministic),
-                                       None, self.scale)
+            dropout = None if deterministic or self.dropout_rate == 0 else \
+                (lambda w: drop(w, deterministic=False))
+            return attention.reference(q, k, v, mask, dropout, None, self.scale)
         return out[..., :v_dim]
 
     def _absorbed(self, q_nope, q_rope, latents, rope_keys, visible, kv_b):

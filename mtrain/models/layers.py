@@ -244,9 +244,9 @@ class MultiHeadAttention(nn.Module):
                 bias=None if bias is None else bias.astype(q.dtype), scale=o.scale)
         else:
             drop = nn.Dropout(self.dropout_rate)
-            out = attention.reference(q, key, value, mask,
-                                      lambda w: drop(w, deterministic=deterministic), bias,
-                                      o.scale, sinks)
+            dropout = None if deterministic or self.dropout_rate == 0 else \
+                (lambda w: drop(w, deterministic=False))
+            out = attention.reference(q, key, value, mask, dropout, bias, o.scale, sinks)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = proj("o", "blhk,hkd->bld", out, wo, ("heads", "d_kv", "d_model"))
         if o.output_bias:
