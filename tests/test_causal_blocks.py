@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mtrain.models import attention
-from mtrain.models.attention import CAUSAL_BLOCK, AttentionMask, causal_blocks
+from mtrain.models.attention import CAUSAL_BLOCK, MOST_BLOCKS, AttentionMask, causal_blocks
 from mtrain.parallel.layout import Layout
 
 L = 2 * CAUSAL_BLOCK  # two blocks
@@ -82,6 +82,8 @@ def test_where_blocks_do_not_apply_the_whole_runs():
     assert causal_blocks(causal, CAUSAL_BLOCK, CAUSAL_BLOCK) == 1
     assert causal_blocks(causal, L + 8, L + 8) == 1
     assert causal_blocks(causal.dense(), L, L) == 1
+    # longer rows, longer blocks: at most MOST_BLOCKS (8 of 512 positions for 4096)
+    assert causal_blocks(causal, 32 * CAUSAL_BLOCK, 32 * CAUSAL_BLOCK) == MOST_BLOCKS
     layout = Layout("batch:2;model:4", "batch:batch;length:model")
     with layout.activate(layout.make_mesh(jax.devices())):
         assert causal_blocks(causal, L, L) == 1

@@ -147,16 +147,19 @@ def reference(q, k, v, mask: AttentionMask | jax.Array, dropout=None, bias=None,
     return jnp.concatenate(out, axis=1)
 
 
-# The queries a block of `reference`'s causal attention holds, and the shortest rows it
-# splits (two blocks).
+# The queries a block of `reference`'s causal attention holds (at least), the shortest rows
+# it splits being two blocks; and the most blocks a row makes (longer rows: longer blocks,
+# so that a program's attention stays a few operations).
 CAUSAL_BLOCK = 128
+MOST_BLOCKS = 8
 
 
 def causal_blocks(mask, length: int, memory_length: int, dropout=None) -> int:
     """Into how many blocks of queries `reference` splits its attention (1: none): rows of
     at least two `CAUSAL_BLOCK`s, a multiple of it, of causal self-attention (an
     `AttentionMask`), without dropout (whose random numbers are drawn for the whole), where
-    the active layout splits neither ``length`` nor ``memory_length``."""
+    the active layout splits neither ``length`` nor ``memory_length``; `MOST_BLOCKS` at
+    most."""
     if (dropout is not None or not isinstance(mask, AttentionMask) or not mask.causal
             or not mask.self_attention or length != memory_length
             or length < 2 * CAUSAL_BLOCK or length % CAUSAL_BLOCK):
@@ -164,7 +167,7 @@ def causal_blocks(mask, length: int, memory_length: int, dropout=None) -> int:
     active = layout_lib.active()
     if active is not None and max(active[0].ways("length"), active[0].ways("memory_length")) > 1:
         return 1
-    return length // CAUSAL_BLOCK
+    return min(length // CAUSAL_BLOCK, MOST_BLOCKS)
 
 
 def _attend(q, k, v, dense, dropout, bias, scale, sinks):
