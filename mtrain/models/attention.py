@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,14 @@ def _attend(q, k, v, dense, dropout, bias, scale, sinks):
     weights = weights.reshape(b, g, h // g, length, k.shape[1])
     out = jnp.einsum("bgrlm,bmgk->bgrlk", weights, v)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, length, h, d)
+
+
+def weights_dropout(rate: float, deterministic: bool):
+    """`reference`'s `dropout` for an attention module (call it inside one: it makes the
+    module's `nn.Dropout`): None where no dropout is drawn (deterministic, or `rate` 0), so
+    that `reference` may split the queries into blocks (`causal_blocks`)."""
+    drop = nn.Dropout(rate)
+    return None if deterministic or rate == 0 else (lambda w: drop(w, deterministic=False))
 
 
 def softmax_with_sinks(logits, sinks):

@@ -240,9 +240,7 @@ class LatentAttention(nn.Module):
                 padded(q), padded(k), padded(v), scale=self.scale,
                 mask=jnp.broadcast_to(dense, (q.shape[0], q.shape[2], *dense.shape[2:])))
         else:
-            drop = nn.Dropout(self.dropout_rate)
-            dropout = None if deterministic or self.dropout_rate == 0 else \
-                (lambda w: drop(w, deterministic=False))
+            dropout = attention.weights_dropout(self.dropout_rate, deterministic)
             return attention.reference(q, k, v, mask, dropout, None, self.scale)
         return out[..., :v_dim]
 

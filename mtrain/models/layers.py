@@ -243,9 +243,7 @@ class MultiHeadAttention(nn.Module):
                 q, key, value, mask=jnp.broadcast_to(dense, (q.shape[0], h, *dense.shape[2:])),
                 bias=None if bias is None else bias.astype(q.dtype), scale=o.scale)
         else:
-            drop = nn.Dropout(self.dropout_rate)
-            dropout = None if deterministic or self.dropout_rate == 0 else \
-                (lambda w: drop(w, deterministic=False))
+            dropout = attention.weights_dropout(self.dropout_rate, deterministic)
             out = attention.reference(q, key, value, mask, dropout, bias, o.scale, sinks)
         out = constrain(out, ("batch", "length", "heads", "d_kv"))
         y = proj("o", "blhk,hkd->bld", out, wo, ("heads", "d_kv", "d_model"))

@@ -21,8 +21,9 @@ which so reaches stage 0, is kept there and re-enters for the next repeat M - S 
 iterations later (so circular needs M >= S); after the last iteration stage 0 holds the
 stack's output, which it sends on, each stage its 1/S of the rows: beside the pipeline an
 activation's ``batch`` is split over the stages too (`layout.rows_over_stages`), so the
-embedding, the head and the loss each stage computes are its share of the rows. Every stage computes every iteration (the
-bubble's on zeros, discarded: the compiled FLOPs include it). The backward pass is the
+embedding, the head and the loss each stage computes are its share of the rows. Every
+stage computes every iteration (the bubble's on zeros, discarded: the compiled FLOPs
+include it). The backward pass is the
 loop's own (autodiff runs the iterations in reverse: all forwards, then all backwards, as
 GPipe), and each stage's layers are a scan of the same Blocks, so one step's result is
 the unsplit step's up to the order of float sums (and, with dropout, its random numbers).
@@ -195,8 +196,8 @@ def run(config: PipelineConfig, chunk: Chunk, params, x: jax.Array, per_row=(),
     # the output's rows split over the stages too, as the activations beside the pipeline
     # are (`layout.rows_over_stages`), where that is the data shard's rows cut S ways
     auto = layout.mesh_dim_for("batch") not in already and layout.ways("batch") > 1
-    local = x.shape[0] // (mesh.shape[data] if data else 1)
-    scatter = local % s_count == 0 and (data is not None or not auto)
+    shard_rows = x.shape[0] // (mesh.shape[data] if data else 1)
+    scatter = shard_rows % s_count == 0 and (data is not None or not auto)
     out_rows = PartitionSpec((data, axis) if data else axis) if scatter else rows
 
     def local(params, x, per_row, key):
