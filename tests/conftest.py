@@ -37,13 +37,18 @@ os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE, JAX_PERSISTENT_CACHE_MIN_COM
 
 import jax  # noqa: E402
 
+import executable_cache  # noqa: E402
+
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices; was jax imported before conftest?"
 # This process compiles many more small programs, most of them once; and twice in two full
 # runs (2026-11-26, jax 0.12.0.1) a test process died of a segfault inside jax's own read or
 # write of a persistent cache entry (`compilation_cache.get_executable_and_time`,
 # `put_executable_and_time`), each time in another test: the test processes keep no
 # persistent cache (the `python -m mtrain` processes they start still share the session's).
+# They keep the executables they compile in memory instead (`executable_cache`): a program
+# lowered again to the same text, by another `main()` or `Trainer`, is compiled once.
 jax.config.update("jax_enable_compilation_cache", False)
+executable_cache.install()
 
 
 def no_compilation_cache(env: dict) -> dict:
@@ -67,20 +72,30 @@ def split_import_times(stderr: str) -> tuple[set[str], list[str]]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_jax_caches():
-    """Each test module's compiled programs let go at its end (`jax.clear_caches`): a test
-    process of the full suite otherwise keeps every executable it ever compiled, hundreds
-    of test modules' worth, and a worker that grew so has aborted inside XLA's compiler."""
+    """Each test module's compiled programs let go at its end (`jax.clear_caches`, and the
+    executables kept by their text): a test process of the full suite otherwise keeps
+    every executable it ever compiled, hundreds of test modules' worth, and a worker that
+    grew so has aborted inside XLA's compiler."""
     yield
     jax.clear_caches()
+    executable_cache.clear()
     gc.collect()
 
 
+@pytest.fixture(scope="session")
+def _shared_data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """A data dir (vocabularies, prepared datasets) shared by the tests of a module."""
-    path = tmp_path_factory.mktemp("data")
-    os.environ["MTRAIN_DATA_DIR"] = str(path)
-    yield path
+def data_dir(_shared_data_dir):
+    """A data dir (vocabularies, prepared datasets), MTRAIN_DATA_DIR for the tests of a module
+    that asks for it. One for the test process's whole session, as a user's ~/.cache/mtrain
+    is one for all their runs: a module finds what an earlier one prepared (a dataset is
+    prepared in seconds, once per process, not once per module). Tests of a first
+    preparation use `fresh_home` or a data dir of their own."""
+    os.environ["MTRAIN_DATA_DIR"] = str(_shared_data_dir)
+    yield _shared_data_dir
     del os.environ["MTRAIN_DATA_DIR"]
 
 
