@@ -166,8 +166,10 @@ def test_grouped_reference_is_full_attention_with_copied_heads():
         attention.reference(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask), **TOL)
 
 
-@pytest.mark.parametrize("kernel", ["splash", "triton"])
-@pytest.mark.parametrize("g", [1, 2, 4])
+# (splash: 4 of 4 heads its multi-head kernel, 1 and 2 its multi-query one per group; Triton
+# takes them as they are, no branch of mtrain's: 2 groups of 2; ungrouped: test_flash_attention)
+@pytest.mark.parametrize("kernel, g", [("splash", 1), ("splash", 2), ("splash", 4),
+                                       ("triton", 2)])
 def test_flash_kernels_take_grouped_heads(monkeypatch, kernel, g):
     if kernel == "triton":
         triton_interpreted(monkeypatch)
@@ -306,13 +308,14 @@ def test_configuration_errors():
 
 # --- the presets on every layout ------------------------------------------------------------
 
-PRESET_LAYOUTS = [  # (mesh shape, layout rules)
-    ("", ""),
-    ("batch:8", "batch:batch"),
-    ("model:8", "d_ff:model;heads:model;vocab:model"),  # kv heads whole, query heads split
-    ("batch:4;model:2", "batch:batch;d_ff:model;heads:model;kv_heads:model;vocab:model"),
-    ("batch:4;model:2", "batch:batch;heads:model"),  # kv heads whole
-]
+# (mesh shape, layout rules) per preset: one device and the splits whose paths differ for it
+# (batch:8 alone is batch:4;model:2's batch split; GQA's kv heads whole under query heads over
+# model:2 is model:8's path; T5.1.1's heads, bias, d_ff, vocab and batch split at once).
+PRESET_LAYOUTS = {DecoderLM: [("", ""), ("model:8", "d_ff:model;heads:model;vocab:model"),
+                              ("batch:4;model:2",
+                               "batch:batch;d_ff:model;heads:model;kv_heads:model;vocab:model")],
+                  EncoderDecoder: [("", ""), ("batch:4;model:2",
+                                               "batch:batch;d_ff:model;heads:model;vocab:model")]}
 
 
 def _preset(gin_file, vocab_size):
@@ -346,9 +349,11 @@ def test_presets_train_alike_on_every_layout(gin_file, model_class):
         batches = test_encoder_decoder.packed_pairs(1) * 3
     results = []
     grouped = model_config.num_kv_heads < model_config.num_heads
-    for mesh_shape, rules in PRESET_LAYOUTS:
+    layouts = PRESET_LAYOUTS[model_class]
+    for mesh_shape, rules in layouts:
         # (a rule for a dimension the model does not have is a layout error)
-        layout = Layout(mesh_shape, rules if grouped else rules.replace("kv_heads:model;", ""))
+        assert grouped or "kv_heads" not in rules
+        layout = Layout(mesh_shape, rules)
         trainer = Trainer(model=model_class(model_config), optimizer=opt, layout=layout,
                           mesh=layout.make_mesh(jax.devices()[:layout.size]), batch_size=8,
                           sequence_length=16, seed=1)
@@ -358,7 +363,7 @@ def test_presets_train_alike_on_every_layout(gin_file, model_class):
             losses.append(float(metrics["loss"]))
         results.append(losses)
     assert results[0][-1] < results[0][0]
-    for (mesh_shape, rules), losses in zip(PRESET_LAYOUTS[1:], results[1:]):
+    for (mesh_shape, rules), losses in zip(layouts[1:], results[1:]):
         # (the layout-invariance tests' tolerance: test_trainer)
         np.testing.assert_allclose(losses, results[0], rtol=1e-5, err_msg=f"{mesh_shape} {rules}")
 
@@ -387,11 +392,11 @@ NEW_BLOCKS = dict(vocab_size=256, d_model=32, d_ff=64, num_heads=8, d_kv=4, num_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_class", [DecoderLM, EncoderDecoder])
-def test_flash_trains_the_new_blocks_like_einsum(model_class):
+def test_flash_trains_the_new_blocks_like_einsum(model_class=EncoderDecoder):
     """Rotary positions and 2 of 8 key/value heads, on a mesh that splits the query heads and
     keeps the key/value heads whole: splash (interpreted on this CPU) and einsum train
-    alike (the layout-invariance tests' tolerance)."""
+    alike (the layout-invariance tests' tolerance); the encoder-decoder's self, causal and
+    cross attention (the LM's: test_the_speed_levers_and_sgp_take_the_new_blocks)."""
     from test_flash_attention import _losses
 
     flash = TransformerConfig(**NEW_BLOCKS, attention="flash", flash_kernel="splash")
