@@ -10,7 +10,7 @@ projection, on every attention path that can take them.
   forced logits; the sinks learn; GPU kernels that take no sinks are refused (by 'auto'
   quietly, by name in one line);
 - a train step's losses are one device's under heads and kv heads split and with
-  ``length`` split (context parallelism, gathered and ring).
+  ``length`` split (context parallelism: the ring; gathered and ring at the attention).
 
 Tolerances: float32; sums of a few dozen O(1) terms in another order (kernel blocks, the
 online softmax, a step against a pass) move values by ~1e-6.
@@ -244,7 +244,9 @@ def test_the_sinks_and_the_output_bias_train(one_device):
 LAYOUTS = {
     "heads and kv heads split": ("batch:4;model:2", "batch:batch;heads:model;kv_heads:model",
                                  {}),
-    "length split, gathered": ("batch:2;model:4", "batch:batch;length:model", {}),
+    # (the ring: the gathered form with sinks differs from it only inside
+    # `context.local_attention`, which test_context_parallel_attention_with_sinks_is_the_
+    # reference checks in both modes; a second model run of the same layout went)
     "length split, ring": ("batch:2;model:4", "batch:batch;length:model",
                            {"context_parallel": "ring"}),
     # (8 ways: each shard one query head, its kv head cut out of the whole ones)

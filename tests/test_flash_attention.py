@@ -82,7 +82,7 @@ def on(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["splash", "triton"])
-@pytest.mark.parametrize("length", [128, 256, 40])  # 40: a ragged length, padded inside
+@pytest.mark.parametrize("length", [256, 40])  # 2 blocks; ragged, padded (128: the tests below)
 def test_self_attention_kernels_match_the_reference(on, kernel, length):
     kernel = on(kernel)
     ids = packed_ids(4, length, segments=4)
@@ -282,8 +282,7 @@ def einsum_losses():
     return _losses(EINSUM, "", "")
 
 
-@pytest.mark.parametrize("mesh_shape,rules", [
-    ("batch:8", "batch:batch"),
+@pytest.mark.parametrize("mesh_shape,rules", [  # (batch:8 alone went: the last splits it too)
     ("model:8", test_trainer.SPLIT_MODEL),
     ("batch:4;model:2", "batch:batch;" + test_trainer.SPLIT_MODEL),
 ])
