@@ -1,6 +1,6 @@
 """Downstream evaluation through the command lines a user types (`mtrain.modes.lm_eval`):
 an import fine-tuned with ``run.lm_eval_tasks`` (the in-training hook), then ``--mode=lm_eval``
-run, run again and run with a setting changed, then lm-eval's own command line
+run, run again and run with other tasks and ``--limit``, then lm-eval's own command line
 (``mtrain-lm-eval``), each giving the task metrics lm-eval's hf backend computed
 (../shared/oracles/lm_eval; the learning rate is 0, so the parameters stay the import's);
 several processes; and every refusal in one line. test_lm_eval checks every sample."""
@@ -50,6 +50,14 @@ def work(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def qwen2_import(tmp_path_factory):
+    """qwen2 imported for batch:4;model:2 once for the module (each test takes a copy)."""
+    model = tmp_path_factory.mktemp("lm_eval_runs") / "qwen2"
+    import_folder(os.path.join(ORACLES, "qwen2"), model, *LAYOUT)
+    return model
+
+
 def assert_metrics(got: dict, want: dict, tasks, prefix="lm_eval/") -> None:
     """Accuracies and exact matches equal (counts); perplexities within 1e-5 relative (see
     test_lm_eval)."""
@@ -86,7 +94,7 @@ def test_training_hook_mode_and_lm_evals_command_line(fresh_home, work, monkeypa
         assert_metrics(hooked[step], want, ["kjv_next_verse", "kjv_genesis_stops"])
     assert hooked[2]["lm_eval/kjv_next_verse/sample_len"] == 40
 
-    # --mode=lm_eval on the checkpoint of step 2, then again, then with --limit.
+    # --mode=lm_eval on the checkpoint of step 2, then again, then other tasks with --limit.
     out = work / "measured"
     command = [*config, "--mode=lm_eval", "--tasks=kjv_next_verse,kjv_exodus_last_word",
                "--include_path=tasks", f"--output_dir={out}"]
@@ -100,16 +108,15 @@ def test_training_hook_mode_and_lm_evals_command_line(fresh_home, work, monkeypa
     assert results["results"]["kjv_next_verse"]["acc,none"] == first[0]["lm_eval/kjv_next_verse/acc"]
     assert main(command) == 0
     assert records(out / "metrics.jsonl") == first  # (the same record is not written twice)
-    assert main([*command, "--limit=10"]) == 0
-    last = records(out / "metrics.jsonl")
-    assert len(last) == 2 and last[1]["lm_eval/kjv_next_verse/sample_len"] == 10
 
-    # The README's tasks, shipped in configs/lm_eval (made from the corpus: no data files).
-    shipped = work / "shipped"
+    # The README's tasks, shipped in configs/lm_eval (made from the corpus: no data files),
+    # with --limit, to the same output dir: the same step's other metrics, a record of theirs.
     assert main([*config, "--mode=lm_eval", "--tasks=bible_next_verse,bible_test_perplexity",
                  f"--include_path={os.path.join(REPO, 'configs', 'lm_eval')}", "--limit=8",
-                 f"--output_dir={shipped}"]) == 0
-    (record,) = records(shipped / "metrics.jsonl")
+                 f"--output_dir={out}"]) == 0
+    last = records(out / "metrics.jsonl")
+    assert len(last) == 2 and last[0] == first[0] and last[1]["step"] == 2
+    record = last[1]
     assert record["lm_eval/bible_next_verse/sample_len"] == 8
     assert 0 <= record["lm_eval/bible_next_verse/acc"] <= 1
     assert record["lm_eval/bible_test_perplexity/word_perplexity"] > 1
@@ -140,9 +147,9 @@ def _refused(capsys, argv, *fragments):
     assert all(f in err[-1] for f in fragments), err
 
 
-def test_every_refusal_is_one_line_and_writes_nothing(work, capsys, monkeypatch):
+def test_every_refusal_is_one_line_and_writes_nothing(qwen2_import, work, capsys, monkeypatch):
     model = work / "model"
-    import_folder(os.path.join(ORACLES, "qwen2"), model, *LAYOUT)
+    shutil.copytree(qwen2_import, model)
     capsys.readouterr()
     before = sorted(str(p.relative_to(model)) for p in model.rglob("*"))
     config = [f"--gin_file={model / 'config.gin'}", f"--model_dir={model}"]
@@ -167,24 +174,27 @@ def test_every_refusal_is_one_line_and_writes_nothing(work, capsys, monkeypatch)
     assert sorted(str(p.relative_to(model)) for p in model.rglob("*")) == before
     assert os.listdir(empty) == []
 
-    from mtrain.harness_cli import cli
+    from mtrain.errors import UserError
+    from mtrain.harness_cli import cli, load
 
-    for model_args, fragment in ((f"model_dir={model},dropout=0.1", "takes no dropout"),
-                                 (f"model_dir={work / 'nowhere'}", "is not a directory")):
-        monkeypatch.setattr(sys, "argv", [
-            "mtrain-lm-eval", "--model", "mtrain", "--model_args", model_args,
-            "--tasks", "kjv_next_verse", "--include_path", "tasks"])
-        with pytest.raises(SystemExit) as exit_:
-            cli()
-        err = capsys.readouterr().err.strip().splitlines()
-        assert exit_.value.code == 2 and len(err) == 1 and fragment in err[0], err
+    # (each cli() indexes every task lm-eval ships, seconds: one refusal through it shows a
+    # UserError of the model_args made one line; the other model_args' is that UserError)
+    monkeypatch.setattr(sys, "argv", [
+        "mtrain-lm-eval", "--model", "mtrain", "--model_args", f"model_dir={model},dropout=0.1",
+        "--tasks", "kjv_next_verse", "--include_path", "tasks"])
+    with pytest.raises(SystemExit) as exit_:
+        cli()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "takes no dropout" in err[0], err
+    with pytest.raises(UserError, match="is not a directory"):
+        load(model_dir=str(work / "nowhere"))
 
 
-def test_two_processes_share_the_requests_and_agree(work):
+def test_two_processes_share_the_requests_and_agree(qwen2_import, work):
     """2 processes x 4 CPU devices, the batch split across them: each feeds its rows of
     every batch, both get every result, and process 0 writes the oracle's metrics."""
     model = work / "model"
-    import_folder(os.path.join(ORACLES, "qwen2"), model, *LAYOUT)
+    shutil.copytree(qwen2_import, model)
     address = f"localhost:{free_port()}"
     argv = [f"--gin_file={model / 'config.gin'}", f"--model_dir={model}", "--mode=lm_eval",
             "--tasks=kjv_next_verse,kjv_genesis_greedy", "--include_path=tasks",

@@ -152,19 +152,26 @@ def test_microbatches_change_no_loss():
                                rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def unscanned_on_one_device():
+    """(parameters, their losses over 3 steps) unscanned on one device: the reference of
+    each case below, compiled once for the module."""
+    one = make_trainer(TransformerConfig(**TINY))
+    state = one.init_state()
+    params = jax.device_get(state.params)
+    return params, losses_of(one, state)
+
+
 @pytest.mark.parametrize("scan, mesh_shape, rules", [
     pytest.param(True, "", "", marks=pytest.mark.slow),
     pytest.param(False, "batch:4;model:2", SPLIT, marks=pytest.mark.slow),
     pytest.param(True, "batch:4;model:2", SPLIT, marks=pytest.mark.slow)])
-def test_scanning_and_layouts_change_no_loss(scan, mesh_shape, rules):
+def test_scanning_and_layouts_change_no_loss(unscanned_on_one_device, scan, mesh_shape, rules):
     """From the same parameters, the same losses and MTP losses over 3 steps as unscanned
     on one device, to the layout-invariance tests' tolerance (test_trainer: float32 sums
     in another order)."""
     c = TransformerConfig(**TINY)
-    one = make_trainer(c)
-    state = one.init_state()
-    params = jax.device_get(state.params)
-    reference = losses_of(one, state)
+    params, reference = unscanned_on_one_device
     if scan:
         c, params = TransformerConfig(**TINY, scan_layers=True), scanned(params)
     other = make_trainer(c, mesh_shape, rules)
