@@ -285,21 +285,25 @@ def layer_layouts_agree(m: MoEConfig, mesh, rules, parameter_rules, **kwargs):
                            split, step()(params, x))
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize("mesh,rules,parameter_rules", [LAYOUTS[0], pytest.param(
-    *LAYOUTS[1], marks=pytest.mark.slow), pytest.param(*LAYOUTS[2], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh,rules,parameter_rules,dispatch", [
+    (*LAYOUTS[0], "dropless"), (*LAYOUTS[0], "capacity"),
+    *(pytest.param(*layout, "dropless", marks=pytest.mark.slow) for layout in LAYOUTS[1:3])])
 def test_every_layout_computes_one_devices_values_and_gradients(dispatch, mesh, rules,
                                                                 parameter_rules):
+    """Both dispatches under FSDP, experts over the tokens' dimension, d_ff split; dropless's
+    other expert splits too (capacity's layouts are its constraints alone: GSPMD's)."""
     layer_layouts_agree(dataclasses.replace(DEEPSEEK, dispatch=dispatch, group_size=16),
                         mesh, rules, parameter_rules)
 
 
 @pytest.mark.slow  # (the fast tier: the layer in the layouts above)
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize("mesh,rules,parameter_rules", LAYOUTS)
+@pytest.mark.parametrize("mesh,rules,parameter_rules,dispatch", [  # (pairwise)
+    (*LAYOUTS[0], "capacity"), (*LAYOUTS[1], "dropless"), (*LAYOUTS[2], "dropless"),
+    (*LAYOUTS[3], "capacity")])
 def test_layouts_never_change_a_train_step(dispatch, mesh, rules, parameter_rules):
     """Two AdamW steps with the choice bias moved after each: the losses and choice biases
-    of one device on 8 in every layout of the experts, by either dispatch."""
+    of one device on 8 in every layout of the experts, each by one dispatch (the bias moves
+    by the routing's loads, before either dispatch; dropless in LAYOUTS[0]: the layer's)."""
     c = config(moe=dataclasses.replace(DEEPSEEK, dispatch=dispatch, bias_update_rate=0.01))
     reference, ref_biases = one_device_steps(dispatch)
     losses, state = losses_of(trainer(c, mesh, rules, parameter_rules))

@@ -120,18 +120,19 @@ def test_microbatches_record_the_largest_amax():
         np.testing.assert_array_equal(v[:2], expected[path][:2])
 
 
-@pytest.mark.slow  # (about 12 s each: two trainers)
-@pytest.mark.parametrize("mesh_shape, rules, parameter_rules", [
-    ("batch:4;model:2", SPLIT, ""), ("batch:8", "batch:batch", "d_model:batch")])  # (FSDP)
-def test_layouts_change_no_delayed_loss(mesh_shape, rules, parameter_rules):
-    """As test_quantization's layouts test: the amaxes are maxes, the same over any split;
-    three steps, so that the third quantizes with scales from the first two."""
+@pytest.mark.slow  # (four trainers: one device's reference once for both layouts)
+def test_layouts_change_no_delayed_loss():
+    """As test_quantization's layouts test: the amaxes are maxes, the same over any split
+    (model parallel; FSDP); three steps, so that the third quantizes with scales from the
+    first two."""
     c = config("fp8", "delayed", activation_dtype="float32", quantization_history=4)
     _, params = losses(c, steps=0)
     reference, _ = losses(c, params=params, steps=3)
-    got, trained = losses(c, mesh_shape, rules, parameter_rules, params=params, steps=3)
-    np.testing.assert_allclose(got, reference, rtol=1e-5)
-    assert len(states(trained)) == 14
+    for mesh_shape, rules, parameter_rules in [("batch:4;model:2", SPLIT, ""),
+                                               ("batch:8", "batch:batch", "d_model:batch")]:
+        got, trained = losses(c, mesh_shape, rules, parameter_rules, params=params, steps=3)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, err_msg=mesh_shape)
+        assert len(states(trained)) == 14
 
 
 def test_refusals_are_one_line():

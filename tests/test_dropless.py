@@ -224,12 +224,15 @@ def moe_tiny_losses(settings, runs):
 @pytest.mark.parametrize("scan", [False, True])
 def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
     """`moe_tiny` (4 layers, experts in 2; scanned: a dense and an expert layer per step)
-    trains 3 steps with the same losses by either dispatch (capacity: a slot for every
-    token), on one device, with the experts over `batch` (all-to-all), and unscanned also
-    over `model` beside `d_ff:model` and under FSDP's parameter rules; nothing dropped."""
-    runs = [((dispatch, mesh_shape, parameter_rules), {"dispatch": dispatch}, mesh_shape, rules,
-             parameter_rules) for dispatch in ("capacity", "dropless")
-            for mesh_shape, rules, parameter_rules in TRAIN_LAYOUTS[:2 if scan else None]]
+    trains 3 steps dropless with the losses of capacity on one device (a slot for every
+    token): unscanned on one device, with the experts over `model` beside `d_ff:model` and
+    over `batch` (all-to-all) under FSDP's parameter rules; scanned with the experts over
+    `batch`; nothing dropped. (Capacity in the other layouts: test_moe's layouts test;
+    `batch:8` alone, unscanned: test_deepseek_experts' train steps, dropless.)"""
+    layouts = [TRAIN_LAYOUTS[1]] if scan else [TRAIN_LAYOUTS[0], *TRAIN_LAYOUTS[2:]]
+    runs = [(("capacity", "", ""), {"dispatch": "capacity"}, "", "", "")] + [
+        (("dropless", mesh_shape, parameter_rules), {"dispatch": "dropless"}, mesh_shape,
+         rules, parameter_rules) for mesh_shape, rules, parameter_rules in layouts]
     trained = moe_tiny_losses([f"transformer.scan_layers={scan}",
                                "moe.capacity_factor_train=4.0"], runs)
     assert all(d == 0.0 for _, dropped in trained.values() for d in dropped)

@@ -95,15 +95,16 @@ def test_the_layer_equals_a_per_token_reference(m, decoding):
     assert not np.any(np.asarray(y[1, 6:]))
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize("mesh,rules,parameter_rules", [  # (the fast tier: d_ff split; FSDP
-    pytest.param(*LAYOUTS[0], marks=pytest.mark.slow),      # with experts split in the fast
-    pytest.param(*LAYOUTS[1], marks=pytest.mark.slow),      # tier: test_deepseek_experts')
-    pytest.param(*LAYOUTS[2], marks=pytest.mark.slow), LAYOUTS[3]])
+@pytest.mark.parametrize("mesh,rules,parameter_rules,dispatch", [  # (the fast tier: d_ff
+    (*LAYOUTS[3], "dropless"), (*LAYOUTS[3], "capacity"),  # split; FSDP with experts split in
+    *(pytest.param(*layout, "dropless", marks=pytest.mark.slow)  # the fast tier:
+      for layout in LAYOUTS[:3])])                               # test_deepseek_experts')
 def test_every_layout_computes_one_devices_values_and_gradients(dispatch, mesh, rules,
                                                                 parameter_rules):
     """The biases split with their experts (and ``d_ff``): the output's added once where
-    ``d_ff`` is split, whose partial outputs are summed."""
+    ``d_ff`` is split, whose partial outputs are summed. Every expert split by dropless,
+    whose biases go by row (`dropless._biases_by_row`); capacity adds them by broadcasting
+    under GSPMD's constraints, in the d_ff split here (its experts split: test_deepseek's)."""
     layer_layouts_agree(dataclasses.replace(GPT_OSS, dispatch=dispatch, group_size=16),
                         mesh, rules, parameter_rules, activations=ACTIVATIONS,
                         clamp=Clamp(LIMIT, ALPHA))

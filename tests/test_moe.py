@@ -145,13 +145,13 @@ def _no_drops(**kwargs):
                      capacity_factor_eval=2.0, **kwargs)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow  # (pairwise: each stack once, each dispatch once; decoding's own path is
+@pytest.mark.parametrize("scan,dispatch", [(True, "capacity"), (False, "dropless")])  # one)
 def test_lm_decoding_equals_the_teacher_forced_pass(scan, dispatch):
     """With room for every token (no drops), the experts' layers decode one token at a time
     as the full forward pass computes them (a scanned stack: a group of a dense and an
-    expert layer, scanned), by either dispatch."""
+    expert layer, scanned), by either dispatch (decoding runs dropless whatever the
+    dispatch; the layer by each: test_deepseek_experts' per-token reference)."""
     c = TransformerConfig(**{**TINY, "num_layers": 4}, scan_layers=scan,
                           moe=_no_drops(dispatch=dispatch), position_encoding="rotary")
     model = DecoderLM(c)
@@ -232,10 +232,9 @@ def test_experts_claim_their_mesh_dimension_and_must_divide_it():
 
 # --- layouts never change results; expert parallelism is real --------------------------
 
-MOE_LAYOUTS = [  # (mesh shape, layout rules, parameter layout rules)
-    ("", "", ""),
-    ("batch:8", "batch:batch;experts:batch", ""),
-    ("model:8", "experts:model;d_ff:model;heads:model", ""),
+MOE_LAYOUTS = [  # (mesh shape, layout rules, parameter layout rules); experts:batch alone
+    ("", "", ""),  # ("batch:8"): FSDP's below has its all-to-all, and test_deepseek_experts's
+    ("model:8", "experts:model;d_ff:model;heads:model", ""),  # train steps run it
     ("batch:4;model:2", "batch:batch;experts:batch;d_ff:model", "d_model:batch"),  # FSDP
     ("batch:8", "batch:batch", ""),  # experts replicated
 ]
@@ -244,8 +243,8 @@ MOE_LAYOUTS = [  # (mesh shape, layout rules, parameter layout rules)
 @pytest.mark.slow
 def test_moe_tiny_trains_alike_on_every_layout_and_dispatches_by_all_to_all():
     """`moe_tiny` (two layers, one with experts) trains 2 steps with the same losses on one
-    device and on 8 with the experts split over `batch`, over `model`, beside `d_ff:model`
-    and under FSDP's parameter rules. With `experts:batch` the compiled step dispatches by
+    device and on 8 with the experts split over `model`, and over `batch` beside `d_ff:model`
+    under FSDP's parameter rules. With `experts:batch` the compiled step dispatches by
     all-to-all and never gathers an expert weight whole, FSDP's rules included (its
     `d_model:batch` yields to `experts:batch`); with the experts replicated it has no
     all-to-all. The

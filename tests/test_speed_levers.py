@@ -135,8 +135,8 @@ def test_scan_keeps_the_program_the_same_size_at_any_depth():
     assert hlo_size(12, True, EncoderDecoder) < 1.1 * hlo_size(2, True, EncoderDecoder)
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_microbatches_give_the_same_update_with_less_memory(reference, k):
+@pytest.mark.parametrize("k", [4])  # (2 takes the same path: `gradients.mean_gradient`'s
+def test_microbatches_give_the_same_update_with_less_memory(reference, k):  # scan of k > 1)
     t = trainer(num_microbatches=k)
     np.testing.assert_allclose(train_losses(t), reference, rtol=1e-5)
     # The planner's auto-layout relays a trainer out with its settings, microbatches too.
