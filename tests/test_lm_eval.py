@@ -175,10 +175,12 @@ def one_device_lm(imported):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("result,mesh", [  # (each family's runs with and without its chat
-    # template, one of them split: the one-device runs of a family share their programs, a
-    # split run compiles its own; qwen2's query, key and value biases split too: the split one)
-    ("llama3", None), ("qwen2", None), ("llama3_chat", None), ("qwen2_chat", "batch:4;model:2")])
+@pytest.mark.parametrize("result,mesh", [  # (llama3's runs with and without its chat
+    # template on one device, which share their programs; qwen2's with it, split, its query,
+    # key and value biases split too: a split run compiles its own. qwen2's plain run: its
+    # requests' ids and texts in the test above, its model in the chat run)
+    ("llama3", None), pytest.param("llama3_chat", None, marks=pytest.mark.extended),
+    ("qwen2_chat", "batch:4;model:2")])
 def test_every_sample_as_lm_evals_hf_backend(imported, one_device_lm, tasks_dir, result,
                                               mesh):
     """lm-eval's `simple_evaluate` with mtrain's model on the import: each sample's
