@@ -197,6 +197,7 @@ def test_dpo_takes_trls_first_step_and_raises_the_reward_accuracy_on_every_layou
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_full_fine_tuning_dpo_resumes_against_its_starting_copy(tmp_path, capsys):
     """Without adapters the reference is a frozen copy of the parameters the run started
     from: the first loss is log 2 (policy = reference), and the run resumed from its

@@ -221,7 +221,7 @@ def moe_tiny_losses(settings, runs):
 
 
 @pytest.mark.slow  # (the fast tier: the layer in every layout above)
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
     """`moe_tiny` (4 layers, experts in 2; scanned: a dense and an expert layer per step)
     trains 3 steps dropless with the losses of capacity on one device (a slot for every
@@ -244,6 +244,7 @@ def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
 
 
 @pytest.mark.slow  # (20 s of compiling a 26.7B-parameter step for 256 devices)
+@pytest.mark.extended  # (the planner's figures: test_planner's)
 def test_the_26b_plan_counts_the_matmuls_dropless_runs():
     """`experiments/moe_26b_lm.gin` on 256 TPU v4 chips without recomputation: one-hot
     dispatch compiles 1.25x the analytic matmul FLOPs, dropless within 1.15x (the tiles at

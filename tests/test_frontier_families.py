@@ -215,8 +215,9 @@ TRAIN = ["--gin_param=run.task=@task()", "--gin_param=task.data=@files()",
 # its experts' adapters, exported merged and refused as PEFT. gpt-oss's sinks and output
 # bias train in test_attention_sinks, its experts' gradients in test_gpt_oss_experts.)
 @pytest.mark.slow
-@pytest.mark.parametrize("lora, family", [(False, "deepseek_v3"), (True, "deepseek_v3"),
-                                          (True, "gpt_oss")],
+@pytest.mark.parametrize("lora, family", [
+    pytest.param(False, "deepseek_v3", marks=pytest.mark.extended), (True, "deepseek_v3"),
+    pytest.param(True, "gpt_oss", marks=pytest.mark.extended)],
                          ids=["full-deepseek_v3", "lora-deepseek_v3", "lora-gpt_oss"])
 def test_fine_tuning_an_import_trains_and_resumes_bit_for_bit(tmp_path, data_dir, capsys,
                                                               family, lora):

@@ -27,7 +27,7 @@ from test_oracles import ORACLES
 
 from mtrain.__main__ import main
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.extended,
               pytest.mark.skipif(not os.path.isdir(ORACLES), reason="no ../shared/oracles")]
 CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
                       "bible_kjv_lsg.tsv.xz")

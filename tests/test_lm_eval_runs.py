@@ -147,6 +147,7 @@ def _refused(capsys, argv, *fragments):
     assert all(f in err[-1] for f in fragments), err
 
 
+@pytest.mark.extended  # (the hook's and mode's refusals: test_lm_eval's)
 def test_every_refusal_is_one_line_and_writes_nothing(qwen2_import, work, capsys, monkeypatch):
     model = work / "model"
     shutil.copytree(qwen2_import, model)
@@ -190,6 +191,7 @@ def test_every_refusal_is_one_line_and_writes_nothing(qwen2_import, work, capsys
         load(model_dir=str(work / "nowhere"))
 
 
+@pytest.mark.extended  # (two processes: test_multiprocess's)
 def test_two_processes_share_the_requests_and_agree(qwen2_import, work):
     """2 processes x 4 CPU devices, the batch split across them: each feeds its rows of
     every batch, both get every result, and process 0 writes the oracle's metrics."""

@@ -23,7 +23,7 @@ import pytest
 from model_dirs import digest, saved_state
 from mtrain.__main__ import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def refused(capsys, argv, model_dir, setting):

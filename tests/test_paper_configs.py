@@ -108,6 +108,7 @@ for path in sys.argv[1:]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # (its legality and sizes: the tests above)
 def test_every_paper_config_compiles_its_train_step_on_its_paper_mesh():
     import subprocess
     import sys

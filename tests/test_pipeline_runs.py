@@ -36,6 +36,7 @@ def losses(model_dir):
     return [json.loads(x)["train/loss"] for x in lines if "train/loss" in x]
 
 
+@pytest.mark.extended
 @pytest.mark.slow  # (about two minutes: three short runs, two processes and the modes)
 def test_stages_train_refuse_resume_across_processes_and_serve(fresh_home, tmp_path, capsys):
     """10 steps over 4 stages (GPipe); settings that cannot pipeline are refused in one
@@ -97,6 +98,7 @@ def test_stages_train_refuse_resume_across_processes_and_serve(fresh_home, tmp_p
             plan["pipeline"]["schedule"]) == (4, "stage", "gpipe")
 
 
+@pytest.mark.extended
 @pytest.mark.slow  # (about 30 s: two short runs)
 def test_gossip_replicas_each_run_their_stages(fresh_home, tmp_path):
     """SGP's replicas (run.data_parallel='sgp', each data shard its own model, inside a

@@ -18,7 +18,7 @@ from test_model_family_runs import common_modes
 
 from mtrain.__main__ import main
 
-pytestmark = pytest.mark.slow  # (about a minute: three short runs of the tiny Llama)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # (about a minute: three short runs of the tiny Llama)
 
 SETTINGS = ["vocabulary.size=512", "run.batch_size=8", "run.sequence_length=64",
             "run.eval_every=0", "run.log_every=10", "run.checkpoint_every=25",

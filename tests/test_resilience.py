@@ -178,7 +178,9 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bit_for_bit(data_dir, 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code, said", [
     (signal.SIGTERM, 0, "SIGTERM: stopped after step {step} and saved its checkpoint"),
-    (signal.SIGINT, 130, "mtrain: interrupted (Ctrl-C) after step {step}, and saved its checkpoint")],
+    pytest.param(signal.SIGINT, 130,
+                 "mtrain: interrupted (Ctrl-C) after step {step}, and saved its checkpoint",
+                 marks=pytest.mark.extended)],
     ids=["SIGTERM", "SIGINT"])
 def test_sigterm_and_ctrl_c_save_a_checkpoint_and_the_next_run_resumes(data_dir, tmp_path,
                                                                        signum, code, said):
