@@ -221,7 +221,8 @@ def moe_tiny_losses(settings, runs):
 
 
 @pytest.mark.slow  # (the fast tier: the layer in every layout above)
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.extended), True])
+@pytest.mark.extended
+@pytest.mark.parametrize("scan", [False, True])
 def test_moe_tiny_trains_dropless_as_capacity_with_room_for_every_token(scan):
     """`moe_tiny` (4 layers, experts in 2; scanned: a dense and an expert layer per step)
     trains 3 steps dropless with the losses of capacity on one device (a slot for every
