@@ -121,7 +121,8 @@ EXTENDED_SLOW_FILES = frozenset({
     "test_deepseek_experts.py", "test_context_parallel.py", "test_planner.py",
     "test_plan_quantization.py", "test_prefill.py", "test_latent_attention.py",
     "test_family_records.py", "test_encoder_decoder.py", "test_moe.py",
-    "test_delayed_scaling.py", "test_mtp.py", "test_model_families.py"})
+    "test_delayed_scaling.py", "test_mtp.py", "test_model_families.py",
+    "test_frontier_presets.py", "test_finetune_exact.py"})
 
 
 def pytest_collection_modifyitems(config, items):
