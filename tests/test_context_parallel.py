@@ -358,7 +358,6 @@ def test_the_flash_path_with_length_split_trains_as_einsum(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_a_llama3_import_fine_tunes_at_4x_its_context_with_length_split(tmp_path):
     """`../shared/oracles/llama3` (rope_type llama3, max_position_embeddings 512) imported
     and fine-tuned on whole Bible books as single examples (`text_file`) at 2,048 tokens a
@@ -449,7 +448,6 @@ def test_the_step_model_and_the_layout_search_know_length_splits():
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_the_flash_path_with_length_split_8_ways_needs_a_quarter_of_the_memory():
     """The quickstart model at 4,096 tokens, batch 1, on ``batch:1;model:8`` with
     attention 'flash' (splash in interpret mode): the compiled step's temporaries per device

@@ -108,7 +108,6 @@ def test_the_trainer_writes_the_state_over_itself_every_step(scan_layers, count,
 
 
 @pytest.mark.slow  # (two trainers)
-@pytest.mark.extended
 def test_microbatches_record_the_largest_amax():
     """Two microbatches record the larger amax of the two: the inputs' and weights' are
     the whole batch's, as one microbatch records them (the gradient's are of each

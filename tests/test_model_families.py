@@ -432,7 +432,6 @@ def test_a_kv_heads_split_that_does_not_divide_names_the_tensor():
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_the_speed_levers_and_sgp_take_the_new_blocks():
     """Rotary positions, 2 of 8 key/value heads and SwiGLU under the speed levers at once:
     scanned layers, remat 'dots', splash attention, 2 microbatches and FSDP parameter rules

@@ -296,7 +296,6 @@ def test_moe_tiny_trains_alike_on_every_layout_and_dispatches_by_all_to_all():
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_encoder_decoder_experts_decode_and_accumulate_microbatches():
     """Both stacks of the encoder-decoder have experts: with room for every token, decoding
     one token at a time gives the teacher-forced logits (packed inputs: the padding is

@@ -250,7 +250,6 @@ def test_the_counts_take_the_modules():
 
 
 @pytest.mark.slow  # (about 15 s: the corpus's vocabulary, then two steps)
-@pytest.mark.extended
 def test_the_command_line_logs_the_mtp_loss(tmp_path):
     """In-process `main` on the shipped Bible corpus: ``train/mtp_loss`` is logged."""
     from tiny_config import TINY as RUN
