@@ -18,14 +18,8 @@ from mtrain.models.latent_attention import LatentAttention
 from mtrain.models.moe import LOAD, STATS, MoeFeedForward, with_aux_loss
 from mtrain.models.routing import COUNTS, MEAN_OVER
 from mtrain.models.quantization import Quantization
+from mtrain.models.remat import REMAT_POLICIES
 from mtrain.parallel.layout import constrain
-
-# What a rematerialised layer keeps for the backward pass; the rest is recomputed.
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-}
 
 
 class Block(nn.Module):

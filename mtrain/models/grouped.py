@@ -56,6 +56,9 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from mtrain.models.remat import KERNEL_OUTPUTS
 
 GROUPED_KERNELS = ("auto", "ragged_dot", "megablox", "tiles", "tokamax")
 TOKAMAX_MISSING = "moe.grouped_kernel='tokamax' needs tokamax: pip install 'mtrain[gpu]'"
@@ -203,7 +206,8 @@ def _megablox(x, w, sizes):
     tiling = tuple(min(128, s) for s in (m + pad, k, n))
     y = gmm(xp, w, sizes, preferred_element_type=x.dtype, tiling=tiling,
             interpret=jax.default_backend() != "tpu")[:m]
-    return jnp.where(valid, y, 0).astype(x.dtype)
+    # (kept by remat 'dots': the kernel's backward pass reads its inputs alone)
+    return checkpoint_name(jnp.where(valid, y, 0).astype(x.dtype), KERNEL_OUTPUTS)
 
 
 def _tokamax(x, w, sizes, preferred: tuple[str, ...]):
@@ -221,9 +225,54 @@ def _tokamax(x, w, sizes, preferred: tuple[str, ...]):
     # ('mosaic' is registered as 'mosaic_gpu' and 'mosaic_tpu'; tokamax picks by device)
     usable = tuple(i for i in preferred if any(k.startswith(i) for k in registered))
     valid = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
-    y = tokamax.ragged_dot(jnp.where(valid, x, 0), w, sizes, preferred_element_type=x.dtype,
-                           implementation=usable[0] if len(usable) == 1 else usable)
-    return jnp.where(valid, y, 0).astype(x.dtype)
+    y = _tokamax_matmul(jnp.where(valid, x, 0), w, sizes,
+                        usable[0] if len(usable) == 1 else usable)
+    # (kept by remat 'dots': the backward pass reads the kernel's inputs alone)
+    return checkpoint_name(jnp.where(valid, y, 0).astype(x.dtype), KERNEL_OUTPUTS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tokamax_matmul(x, w, sizes, implementation):
+    """``tokamax.ragged_dot`` by `implementation`, with tokamax's own backward pass
+    (`_tokamax_backward`) from the inputs alone. tokamax's op keeps its output among the
+    residuals of a `custom_vjp` whose forward a checkpoint policy cannot see into (a
+    ``custom_vmap``), so under remat its backward pass ran the forward kernel again for
+    that output, which it does not read."""
+    import tokamax
+
+    return tokamax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype,
+                              implementation=implementation)
+
+
+def _tokamax_forward(x, w, sizes, implementation):
+    return _tokamax_matmul(x, w, sizes, implementation), (x, w, sizes)
+
+
+def _tokamax_backward(implementation, residuals, dy):
+    """The gradients as tokamax's `ragged_dot` vjp makes them (``ragged_dot.base.vjp``), by
+    the same implementation: the input's, ``dy`` [m, n] against each group's ``w`` [k, n]
+    contracted on n (no transposed copy); the weights', ``x`` [m, k] and ``dy`` contracted
+    on the ragged m, per group."""
+    from tokamax._src.ops.ragged_dot import api  # (no public ragged_dot_general)
+
+    x, w, sizes = residuals
+    numbers = jax.lax.RaggedDotDimensionNumbers
+    # (each cotangent's manual axes as tokamax gives them: its primal's, inside shard_map)
+    manual = lambda a: jax.typeof(a).manual_axis_type.to_ct_mat()  # noqa: E731
+    dx = api.ragged_dot_general(
+        dy, w, sizes, numbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]),
+        preferred_element_type=x.dtype, manual_axis_type=manual(x),
+        implementation=implementation)
+    dw = api.ragged_dot_general(
+        x, dy, sizes, numbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[]),
+        preferred_element_type=w.dtype, manual_axis_type=manual(w),
+        implementation=implementation)
+    return dx, dw, None
+
+
+_tokamax_matmul.defvjp(_tokamax_forward, _tokamax_backward)
 
 
 def _layout(sizes, m: int, t: int):

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from mtrain.models import attention, context, feedforward, quantization
 from mtrain.models.attention import CUDNN_MAX_SEGMENTS
 from mtrain.models.base import shape_field
-from mtrain.models.blocks import REMAT_POLICIES, dense_period, period
+from mtrain.models.blocks import dense_period, period
 from mtrain.models.latent_attention import LatentConfig
 from mtrain.models.lora import LoraConfig
 from mtrain.models.moe import MoEConfig
 from mtrain.models.pipeline import PipelineConfig
 from mtrain.models.positions import RopeScaling
+from mtrain.models.remat import REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)

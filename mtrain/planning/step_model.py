@@ -10,10 +10,10 @@ counts instead what a step keeps:
 - the activations each layer saves for the backward pass (a mixture of experts': its
   tokens' slots at the training capacity, and the dispatch and combine tensors), by remat
   policy
-  (``none``: everything; ``dots``: the matmul outputs and the layer input; ``full``: the
-  layer input) and by attention kernel (a flash kernel saves its output and log-sum-exp and
-  recomputes the rest; the einsum path's logits are a matmul: [heads, memory_length] float32
-  per token, saved under ``dots``);
+  (``none``: everything; ``dots``: the matmul outputs, a flash kernel's output and
+  log-sum-exp, and the layer input; ``full``: the layer input) and by attention kernel (a
+  flash kernel saves its output and log-sum-exp and recomputes the rest; the einsum path's
+  logits are a matmul: [heads, memory_length] float32 per token, saved under ``dots``);
 - the gradients (float32, sharded like the parameters), which replace the saved
   activations as the backward pass goes: the peak holds the larger of the two;
 - one layer's backward working set, the loss's logits (a slice of them with `loss.chunks`)
@@ -149,10 +149,13 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
             logits = attentions * heads * length * 4
         else:
             logits = 0.0
-        dots = d * a + matmul_outputs * a + logits  # with the layer's input
+        # kept by remat 'dots' (`models.remat`): with the layer's input, and a flash
+        # kernel's output and lse (its forward is not run again in the backward pass)
+        kernel_outputs = residuals if kernel != "dense" else 0.0
+        dots = d * a + matmul_outputs * a + logits + kernel_outputs
         # norms, activations (and their product), rotated queries and keys
         everything = (dots + (1 + attentions) * d * 4 + gates * (slots * fe if experts else f) * a
-                      + residuals + rotated + routing)
+                      + residuals - kernel_outputs + rotated + routing)
         if kernel == "dense":
             everything += attentions * heads * length * a  # the softmax weights
         saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
