@@ -27,7 +27,9 @@ shapes of the arrays it touches:
 Variants of mtrain's step show what each part costs: ``autodiff-loss`` (the cross-entropy as
 it was before issue 61, its gradient traced by autodiff, instead of `losses`' written out),
 ``chunks=N`` (`loss.chunks`), ``no-grad-norm`` (the step's metrics without the gradient
-norm). With ``--steps`` > 0 each step is also timed (median of that many, after two).
+norm), ``jax-dots`` (remat 'dots' as jax's `checkpoint_dots`, which the plain step keeps: the
+backward pass runs attention's forward again, `mtrain/models/remat.py`). With ``--steps`` > 0
+each step is also timed (median of that many, after two).
 
     python benchmarks/dense_step.py                      # CPU: d_model 256, 2 layers, 4 x 512
     python benchmarks/dense_step.py --shape 1b --steps 10  # a GPU: lm_1b, 16 x 2048
@@ -285,6 +287,7 @@ def autodiff_cross_entropy(logits, targets, weights, *, z_loss=0.0, label_smooth
 
 def build(variant, settings, batch, length):
     """(the step lowered from shapes, a function making real arguments, its loss chunks)."""
+    from mtrain.models import blocks, remat
     from mtrain.models.transformer import DecoderLM, TransformerConfig
     from mtrain.parallel.layout import Layout
     from mtrain.training import language_modeling, losses, optimizer, state
@@ -298,7 +301,10 @@ def build(variant, settings, batch, length):
     swaps = {"autodiff-loss": [(losses, "cross_entropy", autodiff_cross_entropy),
                                (language_modeling, "cross_entropy", autodiff_cross_entropy)],
              "no-grad-norm": [(trainer_lib, "step_metrics", lambda g, *a: {
-                 **state.step_metrics({}, *a), "grad_norm": 0.0})]}.get(variant, [])
+                 **state.step_metrics({}, *a), "grad_norm": 0.0})],
+             "jax-dots": [(blocks, "REMAT_POLICIES", {
+                 **remat.REMAT_POLICIES, "dots": jax.checkpoint_policies.checkpoint_dots})],
+             }.get(variant, [])
     originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     for module, name, value in swaps:
         setattr(module, name, value)
@@ -344,7 +350,7 @@ def main():
     gpu = jax.default_backend() == "gpu"
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b" if gpu else "small")
     p.add_argument("--variants",
-                   default="plain,mtrain,autodiff-loss,chunks=4,chunks=1,no-grad-norm")
+                   default="plain,mtrain,jax-dots,autodiff-loss,chunks=4,chunks=1,no-grad-norm")
     p.add_argument("--steps", type=int, default=10 if gpu else 0, help="timed steps (0: none)")
     p.add_argument("--top", type=int, default=0, help="print each step's largest instructions")
     args = p.parse_args()
