@@ -127,3 +127,20 @@ def test_a_scanned_stack_under_dots_runs_splash_forward_once():
     everything, _ = calls(jax.make_jaxpr(t._train_step)(
         t.sharded_abstract_state(), t.abstract_batch(), *t.objective.abstract_arguments()).jaxpr)
     assert everything["pallas_call"] == 3
+
+
+@pytest.mark.slow  # (about 20 s: two trainers; the fast tier traces the kernels above)
+def test_dropless_experts_train_under_dots_as_without_remat():
+    """`moe_tiny` dropless with 'tokamax' (its reference implementation here, through
+    mtrain's own backward pass), the experts over `batch` (all-to-all) and `d_ff` over
+    `model`: 3 steps under remat 'dots' take the losses of no remat (remat changes what is
+    kept, not what is computed: float32 sums in other fusions, test_dropless's 1e-5)."""
+    from test_dropless import moe_tiny_losses
+
+    run = [("tokamax", {"grouped_kernel": "tokamax"}, "batch:4;model:2",
+            "batch:batch;experts:batch;d_ff:model", "")]
+    losses = {policy: moe_tiny_losses(["moe.dispatch='dropless'",
+                                       f"transformer.remat_policy='{policy}'"], run)["tokamax"][0]
+              for policy in ("none", "dots")}
+    assert len(set(losses["none"])) == 3  # (the steps change the model)
+    np.testing.assert_allclose(losses["dots"], losses["none"], rtol=1e-5)
