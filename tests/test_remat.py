@@ -1,9 +1,9 @@
 """Remat 'dots' (`mtrain/models/remat.py`) keeps the outputs of the kernels that do a matmul's
 work, so that the backward pass does not run their forward again: flash attention (cuDNN's
-masked and packed calls, splash) and every grouped matmul of the experts (XLA's
-``ragged_dot``, tokamax's, Megablox's). jax's own `checkpoint_dots` keeps only ``dot_general``
-and convolutions, and each case here is checked against it too: under it the kernel's
-forward is in the backward pass, so the test can tell the two apart.
+masked and packed calls, splash, context parallelism's ring) and every grouped matmul of
+the experts (XLA's ``ragged_dot``, tokamax's, Megablox's). jax's own `checkpoint_dots`
+keeps only ``dot_general`` and convolutions, and each case here is checked against it too:
+under it the kernel's forward is in the backward pass, so the test can tell the two apart.
 
 The count is of kernel calls in the traced program (``jax.make_jaxpr``: nothing compiled or
 run). The backward pass of a rematerialised function is the ``remat`` block of the traced
@@ -110,6 +110,31 @@ def test_dots_keeps_flash_attention_out_of_the_backward_pass(kernel, request):
     forward = ATTENTION[kernel]
     assert recomputed(attend, DOTS, w, x, kernel_names=forward) == 0
     assert recomputed(attend, JAX_DOTS, w, x, kernel_names=forward) > 0
+
+
+def test_dots_keeps_the_rings_pass_out_of_the_backward_pass():
+    """Ring attention (``length`` split 4 ways, `models.ring`): its forward passes the keys
+    and values round the ring (``ppermute``); under 'dots' the backward pass goes round
+    once more for its gradients (as without remat), not twice."""
+    from mtrain.models import context
+
+    layout = Layout("model:4", "length:model")
+    mesh = layout.make_mesh(jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 32, 4, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 8)) / 3, jnp.float32)
+    ids = jnp.ones((2, 32), jnp.int32)
+    index = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (2, 32))
+
+    def attend(w, x):
+        q = x @ w
+        with layout.activate(mesh):
+            out = context.attend(q, q, q, context.Places(ids, ids, index, index),
+                                 context.Options(causal=True, scale=0.5, mode="ring"))
+        return out @ w
+
+    assert recomputed(attend, DOTS, w, x, kernel_names=("ppermute",)) == 0
+    assert recomputed(attend, JAX_DOTS, w, x, kernel_names=("ppermute",)) > 0
 
 
 def test_a_scanned_stack_under_dots_runs_splash_forward_once():

@@ -17,8 +17,10 @@ So 'dots' here keeps, beside jax's:
   cuDNN's attention forward (its output and log-sum-exp, what its backward reads) and
   XLA's grouped matmul;
 - the values named `KERNEL_OUTPUTS` (``jax.ad_checkpoint.checkpoint_name``): splash's
-  output and log-sum-exp (its ``residual_checkpoint_name``), and the grouped matmuls of
-  tokamax and Megablox, whose backward passes read their inputs alone.
+  output and log-sum-exp (its ``residual_checkpoint_name``) and the ring's (context
+  parallelism's ring attention, whose forward passes the keys and values round the
+  devices), and the grouped matmuls of tokamax and Megablox, whose backward passes read
+  their inputs alone.
 
 They are the size of the matmul outputs kept beside them: the plan counts them
 (`mtrain.planning.step_model`, a flash kernel's output and log-sum-exp). MaxText's

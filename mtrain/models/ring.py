@@ -22,9 +22,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mtrain.models import kernels
 from mtrain.models.kernels import NEG_INF
+from mtrain.models.remat import KERNEL_OUTPUTS
 
 
 class Places(NamedTuple):
@@ -164,8 +166,10 @@ def _forward(q, k, v, at: Places, bias, sinks, ring: Ring):
     first = with_sinks(share(blocks), sinks, q)
     total, _ = jax.lax.fori_loop(1, jax.lax.axis_size(axis), step, (first, blocks))
     peak, norm, _ = total
-    out = finish(total, q.dtype)
-    logsumexp = peak + jnp.log(jnp.maximum(norm, 1e-30))  # [b, h, lq]
+    # (named: remat 'dots' keeps them, rather than run the ring again in the backward pass)
+    out = checkpoint_name(finish(total, q.dtype), KERNEL_OUTPUTS)
+    logsumexp = checkpoint_name(peak + jnp.log(jnp.maximum(norm, 1e-30)),  # [b, h, lq]
+                                KERNEL_OUTPUTS)
     return out, (q, k, v, at, bias, sinks, out, logsumexp)
 
 
