@@ -1,9 +1,10 @@
 """Remat 'dots' (`mtrain/models/remat.py`) keeps the outputs of the kernels that do a matmul's
 work, so that the backward pass does not run their forward again: flash attention (cuDNN's
 masked and packed calls, splash, context parallelism's ring) and every grouped matmul of
-the experts (XLA's ``ragged_dot``, tokamax's, Megablox's). jax's own `checkpoint_dots`
-keeps only ``dot_general`` and convolutions, and each case here is checked against it too:
-under it the kernel's forward is in the backward pass, so the test can tell the two apart.
+the experts (XLA's ``ragged_dot``, tokamax's, Megablox's, the tiles). jax's own
+`checkpoint_dots` keeps only ``dot_general`` and convolutions, and each case here is
+checked against it too: under it the kernel's forward is in the backward pass, so the test
+can tell the two apart.
 
 The count is of kernel calls in the traced program (``jax.make_jaxpr``: nothing compiled or
 run). The backward pass of a rematerialised function is the ``remat`` block of the traced
@@ -59,7 +60,7 @@ def recomputed(layer, policy, *args, kernel_names) -> int:
 
 
 GROUPED = {"ragged_dot": ("ragged_dot_general",), "tokamax": ("custom_vmap_call",),
-           "megablox": ("pallas_call",)}
+           "megablox": ("pallas_call",), "tiles": ("while",)}
 
 
 @pytest.mark.parametrize("kernel", sorted(GROUPED))

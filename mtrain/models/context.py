@@ -52,6 +52,7 @@ import numpy as np
 
 from mtrain.models import kernels, ring
 from mtrain.models.ring import Places, Ring, block, finish, relative_bias, visible, with_sinks
+from mtrain.models.remat import KERNEL_OUTPUTS
 from mtrain.parallel import layout as layout_lib
 from mtrain.parallel import manual
 from mtrain.parallel.layout_syntax import LayoutError
@@ -135,9 +136,9 @@ def local_attention(q, k, v, at: Places, options: Options, *, axis: str | None =
         shard = (jax.lax.axis_index(axis), jax.lax.axis_size(axis), o.balanced)
 
         # (the backward pass gathers the keys and values again rather than keep them: only
-        # the kernel's residuals, named RESIDUALS, are saved)
+        # the kernel's residuals, named KERNEL_OUTPUTS, are saved)
         @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
-            kernels.RESIDUALS))
+            KERNEL_OUTPUTS))
         def gathered(q, k, v, query_ids, memory_ids, sinks):
             k, v, memory_ids = gather(k, v, memory_ids)
             ids = kernels.seeing_query_ids(query_ids, memory_ids)  # (no empty rows)

@@ -160,21 +160,27 @@ def default_kernel(backend: str | None = None, dtype=jnp.float32,
 def grouped_matmul(x, w, sizes, kernel: str = "auto", balanced_rows: int | None = None):
     """``x`` [m, k] rows in consecutive groups of `sizes` [groups] (int32, summing to at most
     m) times ``w`` [groups, k, n] -> [m, n] (module doc). `balanced_rows`: how many rows
-    the groups hold when the routing is balanced (default m; the planner's count)."""
+    the groups hold when the routing is balanced (default m; the planner's count).
+
+    The output is named `KERNEL_OUTPUTS`: remat 'dots' keeps it (`mtrain.models.remat`),
+    since every kernel's backward pass reads its inputs alone, and the forward kernel is
+    not run again in the backward pass."""
     if kernel not in GROUPED_KERNELS:
         raise ValueError(f"moe.grouped_kernel must be one of {GROUPED_KERNELS}, got {kernel!r}")
     dtype = jnp.result_type(x, w)
     kernel = default_kernel(None, dtype) if kernel == "auto" else kernel
     sizes = sizes.astype(jnp.int32)
     if kernel == "ragged_dot":
-        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
-    if kernel == "megablox":
-        return _megablox(x, w, sizes)
-    if kernel == "tokamax":
-        return _tokamax(x, w, sizes, tokamax_implementations(*_here(), dtype))
-    t = tile_rows(x.shape[0], w.shape[0])
-    rows = x.shape[0] if balanced_rows is None else balanced_rows
-    return _tiles(x, w, sizes, t, balanced_trips(rows, w.shape[0], t))
+        y = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
+    elif kernel == "megablox":
+        y = _megablox(x, w, sizes)
+    elif kernel == "tokamax":
+        y = _tokamax(x, w, sizes, tokamax_implementations(*_here(), dtype))
+    else:
+        t = tile_rows(x.shape[0], w.shape[0])
+        rows = x.shape[0] if balanced_rows is None else balanced_rows
+        y = _tiles(x, w, sizes, t, balanced_trips(rows, w.shape[0], t))
+    return checkpoint_name(y, KERNEL_OUTPUTS)
 
 
 def tile_rows(m: int, groups: int) -> int:
@@ -206,8 +212,7 @@ def _megablox(x, w, sizes):
     tiling = tuple(min(128, s) for s in (m + pad, k, n))
     y = gmm(xp, w, sizes, preferred_element_type=x.dtype, tiling=tiling,
             interpret=jax.default_backend() != "tpu")[:m]
-    # (kept by remat 'dots': the kernel's backward pass reads its inputs alone)
-    return checkpoint_name(jnp.where(valid, y, 0).astype(x.dtype), KERNEL_OUTPUTS)
+    return jnp.where(valid, y, 0).astype(x.dtype)
 
 
 def _tokamax(x, w, sizes, preferred: tuple[str, ...]):
@@ -227,8 +232,7 @@ def _tokamax(x, w, sizes, preferred: tuple[str, ...]):
     valid = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]
     y = _tokamax_matmul(jnp.where(valid, x, 0), w, sizes,
                         usable[0] if len(usable) == 1 else usable)
-    # (kept by remat 'dots': the backward pass reads the kernel's inputs alone)
-    return checkpoint_name(jnp.where(valid, y, 0).astype(x.dtype), KERNEL_OUTPUTS)
+    return jnp.where(valid, y, 0).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -16,10 +16,6 @@ import numpy as np
 from mtrain.models.remat import KERNEL_OUTPUTS
 
 NEG_INF = -1e9
-# The name of splash's residuals (its output and log-sum-exp): what remat 'dots' keeps
-# (`mtrain.models.remat`), and with ``length`` split what `context.local_attention`'s own
-# checkpoint keeps (it gathers the keys again in the backward pass).
-RESIDUALS = KERNEL_OUTPUTS
 # The default size of cudnn_segments' table: packed examples per row at most.
 CUDNN_MAX_SEGMENTS = 64
 
@@ -107,7 +103,9 @@ def splash(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, shard=No
     make = splash_lib.make_splash_mha if g == heads else splash_lib.make_splash_mqa
     kernel = make(splash_lib.MultiHeadMask([one] * (heads // g if g < heads else heads)),
                   block_sizes=sizes, head_shards=1, q_seq_shards=shard[1] if shard else 1,
-                  residual_checkpoint_name=RESIDUALS,
+                  # (its output and log-sum-exp: what remat 'dots' keeps, and with
+                  # ``length`` split what `context.local_attention`'s checkpoint keeps)
+                  residual_checkpoint_name=KERNEL_OUTPUTS,
                   interpret=jax.default_backend() != "tpu")
     if shard is not None:
         kernel = _shard_of(kernel, shard[0], shard[1])

@@ -149,15 +149,14 @@ def estimate(c: TransformerConfig, kind: str, layout: Layout, batch_size: int, l
             logits = attentions * heads * length * 4
         else:
             logits = 0.0
-        # kept by remat 'dots' (`models.remat`): with the layer's input, and a flash
-        # kernel's output and lse (its forward is not run again in the backward pass)
-        kernel_outputs = residuals if kernel != "dense" else 0.0
-        dots = d * a + matmul_outputs * a + logits + kernel_outputs
+        dots = d * a + matmul_outputs * a + logits  # with the layer's input
         # norms, activations (and their product), rotated queries and keys
         everything = (dots + (1 + attentions) * d * 4 + gates * (slots * fe if experts else f) * a
-                      + residuals - kernel_outputs + rotated + routing)
+                      + residuals + rotated + routing)
         if kernel == "dense":
             everything += attentions * heads * length * a  # the softmax weights
+        else:  # remat 'dots' keeps a flash kernel's output and lse too (`models.remat`)
+            dots += residuals
         saved = {"none": everything, "dots": dots, "full": d * a}[c.remat_policy]
         # with ``length`` split, per token of this device: gathered, the whole row's keys
         # and values and their float32 gradients (and on a GPU the mask of global positions
