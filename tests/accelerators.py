@@ -106,14 +106,15 @@ def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets
 
 
 def on_a_gpu_emulated(monkeypatch):
-    """A 'gpu' backend whose cuDNN kernels run on the CPU: the masked one through jax's XLA
-    implementation, the packed layout through `emulated_cudnn_packed`. Returns the calls."""
+    """A 'gpu' backend whose cuDNN kernels run on the CPU: the masked one (and the causal
+    one, given no mask: 'cudnn_causal') through jax's XLA implementation, the packed layout
+    through `emulated_cudnn_packed`. Returns the calls."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     calls, original = [], jax.nn.dot_product_attention
 
     def masked(*args, implementation=None, **kwargs):
-        calls.append("cudnn")
+        calls.append("cudnn" if kwargs.get("mask") is not None else "cudnn_causal")
         return original(*args, implementation="xla", **kwargs)
 
     def packed(*args, **kwargs):

@@ -154,15 +154,19 @@ def test_every_mode_runs_with_the_accelerators_attention(trained, tmp_path, monk
         params, calls = [], on_a_hopper_gpu_emulated(monkeypatch)  # 'auto' is flash there
 
     def ran(mode):
-        """On the Hopper GPU, the kernels each mode traced: cuDNN's packed layout with a table
-        fitted to each batch where batches are packed and placed (training, evaluation,
-        scoring), the masked kernel where they are not (a translation's encoder in
-        decoding: BLEU and infer; and the parameters' initialisation)."""
+        """On the Hopper GPU, the kernels each mode traced: where batches are placed
+        (training, evaluation, scoring), cuDNN's packed layout with a table fitted to each
+        batch of packed rows (the LM's text), its causal kernel with no mask for rows of one
+        example each (scoring's, the translations' pairs); the masked kernel where they are
+        not placed (a translation's encoder in decoding: BLEU and infer; and the parameters'
+        initialisation) and for the attention that is not causal self-attention."""
         kinds = {c if isinstance(c, str) else c[0] for c in calls}
         calls.clear()
         if accelerator == "tpu":
             return
-        needed = {"cudnn"} if mode == "infer" else {"cudnn_segments"}
+        packed = task == "lm" and mode in ("train", "eval")
+        needed = {"cudnn"} if mode == "infer" else {"cudnn_causal"} | (
+            {"cudnn_segments"} if packed else set())
         assert needed <= kinds, (mode, kinds)
 
     params += [BF16, "run.train_steps=6"]

@@ -91,7 +91,8 @@ def traced_as_on_a_hopper_gpu(monkeypatch):
 
 
 ATTENTION = {"splash": ("pallas_call",), "cudnn": ("dot_product_attention_fwd_wrapper",),
-             "cudnn_segments": ("dot_product_attention_fwd_wrapper",)}
+             "cudnn_segments": ("dot_product_attention_fwd_wrapper",),
+             "cudnn_causal": ("dot_product_attention_fwd_wrapper",)}
 
 
 @pytest.mark.parametrize("kernel", sorted(ATTENTION))

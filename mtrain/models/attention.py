@@ -37,6 +37,9 @@ trainer computes on the host and makes `base.current_packing()` while the step i
 where cuDNN's packed layout with a table of that size is faster than the masked kernel (up
 to `AUTO_TABLE_LIMIT` entries), self-attention runs ``cudnn_segments`` with that table. Each
 table size is compiled once, when a batch first needs it. Nothing else knows of the table.
+Rows of one example each, from their first position (`base.UNPACKED`: evaluation's, scoring's,
+unpacked training data), need no table for causal self-attention: it runs cuDNN's causal
+kernel with no mask (`kernels.cudnn_causal`), as a hand-written step does.
 
 Decoding runs one query per row at a time (self-attention to the key/value cache, and
 encoder-decoder attention to the encoder's outputs, whose mask then has no query ids): that
@@ -293,9 +296,11 @@ def flash(q, k, v, mask: AttentionMask, kernel: str = "auto",
     if kernel == "auto":
         kernel = default_kernel()
         packing = base.current_packing()  # (known only where adapts_segment_table says)
-        if (kernel == "cudnn" and mask.self_attention and packing is not None
-                and packing <= AUTO_TABLE_LIMIT):
-            kernel, max_segments = "cudnn_segments", packing
+        if kernel == "cudnn" and mask.self_attention and packing is not None:
+            if packing == base.UNPACKED and mask.causal:
+                kernel = "cudnn_causal"  # (no mask needed: `kernels.cudnn_causal`)
+            elif packing <= AUTO_TABLE_LIMIT:
+                kernel, max_segments = "cudnn_segments", max(packing, 1)
     if kernel not in kernels.KERNELS:
         raise ValueError(f"flash kernel must be one of {FLASH_KERNELS}, got {kernel!r}")
     if kernel == "cudnn_segments" and (not mask.self_attention

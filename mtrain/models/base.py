@@ -26,7 +26,8 @@ and, optionally (`uses_packing`, `check_batch`, `active_parameters`, statistics)
   are packed. The trainer then computes `packing_of` each host batch, carries it with the
   placed batch (each value compiles the step once, like a shape) and makes it
   `current_packing()` while the model is traced (`packed_rows`). A model's attention on a
-  Hopper GPU runs cuDNN's packed-segment layout with a table of that size.
+  Hopper GPU runs cuDNN's packed-segment layout with a table of that size, or for rows of
+  one example each (`UNPACKED`) cuDNN's causal kernel with no mask.
 - ``check_batch(batch)``: raises `errors.DataError` for a host batch it cannot compute.
 - ``active_parameters()``: the parameters one token computes with, where fewer than all (a
   mixture of experts); the planner reports both.
@@ -90,17 +91,26 @@ class Model(Protocol):
 _PACKING: contextvars.ContextVar[int | None] = contextvars.ContextVar("packing", default=None)
 
 
+# `packing_of` a batch whose rows each hold one example at most, from the row's first
+# position (its padding, if any, after it): rows as they come unpacked. Causal attention
+# needs no mask for them (the causal band is each real query's own example).
+UNPACKED = 0
+
+
 def packing_of(batch: dict) -> int:
     """The most examples packed into one row of a host batch (numpy), over its
-    ``*_segment_ids`` features, rounded up to a power of two (so that few values compile).
-    An example is a run of one segment id > 0."""
-    most = 0
+    ``*_segment_ids`` features, rounded up to a power of two (so that few values compile);
+    `UNPACKED` (0) where every row holds one at most, from its first position. An example
+    is a run of one segment id > 0."""
+    most, unpacked = 0, True
     for key, ids in batch.items():
         if key.endswith("_segment_ids"):
             ids = np.asarray(ids)
             starts = (ids > 0) & (ids != np.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-            most = max(most, int(starts.sum(axis=1).max(initial=0)))
-    return 1 << max(most - 1, 0).bit_length()
+            count = starts.sum(axis=1)
+            most = max(most, int(count.max(initial=0)))
+            unpacked &= bool(np.all((count == 0) | ((count == 1) & starts[:, 0])))
+    return UNPACKED if unpacked else 1 << max(most - 1, 0).bit_length()
 
 
 @contextlib.contextmanager

@@ -216,6 +216,24 @@ def cudnn(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0, mask=None
                                         implementation="cudnn")[:, :length]
 
 
+def cudnn_causal(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
+    """cuDNN's causal kernel and nothing else (`is_causal`; a window its own
+    `local_window_size`), as a hand-written step calls it: for rows that each hold one
+    example at most, from the row's first position (`base.UNPACKED`), where the causal band
+    alone is each real query's mask, so no mask is formed or read and nothing is masked
+    after. The padding after an example attends to it, and what padding computes is never
+    used: its loss weight is 0, so its gradient is 0, and a real query sees no padding."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"transformer.{needs_a_gpu('cudnn')}")
+    if not causal:
+        raise ValueError("cudnn_causal is causal attention's: a bidirectional row's queries "
+                         "would see its padding")
+    del query_ids, memory_ids
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
+                                        implementation="cudnn")
+
+
 def segment_starts(ids, xp=jnp):
     """Where a segment of `ids` [batch, length] starts (an id > 0 unlike the one before it),
     by `xp` (jax.numpy in the step, numpy on the host)."""
@@ -265,6 +283,6 @@ def cudnn_segments(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0,
 
 
 KERNELS = {"splash": splash, "triton": triton, "cudnn": cudnn,
-           "cudnn_segments": cudnn_segments}
-GPU_KERNELS = ("cudnn", "cudnn_segments", "triton")
+           "cudnn_segments": cudnn_segments, "cudnn_causal": cudnn_causal}
+GPU_KERNELS = ("cudnn", "cudnn_segments", "triton")  # (the ones a config may name)
 
