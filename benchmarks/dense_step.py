@@ -1,18 +1,17 @@
 """What mtrain's dense train step does beyond the plain `jax.jit` + optax step, read from the
 compiled programs: bytes each step moves to and from memory, by what they are for.
 
-The plain step is benchmarks/throughput.py's fast GPU baseline (``--compare=gpu``: bf16
-compute from float32 parameters, `jax.nn.dot_product_attention(is_causal=True)`, each layer
-under `jax.checkpoint` keeping its matmuls, the loss and z-loss of the whole logits in float32,
-`optax.adafactor`); mtrain's is `Trainer(model=DecoderLM(lm_1b's settings), optimizer=
+The plain step is benchmarks/plain_step.py's fast GPU baseline (throughput.py's
+``--compare=gpu``: bf16 compute from float32 parameters, `jax.nn.dot_product_attention(
+is_causal=True)`, each layer under `jax.checkpoint` keeping its matmuls, the loss and z-loss
+of the whole logits in float32, `optax.adafactor`); mtrain's is `Trainer(model=DecoderLM(lm_1b's settings), optimizer=
 optimizer.adafactor(...))` on one device, unpacked rows, with its defaults (the loss a slice
-of the length at a time, `loss.chunks`; the step's metrics). Both are compiled ahead of time
-from shapes (nothing allocated) and their optimized HLO is walked: every top-level
-instruction (a fusion, a dot, a copy) reads its operands and writes its result once (a
-fusion's sliced operand counts as the slice, an in-place update as the update), a while
-loop's body counts as many times as its trip count (XLA's own `cost_analysis` counts it once:
-its numbers are printed too), and each instruction's bytes go to one item, told apart by the
-shapes of the arrays it touches:
+of the length at a time, `loss.chunks`; the step's metrics; the batch's packing, which picks
+the attention kernel). Both are compiled ahead of time from shapes and their optimized HLO is
+walked (`hlo_bytes.account`: each instruction reads its operands and writes its result once,
+a loop's body as many times as its trip count; XLA's own `cost_analysis`, which counts it
+once, is printed too), and each instruction's bytes go to one item, told apart by the shapes
+of the arrays it touches:
 
 - logits, elementwise: the loss's passes over [batch, length, vocab] (or a slice's) values;
 - logits, matmuls: the output projection and its two gradients;
@@ -28,7 +27,9 @@ Variants of mtrain's step show what each part costs: ``autodiff-loss`` (the cros
 it was before issue 61, its gradient traced by autodiff, instead of `losses`' written out),
 ``chunks=N`` (`loss.chunks`), ``no-grad-norm`` (the step's metrics without the gradient
 norm), ``jax-dots`` (remat 'dots' as jax's `checkpoint_dots`, which the plain step keeps: the
-backward pass runs attention's forward again, `mtrain/models/remat.py`). With ``--steps`` > 0
+backward pass runs attention's forward again, `mtrain/models/remat.py`), ``table-1`` (on a
+Hopper GPU, the unpacked rows through cuDNN's packed layout with a table of one, as before
+they ran its causal kernel with no mask, `kernels.cudnn_causal`). With ``--steps`` > 0
 each step is also timed (median of that many, after two).
 
     python benchmarks/dense_step.py                      # CPU: d_model 256, 2 layers, 4 x 512
@@ -39,10 +40,8 @@ each step is also timed (median of that many, after two).
 from __future__ import annotations
 
 import argparse
-import collections
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -52,184 +51,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import throughput  # noqa: E402  (the plain step)
+import plain_step  # noqa: E402  (the plain step)
+from presets import ONE_B  # noqa: E402
+from hlo_bytes import account  # noqa: E402
 
 # lm_1b (configs/models/lm_1b.gin) and a CPU-sized model of the same structure, in which the
 # logits dominate as they do at 1B (vocab 32768 against d_model 256).
-SHAPES = {"1b": (throughput.ONE_B, 16, 2048),
-          "small": ({**throughput.ONE_B, "d_model": 256, "d_ff": 1024, "num_heads": 4,
+SHAPES = {"1b": (ONE_B, 16, 2048),
+          "small": ({**ONE_B, "d_model": 256, "d_ff": 1024, "num_heads": 4,
                      "d_kv": 64, "num_layers": 2, "max_length": 512}, 4, 512)}
 ITEMS = ("logits, elementwise", "logits, matmuls", "d(kernel) over the slices",
          "attention scores", "attention", "vocab tables", "the rest")
-
-# ---------------------------------------------------------------- the HLO accounting
-
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]")
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-         "partition-id", "replica-id", "iota"}
-
-
-def arrays(shape: str) -> list[tuple[int, tuple[int, ...]]]:
-    """(bytes per element, dims) of each array in an HLO type."""
-    return [(_BYTES.get(t, 1), tuple(int(d) for d in dims.split(",") if d))
-            for t, dims in _ARRAY.findall(shape)]
-
-
-def nbytes(shape: str) -> int:
-    return sum(b * math.prod(d) for b, d in arrays(shape))
-
-
-def _closing(s: str, i: int) -> int:
-    depth = 0
-    for j in range(i, len(s)):
-        depth += s[j] in "([{"
-        depth -= s[j] in ")]}"
-        if depth == 0:
-            return j
-    return len(s)
-
-
-def parse(text: str):
-    """{computation: [(name, type, opcode, operands, attributes, is_root, arguments)]}, the
-    entry's name."""
-    computations, current, entry = {}, None, None
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{") and "(" in line:
-            words = line.split()
-            name = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
-            current = computations[name] = []
-            entry = name if words[0] == "ENTRY" else entry
-            continue
-        if line.startswith("}"):
-            current = None
-        if current is None or " = " not in line:
-            continue
-        text_ = line.strip()
-        root = text_.startswith("ROOT ")
-        name, rest = text_.removeprefix("ROOT ").split(" = ", 1)
-        if rest.startswith("("):
-            j = _closing(rest, 0)
-            kind, rest = rest[:j + 1], rest[j + 1:].lstrip()
-        else:
-            kind, rest = rest.split(" ", 1)
-        k = rest.index("(")
-        j = _closing(rest, k)
-        current.append((name.lstrip("%"), kind, rest[:k],
-                        re.findall(r"%([\w.\-]+)", rest[k:j + 1]), rest[j + 1:], root,
-                        rest[k + 1:j]))
-    return computations, entry
-
-
-def _dot_flops(kind, operands, attributes, types) -> float:
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes)
-    lhs = arrays(types[operands[0]])[0][1]
-    k = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
-    return 2.0 * math.prod(arrays(kind)[0][1]) * k
-
-
-def _fusion(computations, name):
-    """A fused computation's dot FLOPs, the bytes it reads of each operand (a sliced one, or
-    one converted or reshaped on its way to slices: the slices; the buffer it updates in
-    place: none) and the bytes it writes (None: its result)."""
-    body = computations[name]
-    types = {i[0]: i[1] for i in body}
-    users = collections.defaultdict(list)
-    for i in body:
-        for o in i[3]:
-            users[o].append(i)
-
-    def sliced(value, per_element):  # the elements of `value` that slices read, or None
-        us = users[value]
-        if not us:
-            return None
-        total = 0
-        for u in us:
-            if u[2] in ("dynamic-slice", "slice", "gather") and u[3][0] == value:
-                total += math.prod(arrays(u[1])[0][1]) * per_element
-            elif u[2] in ("convert", "bitcast", "reshape", "copy") and \
-                    sliced(u[0], per_element) is not None:
-                total += sliced(u[0], per_element)
-            else:
-                return None
-        return total
-
-    flops, reads, writes = 0.0, {}, None
-    for name_, kind, op, operands, attributes, root, arguments in body:
-        if op in ("dot", "convolution"):
-            flops += _dot_flops(kind, operands, attributes, types)
-        elif op in ("fusion", "call"):
-            called = re.search(r"calls=%([\w.\-]+)", attributes)
-            flops += _fusion(computations, called.group(1))[0] if called else 0
-        elif op == "parameter":
-            us = users[name_]
-            part = sliced(name_, arrays(kind)[0][0]) if arrays(kind) else None
-            if part is not None:
-                read = part
-            elif us and all(u[2] == "dynamic-update-slice" and u[3][0] == name_ for u in us):
-                read = 0
-            else:
-                read = nbytes(kind)
-            reads[int(arguments)] = read
-        if root and op == "dynamic-update-slice":
-            writes = nbytes(types[operands[1]])
-    return flops, reads, writes
-
-
-def account(text: str, classify) -> tuple[dict, list]:
-    """Bytes and dot FLOPs by item (`classify(op, [(bytes/element, dims)], in_loop)`) of one
-    run of a compiled module, and every instruction's row (bytes, FLOPs, item, op, type, name)."""
-    computations, entry = parse(text)
-    totals = collections.defaultdict(lambda: [0.0, 0.0])
-    rows = []
-
-    def walk(name, times, in_loop):
-        body = computations[name]
-        types = {i[0]: i[1] for i in body}
-        for name_, kind, op, operands, attributes, _, _ in body:
-            if op in _FREE:
-                continue
-            if op == "while":  # (a loop of unknown trip count: once)
-                n = int((re.search(r'known_trip_count":\{"n":"(\d+)"', attributes) or [0, 1])[1])
-                walk(re.search(r"body=%([\w.\-]+)", attributes).group(1), times * n, True)
-                continue
-            if op in ("call", "conditional"):
-                for called in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", attributes):
-                    walk(called, times, in_loop)
-                continue
-            read = [nbytes(types.get(o, "")) for o in operands]
-            written, flops = nbytes(kind), 0.0
-            if op == "fusion":
-                fused = re.search(r"calls=%([\w.\-]+)", attributes).group(1)
-                flops, reads, writes = _fusion(computations, fused)
-                read = [reads.get(k, r) for k, r in enumerate(read)]
-                written = written if writes is None else writes
-            elif op in ("dot", "convolution"):
-                flops = _dot_flops(kind, operands, attributes, types)
-            elif op == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)',
-                                                   attributes):  # cuBLAS on a GPU
-                lhs = arrays(types[operands[0]])[0][1]
-                contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attributes)
-                k = math.prod(lhs[int(i)] for i in re.findall(r"\d+", contracting.group(1))) \
-                    if contracting else 1
-                size, dims = arrays(kind)[0]  # (the result, not the workspace after it)
-                written, flops = size * math.prod(dims), 2.0 * math.prod(dims) * k
-            elif op in ("dynamic-slice", "slice"):
-                read = [written]
-            elif op == "dynamic-update-slice":
-                written = nbytes(types[operands[1]])
-                read = [written]
-            touched = [a for o in operands for a in arrays(types.get(o, ""))] + arrays(kind)
-            item = "attention" if re.search(r'custom_call_target="[^"]*fmha', attributes) \
-                else classify(op, touched, in_loop, flops)
-            b = times * (sum(read) + written)
-            totals[item][0] += b
-            totals[item][1] += times * flops
-            rows.append((b, times * flops, item, op, kind, name_))
-
-    walk(entry, 1, False)
-    return dict(totals), rows
 
 
 def classifier(batch, length, vocab, d_model, chunks):
@@ -296,7 +128,7 @@ def build(variant, settings, batch, length):
     config = TransformerConfig(**settings, dropout_rate=0.0)
     layout = Layout("", "")
     chunks = int(variant.split("=")[1]) if variant.startswith("chunks=") else 0
-    np_batch = throughput.unpacked_batch(batch, length, config.vocab_size)
+    np_batch = plain_step.unpacked_batch(batch, length, config.vocab_size)
     # The variants swap a part of mtrain (public names) while the step is traced.
     swaps = {"autodiff-loss": [(losses, "cross_entropy", autodiff_cross_entropy),
                                (language_modeling, "cross_entropy", autodiff_cross_entropy)],
@@ -304,6 +136,7 @@ def build(variant, settings, batch, length):
                  **state.step_metrics({}, *a), "grad_norm": 0.0})],
              "jax-dots": [(blocks, "REMAT_POLICIES", {
                  **remat.REMAT_POLICIES, "dots": jax.checkpoint_policies.checkpoint_dots})],
+             "table-1": [(trainer_lib, "packing_of", lambda batch: 1)],
              }.get(variant, [])
     originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     for module, name, value in swaps:
@@ -314,15 +147,16 @@ def build(variant, settings, batch, length):
             optimizer=optimizer.adafactor(optimizer.learning_rate_schedule(warmup_steps=10_000)),
             objective=language_modeling.LanguageModeling(losses.LossConfig(chunks=chunks)),
             batch_size=batch, sequence_length=length, seed=0)
-        lowered = trainer.lower_train_step() if variant != "plain" else None
+        # (placed: its packing picks the attention kernel, as in a run, `attention.flash`)
+        placed = trainer.place_batch(np_batch)
+        lowered = trainer.lower_train_step(placed) if variant != "plain" else None
     finally:
         for module, name, value in originals:
             setattr(module, name, value)
     if variant != "plain":
-        return lowered, lambda: (trainer.init_state(), trainer.place_batch(np_batch)), \
-            trainer.loss_chunks
-    opt = throughput.plain_optimizer(10_000)
-    step = throughput.make_plain_step(opt, 0.0, seed=1, fast=True)
+        return lowered, lambda: (trainer.init_state(), placed), trainer.loss_chunks
+    opt = plain_step.plain_optimizer(10_000)
+    step = plain_step.make_plain_step(opt, 0.0, seed=1, fast=True)
     params = trainer.abstract_state.params
     shapes = (params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((), jnp.int32))
 
@@ -350,7 +184,8 @@ def main():
     gpu = jax.default_backend() == "gpu"
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b" if gpu else "small")
     p.add_argument("--variants",
-                   default="plain,mtrain,jax-dots,autodiff-loss,chunks=4,chunks=1,no-grad-norm")
+                   default="plain,mtrain,jax-dots,table-1,autodiff-loss,chunks=4,chunks=1,"
+                           "no-grad-norm")
     p.add_argument("--steps", type=int, default=10 if gpu else 0, help="timed steps (0: none)")
     p.add_argument("--top", type=int, default=0, help="print each step's largest instructions")
     args = p.parse_args()

@@ -10,9 +10,9 @@ update) of the reference decoder-only LM (vocab 8192, d_model 256, d_ff 1024, 4 
   layout given by --mesh_shape/--layout_rules, with the default settings: here the loss is
   computed 8 slices of the sequence at a time (`loss.chunks`, automatic), so the
   [16, 128, 8192] logits are never formed whole.
-* **plain**: the same maths written below as pure functions over a dict of arrays (no Flax, no
-  mtrain model code), `optax.adafactor` with the same settings, `jax.jit(..., donate_argnums=0)`,
-  always on one device. It forms the logits whole, picks the target logit with a gather
+* **plain**: the same maths as pure functions over a dict of arrays (benchmarks/plain_step.py:
+  no Flax, no mtrain model code), `optax.adafactor` with the same settings, `jax.jit(...,
+  donate_argnums=0)`, always on one device. It forms the logits whole, picks the target logit with a gather
   (`take_along_axis`) and returns only the loss: what one would write by hand, so the ratio
   is what the framework costs or saves.
 
@@ -51,9 +51,15 @@ The last line is ``ratio mtrain/plain: X.XX`` (> 1 means mtrain is faster).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from presets import AGAINST, COMPARE, PRESETS  # noqa: E402
 
 
 def parse_args():
@@ -93,60 +99,11 @@ def parse_args():
     return p.parse_args()
 
 
-# name -> rows of (label, transformer settings, batch, length, microbatches)
-REFERENCE = dict(vocab_size=8192, d_model=256, d_ff=1024, num_heads=4, d_kv=64, num_layers=2)
-# configs/models/lm_1b.gin: the ~1B decoder for one GPU (943.8M parameters).
-ONE_B = dict(vocab_size=32768, d_model=2048, d_ff=8192, num_heads=16, d_kv=128, num_layers=16,
-             activation_dtype="bfloat16", remat_policy="dots", attention="auto", max_length=2048)
-FLASH_1B = {**ONE_B, "attention": "flash"}  # (a kernel that refuses the model is an error)
-MASKED_1B = {**FLASH_1B, "flash_kernel": "cudnn"}  # cuDNN given the packed mask, whatever the rows
-# Llama-style blocks (configs/models/llama_tiny.gin, llama_1b.gin): SwiGLU, rotary positions,
-# grouped-query attention; trained with AdamW ("optimizer" is the row's, not the model's).
-LLAMA = dict(mlp_activations=("silu", "linear"), position_encoding="rotary", optimizer="adamw")
-LLAMA_TINY = dict(vocab_size=2048, d_model=128, d_ff=384, num_heads=8, num_kv_heads=2, d_kv=16,
-                  num_layers=2, **LLAMA)
-LLAMA_1B = {**FLASH_1B, "d_ff": 5504, "num_kv_heads": 4, **LLAMA}
-LLAMA_1B_ROW = "llama_1b (SwiGLU, RoPE, 4 of 16 kv heads), packed, 'auto'"
-PRESETS = {
-    "cpu": [
-        ("reference", {}, 16, 128, 1),
-        ("reference, bfloat16", {"activation_dtype": "bfloat16"}, 16, 128, 1),
-        ("reference, remat dots", {"remat_policy": "dots"}, 16, 128, 1),
-        ("reference, scanned layers", {"scan_layers": True}, 16, 128, 1),
-        ("reference, 4 microbatches", {}, 16, 128, 4),
-        ("paper LM size -1 / 8 (d_model 128, 6 layers)",
-         dict(vocab_size=8192, d_model=128, d_ff=512, num_heads=4, d_kv=32, num_layers=6),
-         16, 256, 1),
-        ("llama_tiny (SwiGLU, RoPE, 2 of 8 kv heads)", LLAMA_TINY, 16, 128, 1),
-        ("llama_tiny fp8 (tensorwise)", {**LLAMA_TINY, "quantization": "fp8"}, 16, 128, 1),
-    ],
-    "gpu": [
-        ("1B, packed, flash 'auto'", FLASH_1B, 16, 2048, 1),
-        ("1B, packed, flash 'cudnn' (masked)", MASKED_1B, 16, 2048, 1),
-        ("1B, packed, flash 'auto'", FLASH_1B, 4, 2048, 1),
-        ("1B, packed, flash 'cudnn' (masked)", MASKED_1B, 4, 2048, 1),
-        ("1B, packed, flash 'triton'", {**FLASH_1B, "flash_kernel": "triton"}, 16, 2048, 1),
-        ("1B, packed, flash 'auto', scanned layers", {**FLASH_1B, "scan_layers": True}, 16, 2048, 1),
-        (LLAMA_1B_ROW, LLAMA_1B, 16, 2048, 1),
-        ("llama_1b fp8 (tensorwise), packed, 'auto'", {**LLAMA_1B, "quantization": "fp8"},
-         16, 2048, 1),
-    ],
-}
-# A row -> (the row it is measured against, the name of the ratio of their tokens/s, which
-# follows the table).
-AGAINST = {"llama_1b fp8 (tensorwise), packed, 'auto'": (LLAMA_1B_ROW, "llama_1b fp8/bf16"),
-           "llama_tiny fp8 (tensorwise)": ("llama_tiny (SwiGLU, RoPE, 2 of 8 kv heads)",
-                                           "llama_tiny fp8/bf16")}
-# What each preset compares with the plain implementation: the model and whether the plain
-# side is the fast GPU baseline (bf16, cuDNN is_causal attention, remat dots; rows unpacked).
-COMPARE = {"cpu": (REFERENCE, False), "gpu": (ONE_B, True)}
 
 
 if __name__ == "__main__":
     ARGS = parse_args()
     if ARGS.isolate:  # this process must not take the memory its rows' processes need
-        import os
-
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if ARGS.cpu_devices:  # must happen before jax is imported
         from mtrain.parallel.cpu_devices import simulate_cpu_devices
@@ -156,136 +113,12 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-NEG_INF = -1e9
-Z_LOSS = 1e-4
-
-# ---------------------------------------------------------------- the plain implementation
-
-
-def rms_norm(x, scale, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale
-
-
-def dropout(x, rate, key):
-    if rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0)
-
-
-def plain_logits(params, batch, rate, key, fast=False):
-    """The decoder-only LM: packed targets [b, l] -> next-token logits [b, l, vocab].
-
-    `fast` (the GPU baseline; rows must hold one example each): bfloat16 compute from the
-    float32 parameters, `jax.nn.dot_product_attention(is_causal=True)` (cuDNN flash attention
-    on a GPU, XLA elsewhere) and each layer under `jax.checkpoint` keeping its matmuls."""
-    targets, seg, pos = batch["targets"], batch["targets_segment_ids"], batch["targets_positions"]
-    layer_names = sorted(k for k in params if k.startswith("layer_"))
-    n_keys = 4 * len(layer_names) + 2
-    keys = iter(jax.random.split(key, n_keys) if rate else [None] * n_keys)
-    if fast:
-        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-    # Shift right; every packed segment starts again from token 0.
-    prev_seg = jnp.pad(seg, ((0, 0), (1, 0)))[:, :-1]
-    inputs = jnp.where(seg == prev_seg, jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1], 0)
-    x = jnp.take(params["token_embedding"]["embedding"], inputs, axis=0)
-    x = x + jnp.take(params["position_embedding"], pos, axis=0)
-    x = dropout(x, rate, next(keys))
-    length = targets.shape[1]
-    causal = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-    mask = (causal[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]  # [b, 1, l, m]
-    def block(x, p, layer_keys):
-        layer_keys = iter(layer_keys)
-        a = p["self_attention"]
-        y = rms_norm(x, p["attention_norm"]["scale"])
-        q = jnp.einsum("bld,dhk->blhk", y, a["q"])  # no 1/sqrt(d_kv): folded into q's init
-        k = jnp.einsum("bmd,dhk->bmhk", y, a["k"])
-        v = jnp.einsum("bmd,dhk->bmhk", y, a["v"])
-        if fast:
-            gpu = jax.default_backend() == "gpu"
-            out = jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True,
-                                               implementation="cudnn" if gpu else "xla")
-        else:
-            logits = jnp.where(mask, jnp.einsum("blhk,bmhk->bhlm", q, k), NEG_INF)
-            w = dropout(jax.nn.softmax(logits, axis=-1), rate, next(layer_keys))
-            out = jnp.einsum("bhlm,bmhk->blhk", w, v)
-        y = jnp.einsum("blhk,hkd->bld", out, a["o"])
-        x = x + dropout(y, rate, next(layer_keys))
-        m = p["mlp"]
-        y = rms_norm(x, p["mlp_norm"]["scale"])
-        h = dropout(jax.nn.relu(jnp.einsum("bld,df->blf", y, m["wi"])), rate, next(layer_keys))
-        return x + dropout(jnp.einsum("blf,fd->bld", h, m["wo"]), rate, next(layer_keys))
-
-    if fast:
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.checkpoint_dots)
-    for name in layer_names:
-        x = block(x, params[name], [next(keys) for _ in range(4)])
-    x = dropout(rms_norm(x, params["final_norm"]["scale"]), rate, next(keys))
-    return jnp.einsum("bld,dv->blv", x, params["softmax"])
-
-
-def plain_loss(params, batch, rate, key, fast=False):
-    """Mean over real tokens of cross-entropy + z_loss * log(Z)^2, in float32."""
-    logits = plain_logits(params, batch, rate, key, fast).astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-    weights = (batch["targets_segment_ids"] > 0).astype(jnp.float32)
-    loss = (log_z - target_logit + Z_LOSS * jnp.square(log_z)) * weights
-    return loss.sum() / jnp.maximum(weights.sum(), 1.0)
-
-
-def plain_optimizer(warmup_steps):
-    """optax Adafactor with Mesh-TF's settings and linear warmup * rsqrt decay."""
-
-    def schedule(count):
-        s = count.astype(jnp.float32) + 1.0
-        return jnp.minimum(1.0, s / warmup_steps) * jnp.sqrt(1.0 / jnp.maximum(s, warmup_steps))
-
-    return optax.adafactor(
-        learning_rate=schedule, min_dim_size_to_factor=128, decay_rate=0.8,
-        multiply_by_parameter_scale=True, clipping_threshold=1.0, momentum=None,
-        factored=True, eps=1e-30,
-    )
-
-
-def make_plain_step(opt, rate, seed, fast=False):
-    key = jax.random.key(seed)
-
-    def step(state, batch):
-        params, opt_state, count = state
-        loss, grads = jax.value_and_grad(plain_loss)(params, batch, rate,
-                                                     jax.random.fold_in(key, count), fast)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, count + 1), loss
-
-    return jax.jit(step, donate_argnums=0)
+from plain_step import (make_plain_step, packed_batch, plain_optimizer,  # noqa: E402
+                        unpacked_batch)
 
 
 # ---------------------------------------------------------------- benchmark harness
-
-
-def packed_batch(batch_size, length, vocab, seed=0):
-    """Random tokens, 2-3 packed segments per row (positions restart), a little padding."""
-    rng = np.random.default_rng(seed)
-    seg = np.zeros((batch_size, length), np.int32)
-    pos = np.zeros((batch_size, length), np.int32)
-    for r in range(batch_size):
-        cuts = sorted(rng.choice(np.arange(8, length - 8), size=2, replace=False))
-        bounds = [0, *cuts, length - int(rng.integers(0, 4))]
-        for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            seg[r, a:b], pos[r, a:b] = s + 1, np.arange(b - a)
-    tokens = rng.integers(1, vocab, (batch_size, length)).astype(np.int32) * (seg > 0)
-    return {"targets": tokens, "targets_segment_ids": seg, "targets_positions": pos}
-
-
-def unpacked_batch(batch_size, length, vocab, seed=0):
-    """Random tokens, one example filling each row (what `is_causal` attention can take)."""
-    rng = np.random.default_rng(seed)
-    return {"targets": rng.integers(1, vocab, (batch_size, length)).astype(np.int32),
-            "targets_segment_ids": np.ones((batch_size, length), np.int32),
-            "targets_positions": np.tile(np.arange(length, dtype=np.int32), (batch_size, 1))}
 
 
 def timed(fn):
@@ -355,16 +188,17 @@ def measure(label, settings, batch_size, length, microbatches, args, peak):
 def phase(done: str) -> None:
     """Says on stderr that a row's `done` (its initialisation, compile, first step), so that
     a row out of time says how far it got (`isolated`)."""
-    import sys
-
     print(f"phase: {done}", file=sys.stderr, flush=True)
 
 
 def kernel_ran(trainer, batch) -> str:
     """The attention kernel a train step of `trainer` on `batch` runs."""
     from mtrain.models import attention
+    from mtrain.models.base import UNPACKED
 
     config = trainer.model.config
+    if batch.packing == UNPACKED:
+        return "cudnn_causal, no mask (auto: unpacked rows)"
     if batch.packing is not None and batch.packing <= attention.AUTO_TABLE_LIMIT:
         return f"cudnn_segments, table {batch.packing} (auto)"
     if not attention.uses_flash(config.attention, config.flash_kernel, jax.default_backend(),
@@ -378,9 +212,7 @@ def kernel_ran(trainer, batch) -> str:
 def isolated(i, label, preset, args, timeout=None):
     """Row `i` of `preset` measured in a fresh process (`--rows i`) within `timeout` seconds
     (None: no limit), its line printed here."""
-    import os
     import subprocess
-    import sys
 
     command = [sys.executable, __file__, f"--preset={preset}", f"--rows={i}", "--compare=none",
                f"--table_steps={args.table_steps}", f"--warmup_steps={args.warmup_steps}",
