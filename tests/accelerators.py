@@ -65,7 +65,9 @@ def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets
     positions [offset, offset + length); it attends within itself (causally under
     PADDING_CAUSAL; with `sliding_window_length` W, to the W positions up to itself), the
     logits times `scale`. Positions outside every segment are never written by cuDNN: here
-    they come out NaN, forward and backward, so that a caller who used them would fail."""
+    they come out NaN, forward and backward, so that a caller who used them would fail. A
+    table of one entry is jax's padding mask, which passes cuDNN no starts: the entry starts
+    at position 0 whatever its offset says."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     assert not unused, unused
@@ -73,7 +75,7 @@ def emulated_cudnn_packed(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets
 
     def labels(lengths, offsets, n):  # [b, n]: 1 + the segment holding each position, or 0
         pos = jnp.arange(n)[None, None]
-        start = offsets[:, :-1, None]
+        start = offsets[:, :-1, None] if offsets.shape[1] > 2 else 0  # (a table of one)
         inside = (lengths[..., None] >= 0) & (pos >= start) & (pos < start + lengths[..., None])
         return jnp.where(inside.any(1), jnp.argmax(inside, 1) + 1, 0)
 

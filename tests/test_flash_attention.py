@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mtrain.parallel.layout import Layout
-from mtrain.models import attention, kernels
+from mtrain.models import attention, base, kernels
 from mtrain.models.transformer import DecoderLM, EncoderDecoder, TransformerConfig
 
 import test_trainer
@@ -194,6 +194,16 @@ def test_segment_layout():
                                             [0, 1, 3, -1]])
     assert int(most) == 3
     assert int(kernels.segment_layout(ids, 2)[2]) == 3  # more than the table holds
+    # Tiled (causal): each example runs on over the padding after it, a row that starts
+    # with padding has that run as an entry, and a row of padding alone is one entry.
+    ids = jnp.concatenate([ids, jnp.asarray([[0, 0, 1, 1, 0, 0]], jnp.int32)])
+    lengths, offsets, most = kernels.segment_layout(ids, 3, tiled=True)
+    np.testing.assert_array_equal(lengths, [[2, 4, -1], [6, -1, -1], [6, -1, -1], [1, 2, 3],
+                                            [2, 4, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1], [0, -1, -1, -1],
+                                            [0, 1, 3, -1], [0, 2, -1, -1]])
+    assert int(most) == 3
+    np.testing.assert_array_equal(base.table_entries(np.asarray(ids)), [2, 1, 1, 3, 2])
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -210,10 +220,20 @@ def test_cudnn_segments_matches_the_reference(monkeypatch, causal):
     assert_same(lambda q, k, v: attention.flash(q, k, v, mask, "cudnn_segments"), ref,
                 q, k, v, ids > 0)
     assert ("cudnn_segments", (4, attention.CUDNN_MAX_SEGMENTS + 1)) in calls
-    # A table of 2 segments per row, with rows of up to 4: never a wrong number, NaN (the
-    # emulated kernel would leave segments 3 and 4 unwritten; the real one too).
+    # A table of 2 segments per row, with rows of up to 4 (row r holds 1 + r). Causal: the
+    # tiled table covers every position of rows 0 and 1 (each example runs on over its
+    # padding: the emulation leaves no NaN), and cuDNN writes nothing past it, which is why
+    # `check_batch` refuses such a batch first. Bidirectional: never a wrong number, NaN.
     out = kernels.cudnn_segments(q, k, v, ids, ids, causal, max_segments=2)
-    assert np.isnan(out[ids > 0]).all() and not np.isnan(out[ids == 0]).any()
+    if causal:
+        assert not np.isnan(out[:2]).any()
+        np.testing.assert_allclose(out[:2] * (ids[:2] > 0)[..., None, None],
+                                   ref(q, k, v)[:2] * (ids[:2] > 0)[..., None, None], **TOL)
+        # (rows 2 and 3: from their third example on, the padding after it too)
+        past = np.cumsum(kernels.segment_starts(np.asarray(ids[2:]), np), axis=1) > 2
+        assert np.isnan(out[2:][past]).all() and not np.isnan(out[2:][~past]).any()
+    else:
+        assert np.isnan(out[ids > 0]).all() and not np.isnan(out[ids == 0]).any()
     # And over the mesh: each shard of the batch builds its own table.
     layout = Layout("batch:4;model:2", "batch:batch;heads:model")
     with layout.activate(layout.make_mesh(jax.devices()[:8])):

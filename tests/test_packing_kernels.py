@@ -23,7 +23,7 @@ from mtrain.parallel.layout import Layout
 
 import test_trainer
 from accelerators import on_a_gpu_emulated
-from test_flash_attention import TOL, assert_same, packed_ids, qkv
+from test_flash_attention import assert_same, packed_ids, qkv
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -63,6 +63,35 @@ def test_unpacked_rows_run_cudnns_causal_kernel_with_no_mask(monkeypatch, window
     assert set(calls) == {"cudnn_causal"}
 
 
+def test_causal_rows_are_tiled_so_that_cuDNN_writes_every_position(monkeypatch):
+    """Packed rows that start with padding, end with it or hold none, through 'auto' on a
+    Hopper GPU (cuDNN emulated: a position in no entry of the table comes out NaN):
+    causal self-attention takes the tiled table (`kernels.segment_layout`), of the batch's
+    `packing_of` entries, and cuDNN writes every output and gradient, with no mask
+    around it. Real positions are the reference's, gradients everywhere (the padding's
+    cotangent 0)."""
+    calls = on_a_gpu_emulated(monkeypatch)
+    monkeypatch.setattr(attention, "_compute_capability", lambda: 9.0)
+    ids = np.array(packed_ids(4, 64, segments=3, seed=5))  # 1-3 examples; odd rows padded
+    ids[1:3, :5] = 0  # padding first in rows 1 and 2
+    packing = packing_of({"targets_segment_ids": ids})
+    assert packing == 4  # (row 2: 3 examples after padding)
+    ids = jnp.asarray(ids)
+    mask = attention.AttentionMask.of_self(ids, causal=True)
+    q, k, v = qkv(4, 64, 64, seed=5)
+
+    def auto(q, k, v):
+        with packed_rows(packing):
+            return attention.flash(q, k, v, mask)
+
+    out = auto(q, k, v)
+    assert calls == [("cudnn_segments", (4, packing + 1))]
+    assert not np.isnan(out).any()
+    assert not any(np.isnan(g).any() for g in jax.grad(lambda *x: auto(*x).sum(),
+                                                       argnums=(0, 1, 2))(q, k, v))
+    assert_same(auto, lambda q, k, v: attention.reference(q, k, v, mask), q, k, v, ids > 0)
+
+
 def test_the_causal_kernel_refuses_what_it_cannot_compute(monkeypatch):
     q, k, v = qkv(2, 16, 16)
     ids = jnp.ones((2, 16), jnp.int32)
@@ -91,8 +120,8 @@ def test_a_batch_beyond_the_segment_table_is_refused(monkeypatch):
                                      flash_kernel="cudnn_segments", flash_max_segments=table)
         trainer = test_trainer.make_trainer("", "", config=config)
         if table == 2:
-            with pytest.raises(DataError, match=r"holds 3 packed examples \(targets_segment_ids\)"
-                                                r".*flash_max_segments=2"):
+            with pytest.raises(DataError, match=r"takes 3 entries of cuDNN's segment table "
+                                                r"\(targets_segment_ids.*flash_max_segments=2"):
                 trainer.place_batch(batch)
         else:
             trainer.place_batch(batch)
@@ -110,11 +139,15 @@ def test_packing_is_the_smallest_power_of_two_that_holds_the_fullest_row():
     tables = {n: packing_of({"targets_segment_ids": rows_of(n)}) for n in
               (0, 1, 2, 3, 4, 5, 17, 32, 33)}
     assert tables == {0: UNPACKED, 1: UNPACKED, 2: 2, 3: 4, 4: 4, 5: 8, 17: 32, 32: 32, 33: 64}
-    # One example a row, but not from the row's first position: a table of one.
+    # One example a row, but after padding: the padding takes an entry of the table too
+    # (`kernels.segment_layout`, tiled; and a table of one, jax's padding mask, would start
+    # the example at position 0).
     late = rows_of(1) * (np.arange(64) >= 3)
-    assert packing_of({"targets_segment_ids": late}) == 1
-    assert packing_of({"targets_segment_ids": np.concatenate([rows_of(1), late])}) == 1
+    assert packing_of({"targets_segment_ids": late}) == 2
+    assert packing_of({"targets_segment_ids": np.concatenate([rows_of(1), late])}) == 2
     assert packing_of({"targets_segment_ids": np.concatenate([rows_of(1), rows_of(0)])}) == 0
+    assert packing_of({"targets_segment_ids": np.concatenate([rows_of(3) * (
+        np.arange(64) >= 3), rows_of(1)])}) == 4
     # Every feature's self-attention runs with the one table (an encoder's inputs too).
     assert packing_of({"inputs_segment_ids": rows_of(5), "targets_segment_ids": rows_of(2),
                        "targets": rows_of(40)}) == 8
@@ -158,7 +191,7 @@ def test_auto_fits_the_segment_table_to_each_batch(monkeypatch):
 
     step(packed, 4, {("cudnn_segments", (test_trainer.B, 5))})
     step(single, UNPACKED, {"cudnn_causal"})  # no table, no mask
-    step(late, 1, {("cudnn_segments", (test_trainer.B, 2))})
+    step(late, 2, {("cudnn_segments", (test_trainer.B, 3))})  # (the padding: an entry)
     step(packed, 4, set())  # compiled once per table
     # Compiled ahead of time for a placed batch, as benchmarks/throughput.py runs its rows: the
     # program takes that batch (a program for another table would refuse its structure) and

@@ -73,14 +73,13 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mtrain.parallel import layout as layout_lib
 from mtrain.parallel import manual
 from mtrain.errors import DataError
 from mtrain.models import base, kernels
 from mtrain.models.context import kv_heads_of_shard
-from mtrain.models.kernels import CUDNN_MAX_SEGMENTS, NEG_INF, segment_starts
+from mtrain.models.kernels import CUDNN_MAX_SEGMENTS, NEG_INF
 
 FLASH_KERNELS = ("auto", "cudnn", "cudnn_segments", "splash", "triton")
 
@@ -366,9 +365,9 @@ def adapts_segment_table(config) -> bool:
 
 
 def check_batch(config, batch: dict) -> None:
-    """Refuses a host batch (numpy) with a row of more packed examples than the table of a
-    `TransformerConfig` whose self-attention runs flash_kernel 'cudnn_segments' here: the
-    kernel would only give NaN for it."""
+    """Refuses a host batch (numpy) with a row of more entries (`base.table_entries`) than
+    the table of a `TransformerConfig` whose self-attention runs flash_kernel
+    'cudnn_segments' here: past its table the kernel computes nothing."""
     if config.flash_kernel != "cudnn_segments" or not uses_flash(
             config.attention, config.flash_kernel, jax.default_backend(), config.dtype,
             config.attention_head_dim, config.attention_sinks):
@@ -377,10 +376,11 @@ def check_batch(config, batch: dict) -> None:
     for key, ids in batch.items():
         if not key.endswith("_segment_ids"):
             continue
-        most = int(segment_starts(np.asarray(ids), np).sum(axis=1).max(initial=0))
+        most = int(base.table_entries(ids).max(initial=0))
         if most > table:
-            raise DataError(f"a row of the batch holds {most} packed examples ({key}), and "
-                            f"flash_kernel='cudnn_segments' takes at most "
+            raise DataError(f"a row of the batch takes {most} entries of cuDNN's segment "
+                            f"table ({key}: its packed examples, and padding before the "
+                            f"first), and flash_kernel='cudnn_segments' takes at most "
                             f"transformer.flash_max_segments={table}: raise it, or use "
                             f"flash_kernel 'cudnn'")
 

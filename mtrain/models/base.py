@@ -97,19 +97,27 @@ _PACKING: contextvars.ContextVar[int | None] = contextvars.ContextVar("packing",
 UNPACKED = 0
 
 
+def table_entries(ids) -> np.ndarray:
+    """The entries each row of segment ids [batch, length] (numpy) takes in cuDNN's segment
+    table (`kernels.segment_layout`, tiled): its examples (runs of one id > 0), and the run
+    of padding it starts with, if any (so a row of padding alone takes one)."""
+    ids = np.asarray(ids)
+    starts = (ids > 0) & (ids != np.pad(ids, ((0, 0), (1, 0)))[:, :-1])
+    return starts.sum(axis=1) + (ids[:, 0] <= 0)
+
+
 def packing_of(batch: dict) -> int:
-    """The most examples packed into one row of a host batch (numpy), over its
-    ``*_segment_ids`` features, rounded up to a power of two (so that few values compile);
-    `UNPACKED` (0) where every row holds one at most, from its first position. An example
-    is a run of one segment id > 0."""
+    """`UNPACKED` (0) where every row of a host batch (numpy), in each of its
+    ``*_segment_ids`` features, holds one example at most, from its first position (an
+    example: a run of one segment id > 0); else the most `table_entries` of any row,
+    rounded up to a power of two (so that few values compile)."""
     most, unpacked = 0, True
     for key, ids in batch.items():
         if key.endswith("_segment_ids"):
             ids = np.asarray(ids)
-            starts = (ids > 0) & (ids != np.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-            count = starts.sum(axis=1)
-            most = max(most, int(count.max(initial=0)))
-            unpacked &= bool(np.all((count == 0) | ((count == 1) & starts[:, 0])))
+            entries = table_entries(ids)
+            most = max(most, int(entries.max(initial=0)))
+            unpacked &= bool(np.all(entries == 1))
     return UNPACKED if unpacked else 1 << max(most - 1, 0).bit_length()
 
 

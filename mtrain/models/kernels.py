@@ -240,14 +240,23 @@ def segment_starts(ids, xp=jnp):
     return (ids > 0) & (ids != xp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
 
 
-def segment_layout(ids, max_segments: int):
+def segment_layout(ids, max_segments: int, tiled: bool = False):
     """cuDNN's packed layout of the segments of `ids` [batch, length] (each a run of equal
     ids > 0, as packing makes them): the length of each [batch, max_segments] and its start
     [batch, max_segments + 1], -1 after a row's last (the `q_seqlen` and `q_offsets` of jax's
-    `fused_attention_stablehlo.dot_product_attention`); and the most segments of any row,
-    which may exceed `max_segments` (the table then holds only the first ones)."""
+    `fused_attention_stablehlo.dot_product_attention`); and the most entries of any row,
+    which may exceed `max_segments` (the table then holds only the first ones).
+
+    `tiled` (causal attention): the entries tile the row. Each example runs on to the next
+    one's start or the row's end: a causal query never sees the padding after it. A row
+    that starts with padding has that run as its first entry. So every position is in an
+    entry and cuDNN writes it (`table_entries` counts the entries)."""
     starts = segment_starts(ids, jnp)
-    ends = (ids > 0) & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
+    if tiled:
+        starts = starts.at[:, 0].set(True)
+        ends = jnp.zeros_like(starts).at[:, -1].set(True) | jnp.pad(starts, ((0, 0), (0, 1)))[:, 1:]
+    else:
+        ends = (ids > 0) & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
     first = jax.vmap(lambda row, size: jnp.nonzero(row, size=size, fill_value=-1)[0],
                      in_axes=(0, None))
     offsets = first(starts, max_segments + 1).astype(jnp.int32)
@@ -263,22 +272,34 @@ def cudnn_segments(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0,
     `max_segments` entries per row and cuDNN runs every entry, empty or not: on an H100
     (16 x 2048, 16 heads x 128, forward + backward) 2.2 ms with a table of 4, 5.4 ms of 64,
     15 ms of 256, where the masked kernel takes 4.7 ms however the rows are packed. So it
-    pays only for rows of a few long examples, with a table to match. A row of more
-    segments than the table cannot be computed: its outputs are NaN (`check_batch` refuses
-    such a batch first). cuDNN writes nothing at padding positions: their outputs
-    are set to 0, and no gradient leaves them."""
+    pays only for rows of a few long examples, with a table to match. (A table of one is
+    jax's padding mask, which takes no starts: the row's entry starts at position 0.)
+
+    Causal attention takes the tiled layout (`segment_layout`): every position is in an
+    entry, so cuDNN writes every output and gradient, and nothing is masked after. Its
+    padding computes values that nothing reads; their loss weight 0 makes their gradient
+    exactly 0. A row of more entries than the table is refused first, by `check_batch`
+    (`table_entries`) or by 'auto' fitting the table to the batch: past the table cuDNN
+    writes nothing. Bidirectional attention leaves the padding out of every entry. Its
+    padding's outputs are set to 0 and no gradient leaves them. A row of more segments
+    than the table gives NaN outputs."""
     if jax.default_backend() != "gpu":
         raise ValueError(f"transformer.{needs_a_gpu('cudnn_segments')}")
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # no public API for it
 
     del memory_ids  # the same as query_ids for self-attention (checked by `flash`)
-    real = (query_ids > 0)[:, :, None, None]
-    q, k, v = (jnp.where(real, x, jax.lax.stop_gradient(x)) for x in (q, k, v))
-    lengths, offsets, most = segment_layout(query_ids, max_segments)
     mode = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    out = cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
-                                      q_offsets=offsets, kv_offsets=offsets, scale=scale,
-                                      mask_type=mode, sliding_window_length=window or None)
+    lengths, offsets, most = segment_layout(query_ids, max_segments, tiled=causal)
+
+    def attend(q, k, v):
+        return cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
+                                           q_offsets=offsets, kv_offsets=offsets, scale=scale,
+                                           mask_type=mode, sliding_window_length=window or None)
+
+    if causal:
+        return attend(q, k, v)
+    real = (query_ids > 0)[:, :, None, None]
+    out = attend(*(jnp.where(real, x, jax.lax.stop_gradient(x)) for x in (q, k, v)))
     return jnp.where(real & (most <= max_segments), out, jnp.where(real, jnp.nan, 0))
 
 
