@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from mtrain.__main__ import main
-from test_resilience import argv, records
+from cli_runs import argv
+from model_dirs import records
 
 pytestmark = pytest.mark.slow
 

@@ -190,7 +190,7 @@ def test_exported_adapter_and_merged_model_are_peft_s(adapted, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # (a killed run resumed: test_resilience's)
+@pytest.mark.extended  # (a killed run resumed: test_signals')
 def test_a_killed_lora_run_resumes_as_an_unbroken_one(tmp_path):
     """`python -m mtrain` with adapters, killed (SIGKILL) once its checkpoint of step 2 is
     written, then the same command: step 6 as an unbroken run's, bit for bit (the adapters,
