@@ -117,10 +117,11 @@ def fresh_home(tmp_path, monkeypatch):
 # run keeps the slow tests of the users' paths: first runs, resumes, faults, the
 # accelerators' kernels in every mode, several processes, their own data.
 EXTENDED_SLOW_FILES = frozenset({
-    "test_huggingface.py", "test_grpo.py", "test_oracles.py", "test_lora_families.py",
-    "test_deepseek_experts.py", "test_context_parallel.py", "test_context_parallel_runs.py",
-    "test_planner.py", "test_plan_quantization.py", "test_prefill.py", "test_latent_attention.py",
-    "test_family_records.py", "test_encoder_decoder.py", "test_moe.py",
+    "test_huggingface.py", "test_hf_folders.py", "test_grpo.py", "test_oracles.py",
+    "test_lora_families.py", "test_deepseek_experts.py", "test_context_parallel.py",
+    "test_context_parallel_runs.py", "test_planner.py", "test_plan_quantization.py",
+    "test_prefill.py", "test_latent_attention.py", "test_family_records.py",
+    "test_encoder_decoder.py", "test_moe.py",
     "test_delayed_scaling.py", "test_mtp.py", "test_model_families.py",
     "test_frontier_presets.py", "test_finetune_exact.py"})
 
