@@ -4,8 +4,8 @@ compiled programs: bytes each step moves to and from memory, by what they are fo
 The plain step is benchmarks/plain_step.py's fast GPU baseline (throughput.py's
 ``--compare=gpu``: bf16 compute from float32 parameters, `jax.nn.dot_product_attention(
 is_causal=True)`, each layer under `jax.checkpoint` keeping its matmuls, the loss and z-loss
-of the whole logits in float32, `optax.adafactor`); mtrain's is `Trainer(model=DecoderLM(lm_1b's settings), optimizer=
-optimizer.adafactor(...))` on one device, unpacked rows, with its defaults (the loss a slice
+of the whole logits in float32, `optax.adafactor`); mtrain's is `Trainer(model=DecoderLM(
+lm_1b's settings), optimizer=optimizer.adafactor(...))` on one device, unpacked rows, with its defaults (the loss a slice
 of the length at a time, `loss.chunks`; the step's metrics; the batch's packing, which picks
 the attention kernel). Both are compiled ahead of time from shapes and their optimized HLO is
 walked (`hlo_bytes.account`: each instruction reads its operands and writes its result once,

@@ -97,13 +97,18 @@ _PACKING: contextvars.ContextVar[int | None] = contextvars.ContextVar("packing",
 UNPACKED = 0
 
 
+def segment_starts(ids, xp=np):
+    """Where an example of segment ids [batch, length] starts (an id > 0 unlike the one
+    before it), by `xp` (numpy on the host, jax.numpy in the step)."""
+    return (ids > 0) & (ids != xp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
+
+
 def table_entries(ids) -> np.ndarray:
     """The entries each row of segment ids [batch, length] (numpy) takes in cuDNN's segment
     table (`kernels.segment_layout`, tiled): its examples (runs of one id > 0), and the run
     of padding it starts with, if any (so a row of padding alone takes one)."""
     ids = np.asarray(ids)
-    starts = (ids > 0) & (ids != np.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-    return starts.sum(axis=1) + (ids[:, 0] <= 0)
+    return segment_starts(ids).sum(axis=1) + (ids[:, 0] <= 0)
 
 
 def packing_of(batch: dict) -> int:
@@ -114,7 +119,6 @@ def packing_of(batch: dict) -> int:
     most, unpacked = 0, True
     for key, ids in batch.items():
         if key.endswith("_segment_ids"):
-            ids = np.asarray(ids)
             entries = table_entries(ids)
             most = max(most, int(entries.max(initial=0)))
             unpacked &= bool(np.all(entries == 1))

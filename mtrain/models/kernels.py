@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtrain.models.base import segment_starts
 from mtrain.models.remat import KERNEL_OUTPUTS
 
 NEG_INF = -1e9
@@ -234,12 +235,6 @@ def cudnn_causal(q, k, v, query_ids, memory_ids, causal, window=0, scale=1.0):
                                         implementation="cudnn")
 
 
-def segment_starts(ids, xp=jnp):
-    """Where a segment of `ids` [batch, length] starts (an id > 0 unlike the one before it),
-    by `xp` (jax.numpy in the step, numpy on the host)."""
-    return (ids > 0) & (ids != xp.pad(ids, ((0, 0), (1, 0)))[:, :-1])
-
-
 def segment_layout(ids, max_segments: int, tiled: bool = False):
     """cuDNN's packed layout of the segments of `ids` [batch, length] (each a run of equal
     ids > 0, as packing makes them): the length of each [batch, max_segments] and its start
@@ -252,9 +247,9 @@ def segment_layout(ids, max_segments: int, tiled: bool = False):
     that starts with padding has that run as its first entry. So every position is in an
     entry and cuDNN writes it (`table_entries` counts the entries)."""
     starts = segment_starts(ids, jnp)
-    if tiled:
+    if tiled:  # (an entry ends where the next starts, the last at the row's end)
         starts = starts.at[:, 0].set(True)
-        ends = jnp.zeros_like(starts).at[:, -1].set(True) | jnp.pad(starts, ((0, 0), (0, 1)))[:, 1:]
+        ends = jnp.pad(starts, ((0, 0), (0, 1)), constant_values=True)[:, 1:]
     else:
         ends = (ids > 0) & (ids != jnp.pad(ids, ((0, 0), (0, 1)))[:, 1:])
     first = jax.vmap(lambda row, size: jnp.nonzero(row, size=size, fill_value=-1)[0],
