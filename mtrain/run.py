@@ -162,6 +162,9 @@ def _validate(s: RunConfig) -> tasks_lib.Task:
         value = getattr(s, name)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"run.{name} must be a positive integer, got {value!r}")
+    if not isinstance(s.eval_every, int) or isinstance(s.eval_every, bool) or s.eval_every < -1:
+        raise ConfigError(f"run.eval_every must be a number of steps (0: at the end only, -1: "
+                          f"never), got {s.eval_every!r}")
     if s.profile_steps is not None and not (
             len(s.profile_steps) == 2 and 0 < s.profile_steps[0] <= s.profile_steps[1]):
         raise ConfigError(f"run.profile_steps must be (first, last) steps with 0 < first <= "

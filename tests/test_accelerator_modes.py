@@ -169,7 +169,7 @@ def test_every_mode_runs_with_the_accelerators_attention(trained, tmp_path, monk
             {"cudnn_segments"} if packed else set())
         assert needed <= kinds, (mode, kinds)
 
-    params += [BF16, "run.train_steps=6"]
+    params += [BF16, "run.train_steps=6", "run.eval_every=0"]
     assert cli(task, model_dir, *params) == 0  # from the checkpoint of step 4
     ran("train")
     trained_records = [r for r in records(model_dir) if r["step"] == 6]

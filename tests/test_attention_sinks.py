@@ -164,6 +164,7 @@ def _prefilled(model, params):
     return run(cache)
 
 
+@pytest.mark.slow  # (about 13 s)
 def test_decoding_gives_the_teacher_forced_logits(params):
     """The token loop over the whole rows (one index), and a prefill of COUNTS then steps
     (each row at its own position), with sinks, an output bias and a window's ring cache."""

@@ -123,6 +123,7 @@ BAD_INPUTS = [
     # malformed settings
     (["--gin_param=run.mesh_shape='batch:x'"], "size of mesh dimension 'batch' must be a positive integer"),
     (["--gin_param=run.mesh_shape=8"], "run.mesh_shape must be a string like 'batch:4;model:2', got 8"),
+    (["--gin_param=run.eval_every=-2"], "run.eval_every must be a number of steps (0: at the end only, -1: never), got -2"),
     (["--gin_param=run.layout_rules='d_ff;heads'"], "malformed layout rules 'd_ff;heads'"),
     (["--gin_param=run.layout_rules='batch:batch;dff:model'"], "layout rule 'dff:model' names tensor dimension 'dff', which no parameter or activation of the model has; its dimensions are batch, d_ff, d_kv, d_model, heads, length, memory_length, vocab"),
     (["--gin_param=run.layout_rules='batch:batch;d_ff:modle'"], "layout rule 'd_ff:modle' names mesh dimension 'modle': did you mean 'model'? (the mesh 'batch:4;model:2' has ['batch', 'model'])"),

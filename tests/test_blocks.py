@@ -168,8 +168,9 @@ def test_grouped_reference_is_full_attention_with_copied_heads():
 
 # (splash: 4 of 4 heads its multi-head kernel, 1 and 2 its multi-query one per group; Triton
 # takes them as they are, no branch of mtrain's: 2 groups of 2; ungrouped: test_flash_attention)
-@pytest.mark.parametrize("kernel, g", [("splash", 1), ("splash", 2), ("splash", 4),
-                                       ("triton", 2)])
+@pytest.mark.parametrize("kernel, g", [  # (the fast tier: each of splash's two kernels)
+    pytest.param("splash", 1, marks=pytest.mark.slow), ("splash", 2), ("splash", 4),
+    pytest.param("triton", 2, marks=pytest.mark.slow)])
 def test_flash_kernels_take_grouped_heads(monkeypatch, kernel, g):
     if kernel == "triton":
         triton_interpreted(monkeypatch)

@@ -69,7 +69,8 @@ def bucket(monkeypatch, tmp_path):
 
 def cli(model_dir, *params, mode=None, more=()):
     argv = ["--gin_file=tasks/bible_lm.gin", "--gin_file=layouts/dp4_mp2.gin",
-            *[f"--gin_param={p}" for p in [*TINY, "run.log_every=2", "run.checkpoint_every=2",
+            *[f"--gin_param={p}" for p in [*TINY, "run.eval_every=0", "run.log_every=2",
+                                          "run.checkpoint_every=2",
                                           *params]],
             f"--model_dir={model_dir}", *([f"--mode={mode}"] if mode else []), *more]
     return main(argv)

@@ -37,9 +37,11 @@ def train_losses(model_dir):
     return {r["step"]: r["train/loss"] for r in records(model_dir) if "train/loss" in r}
 
 
+@pytest.mark.slow  # (train, resume, eval through main(): about 30 s)
 def test_train_then_eval(data_dir, tmp_path):
     model_dir = tmp_path / "run"
-    assert cli(model_dir, "run.train_steps=12", "run.log_every=4", "run.checkpoint_every=6") == 0
+    assert cli(model_dir, "run.train_steps=12", "run.log_every=4", "run.checkpoint_every=6",
+               "run.eval_every=0") == 0
     recs = records(model_dir)
     assert [r["step"] for r in recs if "train/loss" in r] == [4, 8, 12]
     final = [r for r in recs if "eval/loss" in r]
@@ -67,8 +69,9 @@ def test_gin_param_overrides_file_and_relative_model_dir(data_dir, tmp_path, mon
     config.write_text("include 'tasks/bible_lm.gin'\ninclude 'layouts/dp4_mp2.gin'\n"
                       "run.train_steps = 50\nrun.log_every = 1\n")
     monkeypatch.chdir(tmp_path)  # a model dir relative to the working directory, as in the README
-    assert cli("run", "run.train_steps=2", files=("mine.gin",)) == 0
+    assert cli("run", "run.train_steps=2", "run.eval_every=-1", files=("mine.gin",)) == 0
     assert sorted(train_losses(tmp_path / "run")) == [1, 2]
+    assert not [r for r in records(tmp_path / "run") if "eval/loss" in r]  # (-1: never)
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
     assert os.path.isfile(tmp_path / "run" / "checkpoints" / "2" / "state" / "_METADATA")
 
@@ -284,7 +287,8 @@ def test_speed_settings_profile_and_mfu_from_gin(data_dir, tmp_path):
 def test_sgp_from_gin_with_checkpoints_either_way(data_dir, tmp_path):
     """run.data_parallel='sgp' trains on the mesh's 4 batch replicas, logs consensus and bytes,
     and its checkpoints (of the average) continue an all-reduce run and the other way round."""
-    sgp = ("run.data_parallel='sgp'", "run.sgp_overlap=1", "run.sgp_average_every=4")
+    sgp = ("run.data_parallel='sgp'", "run.sgp_overlap=1", "run.sgp_average_every=4",
+           "run.eval_every=0")
     model_dir = tmp_path / "run"
     assert cli(model_dir, *sgp, "run.train_steps=6", "run.log_every=3",
                "run.checkpoint_every=3") == 0
@@ -295,7 +299,7 @@ def test_sgp_from_gin_with_checkpoints_either_way(data_dir, tmp_path):
     assert logged[0]["train/bytes_sent_per_replica_per_step"] > 4 * 20_000  # the parameters
     first_eval = [r for r in records(model_dir) if "eval/loss" in r][-1]
     # The all-reduce run resumes from SGP's step 6 and trains on.
-    assert cli(model_dir, "run.train_steps=9", "run.log_every=3") == 0
+    assert cli(model_dir, "run.train_steps=9", "run.log_every=3", "run.eval_every=0") == 0
     after = [r for r in records(model_dir) if "eval/loss" in r][-1]
     assert after["step"] == 9 and after["eval/loss"] < first_eval["eval/loss"]
     assert "train/consensus_distance_max" not in records(model_dir)[-2]

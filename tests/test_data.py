@@ -235,6 +235,7 @@ def test_restored_iterator_continues_exactly(vocab, tmp_path):
         train_batches(vocab).restore(tmp_path / "none")
 
 
+@pytest.mark.slow  # (worker processes: about 12 s)
 def test_workers_make_the_same_batches_and_resume_exactly(vocab, tmp_path):
     """Three Grain worker processes, making the rows of 2, 1 and 1 of the 4 lanes, give the
     batches of the in-process pipeline; a position saved with workers restores without them

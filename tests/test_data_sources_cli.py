@@ -16,7 +16,7 @@ from mtrain.data.sources import BibleLM
 from tiny_config import TINY
 
 LAYOUT = "--gin_param=run.mesh_shape='batch:4;model:2'"
-RUN = ["run.train_steps=2", "run.checkpoint_every=2", "run.log_every=1"]
+RUN = ["run.train_steps=2", "run.checkpoint_every=2", "run.log_every=1", "run.eval_every=0"]
 
 
 @pytest.fixture(scope="module")

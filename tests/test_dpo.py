@@ -288,7 +288,8 @@ def pair_rows(rows, length, half=4, prompt=1, seed=0):
             LOSS_WEIGHTS: np.broadcast_to(weights, tokens.shape).astype(np.int32)}
 
 
-@pytest.mark.parametrize("layouts", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (about 15 s; with the layouts about 60 s)
+@pytest.mark.parametrize("layouts", [False, True])
 def test_dpo_steps_on_the_trainer(layouts):
     """On the trainer: a policy that is its reference (fresh adapters, B zero; a full
     model and its copy; dropout off, as TRL's) starts at log 2 with zero rewards; steps

@@ -82,9 +82,10 @@ OPTIMIZERS = {
     "adafactor": adafactor,
 }
 CASES = [  # (optimizer, model, the scanned run's layout)
-    pytest.param("adamw", TINY, ("", ""), id="adamw"),
+    pytest.param("adamw", TINY, ("", ""), id="adamw", marks=pytest.mark.slow),  # (14 s; the
+    # scanned and split fine-tuning below takes torch's steps, the unscanned one too)
     pytest.param("adafactor_factored", TINY, SPLIT, id="adafactor_factored-split",
-                 marks=pytest.mark.slow),  # (7 s; adamw's stays fast)
+                 marks=pytest.mark.slow),  # (7 s)
     pytest.param("adafactor", TINY, ("", ""), id="adafactor", marks=pytest.mark.slow),
     pytest.param("adafactor_factored", TINY_MOE, ("", ""), id="adafactor_factored-experts",
                  marks=pytest.mark.slow),

@@ -82,7 +82,8 @@ def on(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["splash", "triton"])
-@pytest.mark.parametrize("length", [256, 40])  # 2 blocks; ragged, padded (128: the tests below)
+@pytest.mark.parametrize("length", [  # 2 blocks; ragged, padded (128: the tests below)
+    pytest.param(256, marks=pytest.mark.slow), 40])
 def test_self_attention_kernels_match_the_reference(on, kernel, length):
     kernel = on(kernel)
     ids = packed_ids(4, length, segments=4)
@@ -303,7 +304,7 @@ def einsum_losses():
 
 
 @pytest.mark.parametrize("mesh_shape,rules", [  # (batch:8 alone went: the last splits it too)
-    ("model:8", test_trainer.SPLIT_MODEL),
+    pytest.param("model:8", test_trainer.SPLIT_MODEL, marks=pytest.mark.slow),
     ("batch:4;model:2", "batch:batch;" + test_trainer.SPLIT_MODEL),
 ])
 def test_flash_trains_like_einsum_on_the_mesh(einsum_losses, mesh_shape, rules):

@@ -44,11 +44,12 @@ def train(trainer, steps=3):
 @pytest.fixture(scope="module")
 def one_device_lora():
     """(losses, first parameters, last state) of the adapters' 3 steps on one device: the
-    same for both tiers of the test below, trained once for the module."""
+    same for both cases of the test below, trained once for the module."""
     return train(trainer_of())
 
 
-@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (about 14 s and 30 s)
+@pytest.mark.parametrize("slow", [False, True])
 def test_lora_layouts_and_microbatches_never_change_the_losses(slow, one_device_lora):
     """Adapters with dropout train alone (the base unmoved); the full suite: on data and
     model parallel layouts, with ``lora_rank`` split, under FSDP and in two microbatches,
@@ -91,6 +92,7 @@ def test_frozen_parameters_keep_their_values_and_have_no_optimizer_state():
     assert dots(trainer) < dots(full)
 
 
+@pytest.mark.slow  # (about 11 s)
 def test_lora_optimizer_state_is_below_2_percent_of_full_fine_tuning():
     """AdamW's two moments per trained parameter, measured on the devices: rank 8 adapters
     on every projection of a d_model 512 model against all of its parameters."""

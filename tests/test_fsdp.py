@@ -45,6 +45,7 @@ def test_each_device_stores_an_eighth_of_the_parameters():
     assert set(per_device_bytes(plain.params).values()) == {total}
 
 
+@pytest.mark.slow  # (two train steps compiled on 8 devices: about 15 s)
 def test_the_step_gathers_parameters_and_reduces_gradients_into_shards():
     """Checked from the compiled step's HLO, as the SGP tests check theirs."""
     fsdp = make_trainer(*FSDP, parameter_rules="d_model:batch")
@@ -71,6 +72,7 @@ def test_the_step_gathers_parameters_and_reduces_gradients_into_shards():
     assert plain_stats["reduce-scatter"].count == 0
 
 
+@pytest.mark.slow  # (about 10 s)
 def test_a_scanned_stack_gathers_and_reduces_a_layer_at_a_time_as_much_as_the_unrolled_one():
     """Inside the scan XLA:CPU fuses the slice of the reduced gradient with its write into
     the stacked gradient; the planner still sees the reduce-scatter."""

@@ -116,7 +116,8 @@ CONFIG = TransformerConfig(vocab_size=128, d_model=32, d_ff=64, num_heads=4, num
                            mlp_activations=("silu", "linear"))
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (about 12 s each)
+@pytest.mark.parametrize("scan", [False, True])
 def test_layouts_never_change_the_generated_tokens(scan):
     """float32 greedy decoding of a (randomly initialised) rotary GQA LM, scanned or not:
     the same tokens on one device and batch:4;model:2 with the key/value heads whole while
@@ -194,6 +195,7 @@ def test_the_generator_continues_a_prompt_holding_id_0_as_the_model_does():
         assert new == seq[len(prompt):], (prompt, new, seq)
 
 
+@pytest.mark.slow  # (about 10 s)
 def test_a_prompt_read_as_it_is_is_continued_as_the_model_reads_it():
     """`Prompt`s (a conversation rendered with its generation prompt) are read as their ids
     are, the first one first, with no start id before them, and end at their stop id: the

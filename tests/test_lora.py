@@ -163,6 +163,7 @@ def test_lora_training_moves_the_adapters_alone(tmp_path, capsys):
     assert state and all("_lora_" in p for p, _ in state), [p for p, _ in state][:5]
 
 
+@pytest.mark.slow  # (about 11 s)
 def test_exported_adapter_and_merged_model_are_peft_s(adapted, tmp_path):
     """--mode=export --adapter writes the adapter as peft saved it (every tensor equal);
     without --adapter the merged weights, which give peft's merged logits once imported."""

@@ -52,7 +52,7 @@ def test_a_model_defined_here_trains_through_run(data_dir, tmp_path):
     model_dir = tmp_path / "bow"
     params = [*TINY, "run.task='bible_lm'", "run.mesh_shape='batch:4;model:2'",
               "run.layout_rules='batch:batch'", "run.checkpoint_every=2",
-              "run.model=@BagOfWordsLM"]
+              "run.model=@BagOfWordsLM", "run.eval_every=0"]
     for steps in (2, 4):  # trains, then resumes from its checkpoint
         run_lib.parse_config([], [*params, f"run.train_steps={steps}"])
         results = run_lib.run(model_dir=str(model_dir))

@@ -96,7 +96,8 @@ def reference_mtp_loss(c, params, batch):
     return sum(losses) / len(losses)
 
 
-@pytest.mark.parametrize("depth, weights, chunks", [(1, False, 1), (2, True, 2)])
+@pytest.mark.parametrize("depth, weights, chunks", [
+    pytest.param(1, False, 1, marks=pytest.mark.slow), (2, True, 2)])
 def test_the_loss_is_the_papers_formula(depth, weights, chunks):
     """Depth 1, and depth 2 with a chat's loss mask and the logits formed in 2 slices
     (`losses.chunked_cross_entropy`)."""
@@ -141,6 +142,7 @@ def scanned(params):
     return {**params, "layers": jax.tree_util.tree_map(lambda *x: np.stack(x), *layers)}
 
 
+@pytest.mark.slow  # (about 14 s; in the extended tier)
 def test_microbatches_change_no_loss():
     """The MTP loss is a sum over tokens divided by the batch's tokens, as the trunk's: the
     same step losses in 1 and 4 microbatches (a mean per microbatch would move them)."""

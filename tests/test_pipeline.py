@@ -141,7 +141,8 @@ def stage_losses(settings, mesh_shape, rules, config, steps=10, rate=1.0):
 
 
 @pytest.mark.parametrize("settings, mesh_shape, rules, config, steps, rate", [
-    (LLAMA, "stage:4;batch:2", "layers:stage;batch:batch", GPIPE, 10, 1.0),
+    pytest.param(LLAMA, "stage:4;batch:2", "layers:stage;batch:batch", GPIPE, 10, 1.0,
+                 marks=pytest.mark.slow),  # (each about 20 s; the fast tier: the schedules)
     # (the stage dimension by another name, pp, beside dp: any name will do)
     pytest.param(LLAMA, "pp:2;dp:2;model:2", "layers:pp;batch:dp;heads:model;d_ff:model",
                  CIRCULAR, 10, 1.0, marks=pytest.mark.slow),

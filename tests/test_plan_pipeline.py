@@ -77,6 +77,7 @@ def test_a_tiny_llama_over_four_stages(gpipe):
     assert e["head_split"] and "1/4 on each stage" in text
 
 
+@pytest.mark.slow  # (about 10 s)
 def test_circular_has_the_smaller_bubble_and_moves_its_chunks(gpipe):
     _, _, g = gpipe
     config = dataclasses.replace(LLAMA, num_layers=8,

@@ -23,8 +23,8 @@ from model_dirs import assert_bitwise_equal, digest, records, saved_state
 
 # --- checkpoints store logical arrays, not device shards --------------------------------
 
-@pytest.mark.parametrize("backend", [
-    "cpu", pytest.param("gpu", marks=pytest.mark.slow)])  # (9 s; cpu's the same path)
+@pytest.mark.slow  # (about 20 s a backend)
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_checkpoint_restores_across_meshes(tmp_path, caplog, monkeypatch, backend):
     """On CPU orbax copies each replicated array off the devices whole; elsewhere (its own
     default, run here behind an emulated 'gpu' backend) each replica writes a slice."""
@@ -125,6 +125,7 @@ def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(data_dir, tmp_pat
     assert sorted(os.listdir(model_dir / "checkpoints")) == ["2"]
 
 
+@pytest.mark.slow  # (several runs through main(): about 20 s)
 def test_non_finite_steps_are_skipped_then_stop_the_run(data_dir, tmp_path, capsys):
     # A learning rate of 1e30 sends the parameters to inf within a few steps: every step from
     # then on has a non-finite loss, its update is skipped, and the third in a row stops it.
@@ -185,9 +186,10 @@ def test_init_from_another_run_and_keep_every(data_dir, tmp_path):
 @pytest.mark.slow
 def test_train_steps_below_the_checkpoint_evaluates_it_as_its_step(data_dir, tmp_path, capsys):
     model_dir = tmp_path / "run"
-    assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2")) == 0
+    assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2",
+                     "run.eval_every=0")) == 0
     capsys.readouterr()
-    assert main(argv(model_dir, "run.train_steps=2")) == 0
+    assert main(argv(model_dir, "run.train_steps=2", "run.eval_every=0")) == 0
     err = capsys.readouterr().err
     assert "the checkpoint of step 4 is at or past run.train_steps=2" in err
     assert "step 4  eval/loss" in err  # evaluated again, and the same: recorded once

@@ -72,6 +72,7 @@ def position(model_dir, step: int) -> dict:
     return json.loads(saved.read_text())
 
 
+@pytest.mark.slow  # (about 20 s)
 def test_the_same_bytes_written_again_resume(trained, tmp_path, capsys):
     model_dir, data = copy(trained, tmp_path)
     made = prepared(trained)

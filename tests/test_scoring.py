@@ -15,7 +15,7 @@ from test_cli import cli, records
 @pytest.fixture(scope="module")
 def lm_dir(data_dir, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("lm") / "run"
-    assert cli(model_dir, "run.train_steps=6", "run.checkpoint_every=6") == 0
+    assert cli(model_dir, "run.train_steps=6", "run.checkpoint_every=6", "run.eval_every=0") == 0
     return model_dir
 
 
@@ -26,6 +26,7 @@ def score(model_dir, *args, files=("tasks/bible_lm.gin", "layouts/dp4_mp2.gin"),
     return main(argv + [f"--model_dir={model_dir}", "--mode=score", *args])
 
 
+@pytest.mark.slow  # (about 18 s)
 def test_scoring_the_test_split_gives_evals_perplexities(lm_dir, tmp_path):
     """The test split's text, scored line by line, has the perplexities --mode=eval reports
     on it (evaluation packs several verses per row; scoring puts one per row: the same

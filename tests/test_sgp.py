@@ -128,6 +128,7 @@ def test_overlap_sgp_converges():
     assert float(metrics["finite"]) == 1.0 and float(metrics["num_tokens"]) == 16 * 32
 
 
+@pytest.mark.slow  # (about 20 s)
 def test_exact_averaging_every_h_steps_restores_consensus():
     t = trainer("batch:8")
     sgp = SGPTrainer(t, average_every=5, overlap=1)

@@ -66,6 +66,7 @@ def reference():
     return train_losses(trainer())
 
 
+@pytest.mark.slow  # (two trainings compared: about 15 s)
 def test_bfloat16_activations_train_like_float32(reference):
     got = train_losses(trainer(dataclasses.replace(CONFIG, activation_dtype="bfloat16")))
     np.testing.assert_allclose(got, reference, rtol=2e-2)
@@ -124,6 +125,7 @@ def test_scanned_encoder_decoder_computes_what_the_unrolled_one_does():
                                train_losses(plain, features=both), rtol=1e-5)
 
 
+@pytest.mark.slow  # (six train steps lowered: about 10 s)
 def test_scan_keeps_the_program_the_same_size_at_any_depth():
     def hlo_size(layers, scan, model=DecoderLM):
         config = dataclasses.replace(CONFIG, num_layers=layers, scan_layers=scan)

@@ -71,9 +71,11 @@ def one_device():
     return losses, params
 
 
-# (one test per layout: the test processes share them out)
-@pytest.mark.parametrize("mesh_shape, rules, parameter_rules", LAYOUTS[1:],
-                         ids=[f"{m} {p}".strip() for m, _, p in LAYOUTS[1:]])
+# (one test per layout: the test processes share them out; the fast tier keeps the layout
+# that splits both the batch and the model, the full suite each)
+@pytest.mark.parametrize("mesh_shape, rules, parameter_rules", [
+    layout if layout[0] == "batch:4;model:2" else pytest.param(*layout, marks=pytest.mark.slow)
+    for layout in LAYOUTS[1:]], ids=[f"{m} {p}".strip() for m, _, p in LAYOUTS[1:]])
 def test_layouts_never_change_results(one_device, mesh_shape, rules, parameter_rules):
     ref_losses, ref_params = one_device
     losses, params = train(mesh_shape, rules, parameter_rules)
@@ -130,6 +132,7 @@ def test_initialisation_equals_the_models_own_init():
                            jax.device_get(trainer.init_state().params), jax.device_get(full))
 
 
+@pytest.mark.slow  # (a custom objective through the trainer's steps: about 20 s)
 def test_an_objective_is_what_the_trainer_is_given():
     """A new objective is a subclass of `objective.Objective`, with state of its own that the
     steps take after the batch (here a weight of the loss): the trainer steps, evaluates and

@@ -123,6 +123,7 @@ def mixed(streams, vocab, **kwargs):
         sequence_length=16, batch_size=8, seed=3, train=True, window=32, **kwargs))
 
 
+@pytest.mark.slow  # (about 20 s)
 def test_mixture_draws_by_weight_and_resumes_exactly(tmp_path, vocab):
     streams = mixture_streams(tmp_path, vocab)
     alpha = vocab.encode("alpha")[0]

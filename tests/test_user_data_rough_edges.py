@@ -92,7 +92,7 @@ def test_one_long_line_trains_with_a_batch_of_8_and_a_held_out_fraction(
     data = user(tmp_path, monkeypatch)
     one_line_book(tmp_path / "book.txt", 330_000)
     model_dir = tmp_path / "run"
-    assert main([*text_task(tmp_path / "book.txt", "files.validation=0.1",
+    assert main([*text_task(tmp_path / "book.txt", "files.validation=0.1", "run.eval_every=0",
                             "run.eval_split='validation'"), f"--model_dir={model_dir}"]) == 0
     (directory,) = (data / "prepared").iterdir()
     info = json.loads((directory / "info.json").read_text())["splits"]
@@ -126,7 +126,7 @@ def test_no_held_out_data_trains_and_evaluates_nothing(tmp_path, monkeypatch, ca
     (tmp_path / "lines.txt").write_text(
         "\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))))
     model_dir = tmp_path / "run"
-    command = [*text_task(tmp_path / "lines.txt", "files.validation=0",
+    command = [*text_task(tmp_path / "lines.txt", "files.validation=0", "run.eval_every=0",
                           "run.eval_split='validation'"), f"--model_dir={model_dir}"]
     capsys.readouterr()
     assert main(command) == 0

@@ -38,7 +38,8 @@ class RunConfig:
     for the mesh and report its cost; needs no data and only as many devices as the mesh,
     simulated on CPU).
 
-    `eval_every` = 0 evaluates only at the end of training (files.validation=0: never).
+    `eval_every` = 0 evaluates only at the end of training; -1 never (as files.validation=0
+    does; `--mode=eval` still evaluates).
     `data_dir` (default $MTRAIN_DATA_DIR or ~/.cache/mtrain) holds prepared datasets and
     cached vocabularies.
     `data_source` (TFDS tasks): a directory of raw files laid out as the official archives,

@@ -92,9 +92,10 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
     peak, source = targets.device_peak_flops()
     log.info("model FLOPs per step %.3g; MFU against %.3g FLOP/s per device (%s)",
              exp.flops_per_step, peak, source)
+    evaluates = exp.evaluates and config.eval_every >= 0
     if start >= config.train_steps:
         log.info("the checkpoint of step %d is at or past run.train_steps=%d: nothing to "
-                 "train, evaluating it", start, config.train_steps)
+                 "train%s", start, config.train_steps, ", evaluating it" if evaluates else "")
     guard = FiniteGuard(config.max_nonfinite_steps, last_checkpoint=start or None)
     fractions = getattr(batches, "mixture_fractions", dict)
     log_train = hooks.LogTrain(
@@ -107,13 +108,15 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
         config.checkpoint_every,
         lambda step, state: checkpoints.save(step, state, batches, exp.checkpoint_meta(), base),
         stepper, guard)
-    schedule = [log_train, evaluation, saving] if exp.evaluates else [log_train, saving]
+    schedule = [log_train, evaluation, saving] if evaluates else [log_train, saving]
     if config.lm_eval_tasks:  # downstream tasks, on the parameters as they train
         downstream = during_training(exp, Tasks.of_run(config), writer.write)
         schedule.insert(-1, hooks.Evaluate(config.lm_eval_every, downstream, stepper,
                                            after_each=log_train.restart_clock))
     if not exp.evaluates:
         log.info("files.validation=0: no held-out data, this run evaluates nothing")
+    elif not evaluates:
+        log.info("run.eval_every=-1: this run evaluates nothing")
     if config.profile_steps:
         schedule.insert(0, hooks.Profile(*config.profile_steps, ModelDir(exp.model_dir).profile))
     with _on_divergence(guard, checkpoints):

@@ -3,7 +3,8 @@
 - `LogTrain`: every ``run.log_every`` steps and at the last, one record of the training
   metrics averaged over the steps since the last one (the skipped, non-finite ones left out),
   with the model FLOP/s per device and the MFU.
-- `Evaluate`: every ``run.eval_every`` steps (0: none) and at the end, the run's evaluation.
+- `Evaluate`: every ``run.eval_every`` steps (0: none) and at the end, the run's evaluation
+  (``run.eval_every=-1``: not in the schedule).
 - `SaveCheckpoints`: every ``run.checkpoint_every`` steps, at the last step and when a stop
   signal ends the run; none while non-finite steps are being skipped (the state may be the
   one that made them so).
