@@ -27,9 +27,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
-    """A tiny LM trained 4 steps, with checkpoints of steps 2 and 4."""
+    """A tiny LM trained 4 steps, with checkpoints of steps 2 and 4, evaluated at the end."""
     model_dir = tmp_path_factory.mktemp("integrity") / "run"
-    assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2")) == 0
+    assert main(argv(model_dir, "run.train_steps=4", "run.checkpoint_every=2",
+                     "run.eval_every=0")) == 0
     return model_dir
 
 
@@ -205,7 +206,7 @@ def test_the_same_evaluation_is_recorded_once(trained, tmp_path):
     same record at the same step is not appended again, nor a new event file made."""
     model_dir = copy_of(trained, tmp_path)
     events = sorted(p.name for p in model_dir.iterdir() if p.name.startswith("events"))
-    assert main(argv(model_dir, "run.train_steps=4")) == 0
+    assert main(argv(model_dir, "run.train_steps=4", "run.eval_every=0")) == 0
     assert main(argv(model_dir, "run.train_steps=4") + ["--mode=eval"]) == 0
     evaluated = [r["step"] for r in records(model_dir) if "eval/loss" in r]
     assert evaluated == [4]
