@@ -41,27 +41,16 @@ def train(trainer, steps=3):
     return losses, first, jax.device_get(state)
 
 
-@pytest.fixture(scope="module")
-def one_device_lora():
-    """(losses, first parameters, last state) of the adapters' 3 steps on one device: the
-    same for both cases of the test below, trained once for the module."""
-    return train(trainer_of())
-
-
-@pytest.mark.slow  # (about 14 s and 30 s)
-@pytest.mark.parametrize("slow", [False, True])
-def test_lora_layouts_and_microbatches_never_change_the_losses(slow, one_device_lora):
-    """Adapters with dropout train alone (the base unmoved); the full suite: on data and
-    model parallel layouts, with ``lora_rank`` split, under FSDP and in two microbatches,
-    the losses of one device within test_trainer's tolerance (float32 sums in another
-    order)."""
-    reference, first, state = one_device_lora
+@pytest.mark.slow  # (about 30 s)
+def test_lora_layouts_and_microbatches_never_change_the_losses():
+    """Adapters with dropout train alone (the base unmoved); on data and model parallel
+    layouts, with ``lora_rank`` split, under FSDP and in two microbatches, the losses of one
+    device within test_trainer's tolerance (float32 sums in another order)."""
+    reference, first, state = train(trainer_of())  # (3 steps on one device)
     assert reference[-1] < reference[0]
     for path, value in parameters.paths(first).items():  # the base as it was; adapters moved
         assert np.array_equal(parameters.paths(state.params)[path], value) != is_adapter(path), \
             path
-    if not slow:  # (the fast tier: the adapters alone move, on one device)
-        return
     for args in [("batch:4;model:2", "batch:batch;" + SPLIT),
                  ("batch:4;model:2", "batch:batch;lora_rank:model"),
                  ("batch:8", "batch:batch", "d_model:batch")]:

@@ -128,7 +128,7 @@ def test_layouts_never_change_the_generated_tokens(scan):
     prompts = ["5 6 7", "9", "3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18", "20 21"]
     outputs = []
     layouts = [("", ""), ("batch:4;model:2", "batch:batch;heads:model")]
-    if scan:  # (the full suite; the fast tier: one device and the query heads split alone)
+    if scan:  # (scanned: the key/value heads split too, and model:8)
         layouts += [("model:8", "d_ff:model;vocab:model"),
                     ("batch:4;model:2", "batch:batch;heads:model;kv_heads:model")]
     for mesh_shape, rules in layouts:

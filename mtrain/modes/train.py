@@ -113,7 +113,7 @@ def _train(exp: Experiment, state, start: int, batches, checkpoints: Checkpoints
         downstream = during_training(exp, Tasks.of_run(config), writer.write)
         schedule.insert(-1, hooks.Evaluate(config.lm_eval_every, downstream, stepper,
                                            after_each=log_train.restart_clock))
-    if not exp.evaluates:  # (run.eval_every=-1 said so itself)
+    if not exp.evaluates:  # (run.eval_every=-1: the user's own setting, not said again)
         log.info("files.validation=0: no held-out data, this run evaluates nothing")
     if config.profile_steps:
         schedule.insert(0, hooks.Profile(*config.profile_steps, ModelDir(exp.model_dir).profile))
