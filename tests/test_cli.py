@@ -64,6 +64,31 @@ def test_train_then_eval(data_dir, tmp_path):
     assert again["eval/loss"] == pytest.approx(final[0]["eval/loss"], rel=1e-6)
 
 
+def test_the_event_files_are_written_without_importing_torch(tmp_path, monkeypatch):
+    """tensorboardX's writer imports torch wherever it is installed: 3-4 s of every run's
+    start. mtrain's metrics pass it no tensors and import it with torch hidden. A stand-in
+    torch first on the path tells whether anything imported it, and that it imports after."""
+    from mtrain.io.metrics import MetricsWriter
+
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    for name in [n for n in sys.modules if n.split(".")[0] in ("torch", "tensorboardX")]:
+        monkeypatch.delitem(sys.modules, name)  # (put back at the end)
+    (tmp_path / "run").mkdir()
+    writer = MetricsWriter(str(tmp_path / "run"))
+    writer.write(1, {"loss": 1.0})
+    writer.close()
+    assert "tensorboardX.writer" in sys.modules and "torch" not in sys.modules
+    try:
+        import torch
+        assert torch.__file__ == str(site / "torch" / "__init__.py")
+    finally:
+        sys.modules.pop("torch", None)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "run"))
+
+
 def test_gin_param_overrides_file_and_relative_model_dir(data_dir, tmp_path, monkeypatch):
     config = tmp_path / "mine.gin"
     config.write_text("include 'tasks/bible_lm.gin'\ninclude 'layouts/dp4_mp2.gin'\n"

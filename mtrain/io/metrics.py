@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 
 import jax
 from etils import epath
@@ -110,8 +111,7 @@ class MetricsWriter:
 
     def _events(self):
         if self._tb is None:
-            from tensorboardX import SummaryWriter, record_writer
-
+            SummaryWriter, record_writer = _tensorboardx()
             if is_remote(self.directory):
                 record_writer.register_writer_factory(os.fspath(self.directory).split("://")[0],
                                                       _BucketEventFiles())
@@ -135,6 +135,26 @@ class MetricsWriter:
                     events._worker.stop()
                     events._closed = True
             raise
+
+
+def _tensorboardx():
+    """tensorboardX's SummaryWriter and record_writer, imported without torch.
+
+    tensorboardX's writer imports torch wherever it is installed (to accept torch tensors,
+    which mtrain never passes): 3-4 s and a few hundred MB in every run's process on a
+    machine with torch. Unless torch is already imported, tensorboardX's import finds none
+    (a None in `sys.modules` makes ``import torch`` raise ImportError, which tensorboardX
+    expects); the entry goes right after, and a later ``import torch`` works as ever.
+    """
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter, record_writer
+    finally:
+        if hide and "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+    return SummaryWriter, record_writer
 
 
 class _BucketEventFile:
