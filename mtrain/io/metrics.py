@@ -137,23 +137,28 @@ class MetricsWriter:
             raise
 
 
-def _tensorboardx():
-    """tensorboardX's SummaryWriter and record_writer, imported without torch.
+# What tensorboardX imports where it is installed, and mtrain never has it use: torch (its
+# writer takes torch tensors; mtrain passes numbers), google-cloud-storage and boto3 (its
+# writers to gs:// and s3://; mtrain writes a remote model dir's events itself,
+# `_BucketEventFiles`). On a machine with all three they cost 4-7 s and ~0.5 GB in every
+# run's process.
+_UNUSED_BY_TENSORBOARDX = ("torch", "google.cloud.storage", "boto3")
 
-    tensorboardX's writer imports torch wherever it is installed (to accept torch tensors,
-    which mtrain never passes): 3-4 s and a few hundred MB in every run's process on a
-    machine with torch. Unless torch is already imported, tensorboardX's import finds none
-    (a None in `sys.modules` makes ``import torch`` raise ImportError, which tensorboardX
-    expects); the entry goes right after, and a later ``import torch`` works as ever.
-    """
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None
+
+def _tensorboardx():
+    """tensorboardX's SummaryWriter and record_writer, imported without the modules it would
+    not use here (`_UNUSED_BY_TENSORBOARDX`) unless something imported them already: a None
+    in `sys.modules` makes their import raise ImportError, which tensorboardX expects. The
+    entries go right after; a later import of any of them works as ever."""
+    hidden = [name for name in _UNUSED_BY_TENSORBOARDX if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
     try:
         from tensorboardX import SummaryWriter, record_writer
     finally:
-        if hide and "torch" in sys.modules and sys.modules["torch"] is None:
-            del sys.modules["torch"]
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
     return SummaryWriter, record_writer
 
 
