@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_oracles import ORACLES, import_folder, lm_logits, load, oracle, t5_logits
+from test_oracles import ORACLES, Imports, import_folder, lm_logits, load, oracle, t5_logits
 
 from mtrain.__main__ import main
 from mtrain.evaluation.generation import Generator
@@ -99,10 +99,7 @@ def copy_folder(family, target, weights: dict | None = None, files: int = 1, dty
 
 @pytest.fixture(scope="module")
 def imports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    for family in FAMILIES:
-        import_folder(os.path.join(ORACLES, family), root / family)
-    return root
+    return Imports(tmp_path_factory.mktemp("hf"))
 
 
 # Each family's own dimensions split too: key/value heads (Llama, Mixtral), experts (Mixtral);

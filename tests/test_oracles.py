@@ -58,8 +58,9 @@ def load(model_dir, *gin_params):
 
 
 class Imports(dict):
-    """family -> its model dir, imported when a test first asks for it (a test process
-    that runs some of the module's tests imports only their families)."""
+    """family -> its model dir (``imports[family]``, or ``imports / family`` as a folder's),
+    imported when a test first asks for it: a test process that runs some of a module's
+    tests imports only their families."""
 
     def __init__(self, root):
         super().__init__()
@@ -69,6 +70,8 @@ class Imports(dict):
         import_folder(os.path.join(ORACLES, family), self.root / family)
         self[family] = self.root / family
         return self[family]
+
+    __truediv__ = dict.__getitem__
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from test_cli import cli, records
 @pytest.fixture(scope="module")
 def lm_dir(data_dir, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("lm") / "run"
-    assert cli(model_dir, "run.train_steps=6", "run.checkpoint_every=6", "run.eval_every=0") == 0
+    assert cli(model_dir, "run.train_steps=6", "run.checkpoint_every=6") == 0
     return model_dir
 
 
@@ -36,6 +36,7 @@ def test_scoring_the_test_split_gives_evals_perplexities(lm_dir, tmp_path):
     text.write_text("".join(v + "\n" for v in verses))
     out = tmp_path / "scores.jsonl"
     assert score(lm_dir, f"--input_file={text}", f"--output_file={out}") == 0
+    assert cli(lm_dir, "run.train_steps=6", mode="eval") == 0
     evaluated = [r for r in records(lm_dir) if "eval/loss" in r][-1]
     summary = [r for r in records(lm_dir) if "score/token_perplexity" in r][-1]
     assert summary["step"] == evaluated["step"] == 6
